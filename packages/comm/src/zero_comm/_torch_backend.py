@@ -1,0 +1,147 @@
+"""A comm backend over torch.distributed process groups (gloo on CPU, NCCL on CUDA)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zero_core import CollectiveKind, CollectiveTimeoutError, CommBackend, ring_bytes_sent
+from zero_core.comm import Pending
+
+__all__ = ["TorchCommBackend"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class _Pending:
+    """A torch.distributed work handle waited on with the backend's timeout."""
+
+    def __init__(self, backend: TorchCommBackend, work: Any, what: str, keep: torch.Tensor) -> None:
+        self._backend, self._work, self._what = backend, work, what
+        self._keep: torch.Tensor | None = keep  # the input must outlive the collective
+
+    def done(self) -> bool:
+        return self._keep is None or bool(self._work.is_completed())
+
+    def wait(self) -> None:
+        if self._keep is not None:
+            self._backend._wait(self._work, self._what)
+            self._keep = None
+
+
+class TorchCommBackend(CommBackend):
+    """Collectives through ``torch.distributed``, each waited on with the backend's timeout.
+
+    Every call runs asynchronously and is then waited on with ``timeout``, so a peer that
+    died or took another code path turns into a :class:`~zero_core.CollectiveTimeoutError`
+    naming the collective, not a hang. With ``group=None`` and no initialised process
+    group the backend serves a single process and sends nothing.
+    """
+
+    name = "torch"
+
+    def __init__(self, group: Any = None, *, timeout: timedelta = timedelta(minutes=5)) -> None:
+        super().__init__(group, timeout=timeout)
+        self._distributed = dist.is_available() and dist.is_initialized() and group is not None
+        self._rank = dist.get_rank(group) if self._distributed else 0
+        self._world = dist.get_world_size(group) if self._distributed else 1
+        backend = dist.get_backend(group) if self._distributed else "gloo"
+        self._control_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait(timeout=self.timeout)
+        except RuntimeError as err:
+            raise CollectiveTimeoutError(
+                f"{what} on rank {self._rank} of {self._world} did not complete within "
+                f"{self.timeout.total_seconds():.0f}s or failed: {err}. Another rank probably raised an error, "
+                "died, or issued a different collective; look at the other ranks' output first."
+            ) from err
+
+    def _record(self, kind: CollectiveKind, payload_bytes: int) -> None:
+        self.stats.record(kind, ring_bytes_sent(kind, payload_bytes, self._world))
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        if output.numel() != input.numel() * self._world:
+            raise ValueError(
+                f"all_gather output has {output.numel()} elements, expected world_size x input = "
+                f"{self._world} x {input.numel()}"
+            )
+        if self._world == 1:
+            output.copy_(input)
+            return
+        self._record(CollectiveKind.ALL_GATHER, output.numel() * output.element_size())
+        work = dist.all_gather_single(output, input, group=self.group, async_op=True)
+        self._wait(work, f"all_gather of {output.numel()} elements")
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
+        if input.numel() != output.numel() * self._world:
+            raise ValueError(
+                f"reduce_scatter input has {input.numel()} elements, expected world_size x output = "
+                f"{self._world} x {output.numel()}"
+            )
+        if self._world == 1:
+            output.copy_(input)
+            return None
+        self._record(CollectiveKind.REDUCE_SCATTER, input.numel() * input.element_size())
+        work = dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        pending = _Pending(self, work, f"reduce_scatter of {input.numel()} elements", keep=input)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        if op not in _OPS:
+            raise ValueError(f"all_reduce op must be one of {sorted(_OPS)}, got {op!r}")
+        if self._world == 1:
+            return
+        self._record(CollectiveKind.ALL_REDUCE, tensor.numel() * tensor.element_size())
+        work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
+        self._wait(work, f"all_reduce({op}) of {tensor.numel()} elements")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        if self._world == 1:
+            return
+        self._record(CollectiveKind.BROADCAST, tensor.numel() * tensor.element_size())
+        global_src = dist.get_global_rank(self.group, src) if self.group is not dist.group.WORLD else src
+        work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)
+        self._wait(work, f"broadcast of {tensor.numel()} elements from rank {src}")
+
+    def agree_min(self, value: int) -> int:
+        if self._world == 1:
+            return value
+        self.stats.record(CollectiveKind.CONTROL, ring_bytes_sent(CollectiveKind.ALL_REDUCE, 8, self._world))
+        t = torch.tensor([value], dtype=torch.int64, device=self._control_device)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        self._wait(work, "agreement on the next all-gather")
+        return int(t.item())
+
+    def agree_any(self, flags: torch.Tensor) -> torch.Tensor:
+        if self._world == 1:
+            return flags
+        flags = flags.to(self._control_device, dtype=torch.uint8)
+        self.stats.record(CollectiveKind.CONTROL, ring_bytes_sent(CollectiveKind.ALL_REDUCE, flags.numel(), self._world))
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._wait(work, "agreement on which parameters got gradients")
+        return flags.cpu()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self._world == 1:
+            return [obj]
+        # Objects are small setup metadata; count the call, not the pickled bytes.
+        self.stats.record(CollectiveKind.OBJECT, 0)
+        out: list[Any] = [None] * self._world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out

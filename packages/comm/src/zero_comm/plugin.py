@@ -1,0 +1,12 @@
+"""zero-comm's plugin: registers the ``torch`` comm backend through the ``zero`` entry points."""
+
+from __future__ import annotations
+
+from zero_core import CommBackend, Registry, hookimpl
+
+from zero_comm._torch_backend import TorchCommBackend
+
+
+@hookimpl
+def zero_register_comm_backends(registry: Registry[type[CommBackend]]) -> None:
+    registry.add(TorchCommBackend.name, TorchCommBackend)

@@ -1,0 +1,64 @@
+"""zero-core: interfaces, plugin system and runtime of the zero sharded data-parallel trainer.
+
+The one verb is :func:`shard`; everything else configures, extends or inspects it.
+"""
+
+from zero_core._engine import Engine
+from zero_core._module import ZeroModule
+from zero_core._plugins import ENTRY_POINT_GROUP, ZeroPlugins, hookimpl
+from zero_core._registry import Registry
+from zero_core._shard import Sharded, shard
+from zero_core._state import ChunkState, MemoryTier, TrainingState
+from zero_core._version import __version__
+from zero_core.api import ChunkPolicy, ZeroConfig
+from zero_core.chunk import Chunk, ChunkSpec, ParamInfo, ParamSlot
+from zero_core.comm import CollectiveCount, CollectiveKind, CommBackend, CommStats, ring_bytes_sent
+from zero_core.errors import (
+    CollectiveTimeoutError,
+    ConfigError,
+    GradientLostError,
+    PluginNotFoundError,
+    RanksDisagreeError,
+    ZeroError,
+    ZeroSetupError,
+)
+from zero_core.placement import DevicePlacementPolicy, PlacementPolicy
+from zero_core.strategy import ShardPlan, ShardStrategy, round_up
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Chunk",
+    "ChunkPolicy",
+    "ChunkSpec",
+    "ChunkState",
+    "CollectiveCount",
+    "CollectiveKind",
+    "CollectiveTimeoutError",
+    "CommBackend",
+    "CommStats",
+    "ConfigError",
+    "DevicePlacementPolicy",
+    "Engine",
+    "GradientLostError",
+    "MemoryTier",
+    "ParamInfo",
+    "ParamSlot",
+    "PlacementPolicy",
+    "PluginNotFoundError",
+    "RanksDisagreeError",
+    "Registry",
+    "ShardPlan",
+    "ShardStrategy",
+    "Sharded",
+    "TrainingState",
+    "ZeroConfig",
+    "ZeroError",
+    "ZeroModule",
+    "ZeroPlugins",
+    "ZeroSetupError",
+    "__version__",
+    "hookimpl",
+    "ring_bytes_sent",
+    "round_up",
+    "shard",
+]

@@ -1,0 +1,15 @@
+"""zero-core's own plugin: the ``device`` placement policy.
+
+Registered through the ``zero`` entry-point group like any third-party plugin.
+"""
+
+from __future__ import annotations
+
+from zero_core._plugins import hookimpl
+from zero_core._registry import Registry
+from zero_core.placement import DevicePlacementPolicy, PlacementPolicy
+
+
+@hookimpl
+def zero_register_placement_policies(registry: Registry[type[PlacementPolicy]]) -> None:
+    registry.add(DevicePlacementPolicy.name, DevicePlacementPolicy)

@@ -1,0 +1,358 @@
+"""The runtime that runs any shard plan: gather before use, release after, reduce gradients.
+
+[Note: when chunks are gathered and released]
+Every module that registers a parameter directly (a tied parameter registers under
+several modules) gets a forward pre-hook that gathers the chunks holding its
+parameters. In forward, a chunk is released as soon as every module that triggers it
+has run once in this forward; whatever is still gathered when the wrapped model's
+forward returns is released then. In backward, a hook on each module's outputs
+gathers its chunks again before the module's backward runs, and activation
+checkpointing's recomputation gathers through the same forward pre-hooks.
+
+[Note: gradient reduction order]
+Every rank must issue the same collectives in the same order, yet which parameters
+receive a gradient may differ between ranks and steps (unused parameters, data-
+dependent branches). So each backward reduce-scatters every trainable chunk exactly
+once, in one fixed order (the reverse of the plan), on every rank. When a forward
+that builds a graph returns, the engine walks the autograd graph from the outputs
+and records which parameters can receive a gradient; a chunk is ready once all of
+those have been accumulated, and is reduced when it is ready and every chunk before
+it in the order has been reduced. When the backward ends, the remaining chunks are
+reduced in order, with zeros for gradients that never came. No chunk ever waits for
+a gradient that cannot arrive.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from zero_core._schedule import GatherScheduler
+from zero_core._state import TrainingState
+from zero_core.chunk import Chunk
+from zero_core.errors import GradientLostError, ZeroError
+
+if TYPE_CHECKING:
+    import pluggy
+
+    from zero_core.api import ZeroConfig
+    from zero_core.comm import CommBackend
+    from zero_core.placement import PlacementPolicy
+    from zero_core.strategy import ShardStrategy
+
+__all__ = ["Engine"]
+
+logger = logging.getLogger("zero")
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(obj)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _reachable_params(outputs: Sequence[torch.Tensor]) -> set[int]:
+    """Ids of the leaf tensors whose gradient the autograd graph of ``outputs`` can reach."""
+    found: set[int] = set()
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found
+
+
+class Engine:
+    """Owns the chunks of one wrapped model and drives them through each step."""
+
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        chunks: list[Chunk],
+        comm: CommBackend,
+        reduce_comm: CommBackend,
+        strategy: ShardStrategy,
+        placement: PlacementPolicy,
+        config: ZeroConfig,
+        hook: pluggy.HookRelay,
+        device: torch.device,
+    ) -> None:
+        # What was built at setup; fixed for the engine's life.
+        self.module = module
+        self.optimizer = optimizer
+        self.chunks = chunks
+        self.comm = comm
+        # Reduce-scatters run on their own process group, asynchronously: they are ordered by
+        # [Note: gradient reduction order] while all-gathers follow [Note: agreeing on all-gathers],
+        # and a rank blocked on one stream must never hold up the other.
+        self.reduce_comm = reduce_comm
+        self.strategy = strategy
+        self.placement = placement
+        self.config = config
+        self.hook = hook
+        self.device = device
+        self._chunk_of: dict[int, Chunk] = {id(s.param): c for c in chunks for s in c.slots}
+        self._name_of: dict[int, str] = {id(s.param): s.name for c in chunks for s in c.slots}
+        # Chunks reduced in this order on every rank. See [Note: gradient reduction order].
+        self._reduce_order: list[Chunk] = [c for c in reversed(chunks) if c.requires_grad]
+        # Which modules trigger a gather of which chunks. See [Note: when chunks are gathered and released].
+        self._module_chunks: dict[int, tuple[Chunk, ...]] = {}
+        self._triggers: dict[int, set[int]] = {c.index: set() for c in chunks}
+        self._handles: list[Any] = []
+        self._scheduler = GatherScheduler(chunks, comm, placement, agree=not config.static_graph)
+        self._pending: deque[Callable[[], None]] = deque()
+
+        # Per-step state, reset by the transitions below.
+        self.state = TrainingState.IDLE
+        # Modules that ran in the current forward, per chunk index.
+        self._ran: dict[int, set[int]] = {}
+        # Parameters still expected to get a gradient in the pending backward, per chunk index.
+        self._expected: dict[int, set[int]] = {}
+        self._ready: dict[int, bool] = {}
+        self._reduced: set[int] = set()
+        self._next_reduce = 0
+        self._callback_queued = False
+        self.step_count = 0
+
+        self._install_hooks()
+
+    # -- hook installation ---------------------------------------------------------
+    def _install_hooks(self) -> None:
+        for module in self.module.modules():
+            chunks = {id(c): c for p in module.parameters(recurse=False) if (c := self._chunk_of.get(id(p)))}
+            if not chunks:
+                continue
+            ordered = tuple(sorted(chunks.values(), key=lambda c: c.index))
+            self._module_chunks[id(module)] = ordered
+            for chunk in ordered:
+                self._triggers[chunk.index].add(id(module))
+            self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, ordered)))
+            self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, ordered, id(module))))
+        for chunk in self.chunks:
+            if chunk.requires_grad:
+                for slot in chunk.slots:
+                    self._handles.append(slot.param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+        self._handles.append(self.optimizer.register_step_pre_hook(self._before_step))
+        self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- gather / release ----------------------------------------------------------
+    def _gather(self, chunks: Sequence[Chunk]) -> None:
+        with torch.profiler.record_function("ZeRO::all_gather"):
+            self._scheduler.gather(chunks)
+
+    def _release(self, chunks: Sequence[Chunk]) -> None:
+        done = [c for c in chunks if c.is_gathered and not c.persistent]
+        for chunk in done:
+            chunk.release()
+        if done:
+            self.placement.after_release(done)
+
+    # -- forward -------------------------------------------------------------------
+    def pre_forward_root(self) -> None:
+        """The wrapped model's forward begins."""
+        if self.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
+            raise ZeroError(
+                f"the wrapped model was called while the engine is in {self.state.value}; "
+                "do not call the model from inside its own forward or from a backward hook"
+            )
+        self.state = TrainingState.FORWARD
+        self._ran = {}
+        self._scheduler.begin_pass(reverse=False)
+
+    def post_forward_root(self, outputs: Any) -> None:
+        """The wrapped model's forward returned ``outputs``."""
+        self._scheduler.drain()
+        self._release(self.chunks)
+        tensors = [t for t in _tensors(outputs) if t.requires_grad and t.grad_fn is not None]
+        if torch.is_grad_enabled() and tensors and self._reduce_order:
+            reachable = _reachable_params(tensors)
+            for chunk in self._reduce_order:
+                ids = {id(s.param) for s in chunk.slots if id(s.param) in reachable}
+                self._expected.setdefault(chunk.index, set()).update(ids)
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._enter_backward, mode="any")
+            self.state = TrainingState.BACKWARD_PENDING
+        else:
+            self.state = TrainingState.BACKWARD_PENDING if self._expected else TrainingState.IDLE
+
+    def abort_forward(self) -> None:
+        """The wrapped model's forward raised: free what it gathered so the next step starts clean."""
+        self._release(self.chunks)
+        self.state = TrainingState.BACKWARD_PENDING if self._expected else TrainingState.IDLE
+
+    def _pre_forward(self, chunks: tuple[Chunk, ...], module: nn.Module, args: Any) -> None:
+        if self.state is TrainingState.IDLE:
+            raise ZeroError(
+                f"{type(module).__name__} ran outside the wrapped model's forward, but its parameters are sharded; "
+                "call the model returned by zero_core.shard, not one of its submodules"
+            )
+        if self.state is TrainingState.BACKWARD_PENDING:
+            self._enter_backward()  # activation checkpointing recomputes before any other backward hook
+        self._gather(chunks)
+
+    def _post_forward(self, chunks: tuple[Chunk, ...], module_id: int, module: nn.Module, args: Any, outputs: Any) -> None:
+        if self.state is not TrainingState.FORWARD:
+            return  # recomputation under activation checkpointing: keep gathered for the backward
+        for chunk in chunks:
+            ran = self._ran.setdefault(chunk.index, set())
+            ran.add(module_id)
+            if ran >= self._triggers[chunk.index]:
+                self._ran[chunk.index] = set()
+                self._release([chunk])
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors(outputs) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, functools.partial(self._pre_backward, chunks), mode="any"
+                )
+
+    # -- backward ------------------------------------------------------------------
+    def _enter_backward(self, *_: Any) -> None:
+        if self.state is TrainingState.BACKWARD:
+            return
+        self.state = TrainingState.BACKWARD
+        self._ready = {c.index: not self._expected.get(c.index) for c in self._reduce_order}
+        self._reduced = set()
+        self._next_reduce = 0
+        self._scheduler.begin_pass(reverse=True)
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _pre_backward(self, chunks: tuple[Chunk, ...], *_: Any) -> None:
+        self._enter_backward()
+        self._gather(chunks)
+
+    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
+        self._enter_backward()
+        chunk = self._chunk_of[id(param)]
+        if chunk.index in self._reduced:
+            raise GradientLostError(
+                f"parameter {self._name_of[id(param)]!r} received a gradient after its chunk {chunk.index} was already "
+                "reduce-scattered in this backward, so the gradient would be lost. This happens with reentrant "
+                "activation checkpointing (use torch.utils.checkpoint(..., use_reentrant=False)) or when a "
+                "parameter's gradient does not flow through the wrapped model's outputs."
+            )
+        expected = self._expected.get(chunk.index)
+        if expected is not None:
+            expected.discard(id(param))
+            if not expected:
+                self._ready[chunk.index] = True
+        self._reduce_ready()
+
+    def _reduce_ready(self) -> None:
+        while self._next_reduce < len(self._reduce_order):
+            chunk = self._reduce_order[self._next_reduce]
+            if not self._ready.get(chunk.index):
+                return
+            self._reduce(chunk)
+
+    def _reduce(self, chunk: Chunk) -> None:
+        with torch.profiler.record_function("ZeRO::reduce_scatter"):
+            self._pending.append(chunk.reduce_gradients(self.reduce_comm))
+        self._reduced.add(chunk.index)
+        self._next_reduce += 1
+        self._release([chunk])
+
+    def _complete_reductions(self) -> None:
+        while self._pending:
+            self._pending.popleft()()
+
+    def _publish_gradients(self) -> None:
+        """Give each optimizer segment its gradient if its parameter got one on any rank."""
+        trainable = self._reduce_order
+        flags = [f for chunk in trainable for f in chunk.got_grad]
+        if self.reduce_comm.world_size > 1 and not self.config.static_graph:
+            agreed = self.reduce_comm.agree_any(torch.tensor(flags, dtype=torch.uint8)).tolist()
+            flags = [bool(f) for f in agreed]
+        offset = 0
+        for chunk in trainable:
+            chunk.publish_gradients(flags[offset : offset + len(chunk.slots)])
+            offset += len(chunk.slots)
+
+    def _finish_backward(self) -> None:
+        """Queued on the autograd engine: runs once when the outermost backward finishes."""
+        try:
+            self._scheduler.drain()
+            while self._next_reduce < len(self._reduce_order):
+                self._reduce(self._reduce_order[self._next_reduce])
+            self._complete_reductions()
+            self._publish_gradients()
+            self._release(self.chunks)
+        finally:
+            self._expected = {}
+            self._ready = {}
+            self._callback_queued = False
+            self.state = TrainingState.IDLE
+
+    # -- optimizer step ------------------------------------------------------------
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.state is TrainingState.BACKWARD:
+            raise ZeroError("optimizer.step() was called during backward; call it after loss.backward() returns")
+        self.placement.before_step(self.chunks)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.placement.after_step(self.chunks)
+        self.step_count += 1
+        finished = self.comm.stats.end_step()
+        self.hook.zero_after_step(engine=self, stats=self.comm.stats.summary(finished))
+
+    # -- inspection ----------------------------------------------------------------
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of model states this rank holds now, by kind (exact, from tensor storages).
+
+        ``grads`` counts each gradient storage once (segments' gradients are views of one
+        shard-sized buffer per chunk). ``optimizer_scalars`` counts zero-dimensional
+        optimizer states (step counters) separately, because the ZeRO formulas leave them out.
+        """
+        report = {"params": 0, "grads": 0, "optimizer_states": 0, "optimizer_scalars": 0, "gathered_buffers": 0}
+        grad_storages: dict[int, int] = {}
+        for chunk in self.chunks:
+            report["params"] += chunk.shard_bytes
+            if chunk.is_gathered and not chunk.persistent:
+                report["gathered_buffers"] += chunk.full_bytes
+            for seg in chunk.segments:
+                grad = seg.param.grad
+                if grad is not None:
+                    grad_storages[grad.untyped_storage().data_ptr()] = grad.untyped_storage().nbytes()
+                for value in self.optimizer.state.get(seg.param, {}).values():
+                    if isinstance(value, torch.Tensor):
+                        key = "optimizer_scalars" if value.dim() == 0 else "optimizer_states"
+                        report[key] += value.numel() * value.element_size()
+        report["grads"] = sum(grad_storages.values())
+        return report
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, as CPU copies, gathered one chunk at a time. Collective: call on every rank."""
+        if self.state is not TrainingState.IDLE:
+            raise ZeroError(f"full_parameters() needs an idle engine, but it is in {self.state.value}")
+        result: dict[str, torch.Tensor] = {}
+        for chunk in self.chunks:
+            was_gathered = chunk.is_gathered
+            if not was_gathered:
+                chunk.gather(self.comm)
+            for slot in chunk.slots:
+                result[slot.name] = slot.param.detach().to("cpu", copy=True)
+            if not was_gathered:
+                chunk.release()
+        return result

@@ -1,0 +1,60 @@
+"""The module users train: a thin wrapper whose forward brackets the engine's step state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero_core._engine import Engine
+from zero_core.comm import CommStats
+from zero_core.errors import ZeroError
+
+__all__ = ["ZeroModule"]
+
+
+class ZeroModule(nn.Module):
+    """The model returned by :func:`zero_core.shard`.
+
+    Call it like the original model. Its parameters are the original parameter objects,
+    whose storage is only valid while their chunk is gathered (inside forward and
+    backward); use :meth:`full_parameters` to read them between steps.
+    """
+
+    def __init__(self, module: nn.Module, engine: Engine) -> None:
+        super().__init__()
+        self.module = module
+        self.engine = engine
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine.pre_forward_root()
+        try:
+            outputs = self.module(*args, **kwargs)
+        except BaseException:
+            self.engine.abort_forward()
+            raise
+        self.engine.post_forward_root(outputs)
+        return outputs
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Collective calls and bytes this rank sent, per step. See :class:`zero_core.CommStats`."""
+        return self.engine.comm.stats
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of parameter shards, gradient shards and optimizer states this rank holds now."""
+        return self.engine.model_state_bytes()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, on the CPU. Collective: call on every rank."""
+        return self.engine.full_parameters()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        raise ZeroError(
+            "ZeroModule.state_dict() would return views of freed parameter storage; call "
+            "model.full_parameters() on every rank to read the whole parameters"
+        )
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        raise ZeroError("load a state dict into the plain model before calling zero_core.shard")

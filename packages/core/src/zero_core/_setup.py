@@ -1,0 +1,162 @@
+"""Setup-time checks and helpers: process group, optimizer, parameter order, cross-rank agreement."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero_core.api import ZeroConfig
+from zero_core.chunk import ParamInfo
+from zero_core.comm import CommBackend
+from zero_core.errors import RanksDisagreeError, ZeroSetupError
+
+__all__ = [
+    "check_ranks_agree",
+    "collect_params",
+    "first_use_order",
+    "resolve_device",
+    "resolve_group",
+]
+
+
+def resolve_group(process_group: Any) -> Any:
+    """The process group to shard over; ``None`` means a single process."""
+    if process_group is not None:
+        return process_group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    env_world = os.environ.get("WORLD_SIZE", "1")
+    if env_world.isdigit() and int(env_world) > 1:
+        raise ZeroSetupError(
+            f"WORLD_SIZE is {env_world} but torch.distributed is not initialised. Call "
+            "torch.distributed.init_process_group(backend='gloo' (CPU) or 'nccl' (CUDA), timeout=...) "
+            "on every rank before zero_core.shard."
+        )
+    return None
+
+
+def resolve_device(config: ZeroConfig) -> torch.device:
+    if config.device is not None:
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ZeroSetupError("ZeroConfig.device asks for CUDA but torch.cuda.is_available() is False; use device='cpu'")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def collect_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[ParamInfo]:
+    """The model's unique parameters in registration order, each with its optimizer group.
+
+    Raises :class:`ZeroSetupError` when the optimizer holds a tensor that is not one of
+    the model's parameters, already has state, or the model has nothing to shard.
+    """
+    if not isinstance(model, nn.Module):
+        raise ZeroSetupError(f"zero_core.shard needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ZeroSetupError(
+            f"zero_core.shard needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+            "build it with e.g. torch.optim.AdamW(model.parameters())"
+        )
+    named = list(model.named_parameters(remove_duplicate=True))
+    if not named:
+        raise ZeroSetupError(f"{type(model).__name__} has no parameters to shard")
+    by_id = {id(p): name for name, p in named}
+    group_of: dict[int, int] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) not in by_id:
+                raise ZeroSetupError(
+                    f"optimizer param group {g}, parameter {i} (shape {tuple(p.shape)}) is not a parameter of the "
+                    "model being sharded; build the optimizer from this model's parameters"
+                )
+            group_of[id(p)] = g
+    if any(optimizer.state.values()):
+        raise ZeroSetupError(
+            "the optimizer already has state (it has stepped); create the optimizer fresh and call "
+            "zero_core.shard before the first optimizer.step()"
+        )
+    for name, p in named:
+        if p.device.type == "meta":
+            raise ZeroSetupError(f"parameter {name!r} is on the meta device; materialise the model before sharding")
+        if not p.is_floating_point():
+            raise ZeroSetupError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be sharded")
+    return [ParamInfo(name, p, group_of.get(id(p))) for name, p in named]
+
+
+def first_use_order(model: nn.Module, params: Sequence[ParamInfo], example_inputs: Any, comm: CommBackend) -> list[ParamInfo]:
+    """``params`` reordered by the first forward's use (rank 0's order, so every rank agrees).
+
+    Runs one forward on ``example_inputs`` without gradients, recording the order in which
+    modules run; each module's own parameters count as used when it starts. Parameters
+    the forward did not touch keep their registration order at the end.
+    """
+    order: list[int] = []
+    seen: set[int] = set()
+    index = {id(p.param): i for i, p in enumerate(params)}
+
+    def record(module: nn.Module, args: Any) -> None:
+        for p in module.parameters(recurse=False):
+            if id(p) in index and id(p) not in seen:
+                seen.add(id(p))
+                order.append(index[id(p)])
+
+    handles = [m.register_forward_pre_hook(record) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            if isinstance(example_inputs, dict):
+                model(**example_inputs)
+            elif isinstance(example_inputs, tuple):
+                model(*example_inputs)
+            else:
+                model(example_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    order += [i for i in range(len(params)) if i not in set(order)]
+    if comm.world_size > 1:
+        order = comm.all_gather_object(order)[0]
+    return [params[i] for i in order]
+
+
+def _signature(params: Sequence[ParamInfo], config: ZeroConfig) -> list[str]:
+    lines = [f"config {config!r}"]
+    lines += [f"param {p.name} shape={tuple(p.param.shape)} dtype={p.param.dtype} "
+              f"requires_grad={p.param.requires_grad} group={p.group}" for p in params]
+    return lines
+
+
+def check_ranks_agree(params: Sequence[ParamInfo], config: ZeroConfig, comm: CommBackend) -> None:
+    """Fail on every rank, with the first difference, when ranks hold different models or configs."""
+    if comm.world_size <= 1:
+        return
+    lines = _signature(params, config)
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    digests = comm.all_gather_object(digest)
+    if len(set(digests)) == 1:
+        return
+    every = comm.all_gather_object(lines)
+    reference = every[0]
+    for rank, theirs in enumerate(every):
+        if theirs == reference:
+            continue
+        for i in range(max(len(theirs), len(reference))):
+            a = reference[i] if i < len(reference) else "<nothing>"
+            b = theirs[i] if i < len(theirs) else "<nothing>"
+            if a != b:
+                raise RanksDisagreeError(
+                    f"rank {rank} holds a different model or config than rank 0 "
+                    f"({len(theirs) - 1} vs {len(reference) - 1} entries); first difference:\n"
+                    f"  rank 0:    {a}\n  rank {rank}: {b}\n"
+                    "Build the same model with the same config on every rank."
+                )
+    raise RanksDisagreeError("ranks disagree on the model or config")  # unreachable in practice

@@ -1,0 +1,134 @@
+"""The public verb: :func:`shard`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from zero_core._engine import Engine
+from zero_core._module import ZeroModule
+from zero_core._plugins import ZeroPlugins
+from zero_core._setup import check_ranks_agree, collect_params, first_use_order, resolve_device, resolve_group
+from zero_core.api import ZeroConfig
+from zero_core.chunk import Chunk
+from zero_core.errors import ConfigError, ZeroSetupError
+
+__all__ = ["Sharded", "shard"]
+
+
+class Sharded(NamedTuple):
+    """What :func:`shard` returns: train ``model`` and step ``optimizer`` as usual."""
+
+    model: ZeroModule
+    optimizer: torch.optim.Optimizer
+
+
+def shard(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    config: ZeroConfig | None = None,
+    process_group: Any = None,
+    example_inputs: Any = None,
+    plugins: Iterable[object] = (),
+) -> Sharded:
+    """Shard ``model``'s parameters, gradients and optimizer states over the data-parallel ranks.
+
+    Args:
+        model: The model, built on every rank (same structure everywhere).
+        optimizer: Any ``torch.optim`` optimizer over ``model``'s parameters, not yet stepped.
+            It is re-pointed, in place, at this rank's parameter shards and returned.
+        config: What to build; defaults to ``ZeroConfig()`` (chunked ZeRO-3 on the compute device).
+        process_group: The data-parallel group; default: the world group, or a single
+            process when ``torch.distributed`` is not initialised.
+        example_inputs: One batch (a tensor, a tuple of positional args or a dict of keyword
+            args) used to record the first-use order when ``config.chunk.param_order == "first_use"``.
+        plugins: Plugin objects to register in addition to the installed entry points.
+
+    Returns:
+        ``(model, optimizer)``: use them in an ordinary loop (forward, ``loss.backward()``,
+        ``optimizer.step()``, ``optimizer.zero_grad()``).
+    """
+    config = ZeroConfig() if config is None else config
+    if not isinstance(config, ZeroConfig):
+        raise ConfigError(f"config must be a zero_core.ZeroConfig, got {type(config).__name__}")
+    if isinstance(model, ZeroModule) or getattr(model, "_zero_sharded", False):
+        raise ZeroSetupError("this model is already sharded by zero_core.shard; wrap the original model only once")
+    if getattr(optimizer, "_zero_sharded", False):
+        raise ZeroSetupError("this optimizer was already re-pointed by zero_core.shard; create a new optimizer")
+    params = collect_params(model, optimizer)
+    if config.chunk.param_order == "first_use" and example_inputs is None:
+        raise ZeroSetupError(
+            "ChunkPolicy(param_order='first_use') needs example_inputs=<one batch> in zero_core.shard "
+            "to record the order; or use param_order='registration'"
+        )
+
+    group = resolve_group(process_group)
+    plugins_ = ZeroPlugins.load(plugins)
+    plugins_.manager.hook.zero_configure.call_historic(kwargs={"config": config})
+    strategy = plugins_.strategies.get(config.strategy)()
+    comm_cls = plugins_.comm_backends.get(config.comm)
+    timeout = timedelta(seconds=config.collective_timeout_s)
+    comm = comm_cls(group, timeout=timeout)
+    reduce_comm = comm_cls(_new_group_like(group, comm), timeout=timeout)
+    reduce_comm.stats = comm.stats  # one set of counters per engine
+    placement = plugins_.placement_policies.get(config.placement)()
+    device = resolve_device(config)
+
+    if config.check_ranks_agree:
+        check_ranks_agree(params, config, comm)
+    if config.chunk.param_order == "first_use":
+        params = first_use_order(model, params, example_inputs, comm)
+    plan = strategy.plan(params, world_size=comm.world_size, config=config, hook=plugins_.manager.hook)
+    plan.validate(params, comm.world_size)
+
+    chunks = []
+    for index, spec in enumerate(plan.chunks):
+        chunk = Chunk(index, spec, rank=comm.rank, world_size=comm.world_size, device=device)
+        chunk.pack(comm, broadcast_from_rank0=config.sync_module_states)
+        chunks.append(chunk)
+    with torch.no_grad():
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is None:
+                    continue
+                buf = buf.to(device)
+                if config.sync_module_states and comm.world_size > 1:
+                    comm.broadcast(buf, src=0)
+                module._buffers[name] = buf
+    placement.attach(chunks)
+    _repoint_optimizer(optimizer, chunks)
+
+    engine = Engine(
+        module=model, optimizer=optimizer, chunks=chunks, comm=comm, reduce_comm=reduce_comm, strategy=strategy,
+        placement=placement, config=config, hook=plugins_.manager.hook, device=device,
+    )
+    comm.stats.end_setup()
+    model._zero_sharded = True  # type: ignore[attr-defined]
+    optimizer._zero_sharded = True  # type: ignore[attr-defined]
+    return Sharded(ZeroModule(model, engine), optimizer)
+
+
+def _new_group_like(group: Any, comm: Any) -> Any:
+    """A second process group over the same ranks (collective: every rank calls it)."""
+    if group is None or comm.world_size == 1:
+        return group
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group(ranks, backend=dist.get_backend(group))
+
+
+def _repoint_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk]) -> None:
+    """Make each param group hold this rank's segments of its parameters. See [Note: optimizer segments].
+
+    Hyperparameters stay as the user set them, group by group (a chunk never mixes
+    groups), so learning-rate schedulers and per-group settings keep working.
+    """
+    for g, group in enumerate(optimizer.param_groups):
+        group["params"] = [seg.param for c in chunks if c.group == g for seg in c.segments]
+    optimizer.state.clear()

@@ -1,0 +1,41 @@
+"""State enums: one per axis, each value documented."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["ChunkState", "MemoryTier", "TrainingState"]
+
+
+class TrainingState(enum.Enum):
+    """Where the engine is in a training step."""
+
+    #: Between steps: every chunk is sharded.
+    IDLE = "idle"
+    #: Inside the wrapped model's forward.
+    FORWARD = "forward"
+    #: A forward built an autograd graph whose backward has not finished yet.
+    BACKWARD_PENDING = "backward_pending"
+    #: Inside ``loss.backward()``: pre-backward gathers, gradient reduction.
+    BACKWARD = "backward"
+
+
+class ChunkState(enum.Enum):
+    """Whether a chunk's full parameter buffer exists on this rank."""
+
+    #: Only this rank's shard exists; the full buffer's storage is freed, so any
+    #: access to a parameter view fails loudly instead of reading stale data.
+    SHARDED = "sharded"
+    #: The full buffer holds every rank's shard; parameter views are valid.
+    GATHERED = "gathered"
+
+
+class MemoryTier(enum.Enum):
+    """Where a chunk's shard lives. Placement policies move shards between tiers."""
+
+    #: The compute device (CUDA when present, else the CPU the model computes on).
+    DEVICE = "device"
+    #: Host memory (pinned when CUDA is present).
+    HOST = "host"
+    #: Files on disk.
+    DISK = "disk"

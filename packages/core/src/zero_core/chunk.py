@@ -1,0 +1,271 @@
+"""Chunks: flat buffers of parameters, sharded evenly over the data-parallel ranks.
+
+[Note: parameter views]
+Every parameter a chunk holds becomes a view into the chunk's ``full`` buffer
+(``param.data = full[offset:offset + numel].view(shape)``). Gathering a chunk
+re-allocates the buffer's storage and all-gathers the shards into it; releasing
+frees the storage (``untyped_storage().resize_(0)``). The views keep their shapes
+throughout, so modules and autograd see ordinary parameters, and any access while
+the chunk is sharded fails with a storage-size error rather than reading stale data.
+
+Each rank owns the slice ``[rank * shard_size, (rank + 1) * shard_size)`` of the
+full buffer; it lives in ``shard``, and the next gather publishes its updates.
+
+[Note: optimizer segments]
+The optimizer does not see the shard as one tensor. It sees one ``nn.Parameter`` per
+piece of a parameter that falls into this rank's shard (a *segment*, a view into
+``shard``). So a parameter that got no gradient on any rank keeps ``grad=None`` and
+torch's optimizers skip it exactly as they would in one process (no weight decay, no
+step count), per-group hyperparameters apply per parameter, and padding carries no
+optimizer state. Elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...)
+therefore match single-process training; optimizers that look at a whole tensor
+(trust ratios, factored second moments) see each rank's piece instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zero_core._state import ChunkState, MemoryTier
+from zero_core.comm import CommBackend
+
+__all__ = ["Chunk", "ChunkSpec", "ParamInfo", "ParamSlot", "Segment"]
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """A parameter as the strategy sees it when planning.
+
+    Attributes:
+        name: Fully qualified name (the first one, for parameters shared under several names).
+        param: The parameter itself.
+        group: Index of the optimizer param group that holds it, or ``None``.
+    """
+
+    name: str
+    param: nn.Parameter
+    group: int | None
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        """Parameters may share a chunk only if these agree."""
+        return (self.param.dtype, self.param.requires_grad, self.group)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSpec:
+    """One chunk in a strategy's plan: which parameters, in order, and its padded size."""
+
+    params: tuple[ParamInfo, ...]
+    size: int
+
+    @property
+    def used(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSlot:
+    """Where one parameter lives inside its chunk's full buffer."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """The part of one parameter inside this rank's shard. See [Note: optimizer segments].
+
+    Attributes:
+        slot: Index of the parameter in the chunk's slots.
+        begin: Offset of the segment inside the shard.
+        param: What the optimizer updates: a view of the shard.
+    """
+
+    slot: int
+    begin: int
+    param: nn.Parameter
+
+
+class Chunk:
+    """A flat, evenly sharded buffer of parameters. See [Note: parameter views]."""
+
+    def __init__(self, index: int, spec: ChunkSpec, *, rank: int, world_size: int, device: torch.device) -> None:
+        if spec.size % world_size:
+            raise ValueError(f"chunk size {spec.size} is not a multiple of the world size {world_size}")
+        if spec.used > spec.size:
+            raise ValueError(f"chunk {index} holds {spec.used} elements but its size is {spec.size}")
+        first = spec.params[0]
+        # Identity and layout: fixed for the chunk's life.
+        self.index = index
+        self.size = spec.size
+        self.world_size = world_size
+        self.rank = rank
+        self.shard_size = spec.size // world_size
+        self.device = device
+        self.dtype = first.param.dtype
+        self.requires_grad = first.param.requires_grad
+        self.group = first.group
+        self.slots: tuple[ParamSlot, ...] = self._layout(spec.params)
+        self.used = spec.used
+        # With one rank the full buffer is the shard and is never freed.
+        self.persistent = world_size == 1
+        # Runtime state, changed only through the transition methods below.
+        self.state = ChunkState.GATHERED
+        self.tier = MemoryTier.DEVICE
+        self.full = torch.zeros(self.size, dtype=self.dtype, device=device)
+        self.shard: torch.Tensor = self.full
+        self.segments: tuple[Segment, ...] = ()
+        # Mean gradient of this rank's shard from the last backward, until published to segments.
+        self.reduced_grad: torch.Tensor | None = None
+        # Per slot: did the parameter get a gradient on this rank in the last backward?
+        self.got_grad = [False] * len(self.slots)
+
+    @staticmethod
+    def _layout(params: Sequence[ParamInfo]) -> tuple[ParamSlot, ...]:
+        slots, offset = [], 0
+        for info in params:
+            slots.append(ParamSlot(info.name, info.param, offset, info.numel, info.param.shape))
+            offset += info.numel
+        return tuple(slots)
+
+    # -- setup ---------------------------------------------------------------------
+    def pack(self, comm: CommBackend, *, broadcast_from_rank0: bool) -> None:
+        """Copy the parameters into the chunk, keep this rank's shard, point params at views.
+
+        Each parameter's original storage is dropped as soon as it is copied, so at no
+        point does a rank hold more than its parameters plus one full chunk.
+        """
+        self._assert_state(ChunkState.GATHERED)
+        with torch.no_grad():
+            for slot in self.slots:
+                self.full[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+                slot.param.data = self._view(slot)
+            if broadcast_from_rank0 and self.world_size > 1:
+                comm.broadcast(self.full, src=0)
+            if not self.persistent:
+                begin = self.rank * self.shard_size
+                self.shard = self.full[begin : begin + self.shard_size].clone()
+                self.release()
+        if self.requires_grad:
+            self.segments = self._segments()
+
+    def _segments(self) -> tuple[Segment, ...]:
+        begin, end = self.rank * self.shard_size, (self.rank + 1) * self.shard_size
+        segments = []
+        for i, slot in enumerate(self.slots):
+            lo, hi = max(slot.offset, begin), min(slot.offset + slot.numel, end)
+            if lo < hi:
+                segments.append(Segment(i, lo - begin, nn.Parameter(self.shard[lo - begin : hi - begin])))
+        return tuple(segments)
+
+    def _view(self, slot: ParamSlot) -> torch.Tensor:
+        return self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    # -- transitions ----------------------------------------------------------------
+    def _assert_state(self, *states: ChunkState) -> None:
+        assert self.state in states, f"chunk {self.index} is {self.state.value}, expected one of {[s.value for s in states]}"
+
+    @property
+    def is_gathered(self) -> bool:
+        return self.state is ChunkState.GATHERED
+
+    def gather(self, comm: CommBackend) -> None:
+        """SHARDED -> GATHERED: re-allocate the full buffer and all-gather the shards into it."""
+        if self.persistent:
+            return
+        self._assert_state(ChunkState.SHARDED)
+        self.full.untyped_storage().resize_(self.size * self.full.element_size())
+        comm.all_gather(self.full, self.shard)
+        self.state = ChunkState.GATHERED
+
+    def release(self) -> None:
+        """GATHERED -> SHARDED: free the full buffer's storage (parameter views become invalid)."""
+        if self.persistent:
+            return
+        self._assert_state(ChunkState.GATHERED)
+        self.full.untyped_storage().resize_(0)
+        self.state = ChunkState.SHARDED
+
+    def gather_for_peers(self, comm: CommBackend) -> None:
+        """Join an all-gather of this chunk that other ranks need, without changing local state."""
+        scratch = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        comm.all_gather(scratch, self.shard)
+
+    def reduce_gradients(self, comm: CommBackend) -> Callable[[], None]:
+        """Start reducing this backward's parameter gradients to this rank's shard (mean over ranks).
+
+        Returns the function that completes it, leaving the result in ``reduced_grad``.
+        Parameters that got no gradient on this rank contribute zeros; each ``.grad`` is
+        dropped as soon as it is copied. Which parameters had one is kept in ``got_grad``.
+        """
+        flat = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+        for i, slot in enumerate(self.slots):
+            grad = slot.param.grad
+            self.got_grad[i] = grad is not None
+            if grad is not None:
+                flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+                slot.param.grad = None
+        if self.persistent:
+            self.reduced_grad = flat
+            return lambda: None
+        reduced = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
+        pending = comm.reduce_scatter(reduced, flat, async_op=True)
+
+        def finish() -> None:
+            if pending is not None:
+                pending.wait()
+            self.reduced_grad = reduced.div_(self.world_size)
+
+        return finish
+
+    def publish_gradients(self, present: Sequence[bool]) -> None:
+        """Hand the reduced gradient to the optimizer's segments, as autograd would to parameters.
+
+        ``present[i]`` says whether slot ``i`` got a gradient on any rank; segments of the
+        others keep their ``.grad`` untouched (``None`` after ``zero_grad``), so the
+        optimizer skips them. Gradients add to existing ones, so several backwards
+        before a step accumulate.
+        """
+        reduced, self.reduced_grad = self.reduced_grad, None
+        self.got_grad = [False] * len(self.slots)
+        if reduced is None:
+            return
+        for seg in self.segments:
+            if not present[seg.slot]:
+                continue
+            piece = reduced[seg.begin : seg.begin + seg.param.numel()]
+            if seg.param.grad is None:
+                seg.param.grad = piece
+            else:
+                seg.param.grad.add_(piece)
+
+    # -- accounting -----------------------------------------------------------------
+    @property
+    def padding(self) -> int:
+        return self.size - self.used
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shard_size * self.full.element_size()
+
+    @property
+    def full_bytes(self) -> int:
+        return self.size * self.full.element_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"Chunk(index={self.index}, params={len(self.slots)}, used={self.used}, size={self.size}, "
+            f"shard={self.shard_size}, state={self.state.value}, tier={self.tier.value})"
+        )

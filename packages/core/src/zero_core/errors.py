@@ -1,0 +1,44 @@
+"""Exceptions raised by zero. Each message says what is wrong and what to change."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "ConfigError",
+    "GradientLostError",
+    "PluginNotFoundError",
+    "RanksDisagreeError",
+    "ZeroError",
+    "ZeroSetupError",
+]
+
+
+class ZeroError(RuntimeError):
+    """Base class of every error zero raises on purpose."""
+
+
+class ConfigError(ZeroError, ValueError):
+    """A configuration value is invalid."""
+
+
+class PluginNotFoundError(ZeroError, KeyError):
+    """A strategy, comm backend or placement policy name is not registered."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class ZeroSetupError(ZeroError, ValueError):
+    """The model, optimizer or process group cannot be sharded as given."""
+
+
+class RanksDisagreeError(ZeroError):
+    """Ranks hold different models or configurations."""
+
+
+class CollectiveTimeoutError(ZeroError, TimeoutError):
+    """A collective did not complete in time: a peer failed or took another code path."""
+
+
+class GradientLostError(ZeroError):
+    """A gradient arrived after its chunk had already been reduced for this backward."""

@@ -1,0 +1,84 @@
+"""Hook specifications of the ``zero`` plugin system.
+
+Plugins implement these with ``@zero_core.hookimpl`` and are found through the
+``zero`` entry-point group (built-in parts register exactly like third-party ones).
+Hooks fire at setup and at step boundaries; per-chunk decisions call methods on the
+objects the hooks registered, never ``pm.hook``, because hook calls cost time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from zero_core._engine import Engine
+    from zero_core._registry import Registry
+    from zero_core.api import ZeroConfig
+    from zero_core.chunk import ChunkSpec, ParamInfo
+    from zero_core.comm import CommBackend
+    from zero_core.placement import PlacementPolicy
+    from zero_core.strategy import ShardStrategy
+
+hookspec = pluggy.HookspecMarker("zero")
+
+__all__ = [
+    "zero_after_step",
+    "zero_configure",
+    "zero_plan_chunks",
+    "zero_register_comm_backends",
+    "zero_register_placement_policies",
+    "zero_register_shard_strategies",
+]
+
+# -- registration: called once when an engine's plugin manager is built -------------
+
+
+@hookspec
+def zero_register_shard_strategies(registry: Registry[type[ShardStrategy]]) -> None:
+    """Add shard strategy classes by name: ``registry.add("chunk", ChunkStrategy)``."""
+
+
+@hookspec
+def zero_register_comm_backends(registry: Registry[type[CommBackend]]) -> None:
+    """Add comm backend classes by name: ``registry.add("torch", TorchCommBackend)``."""
+
+
+@hookspec
+def zero_register_placement_policies(registry: Registry[type[PlacementPolicy]]) -> None:
+    """Add placement policy classes by name: ``registry.add("lru", LruPolicy)``."""
+
+
+# -- setup ----------------------------------------------------------------------------
+
+
+@hookspec(historic=True)
+def zero_configure(config: ZeroConfig) -> None:
+    """Called once the config is final, before any parameter is sharded.
+
+    Plugins may validate the config here and raise :class:`zero_core.ConfigError`.
+    Historic: plugins registered later still receive the call.
+    """
+
+
+@hookspec(firstresult=True)
+def zero_plan_chunks(params: Sequence[ParamInfo], world_size: int, config: ZeroConfig) -> Sequence[ChunkSpec] | None:
+    """Pack ``params`` (in packing order) into chunks for chunk-based strategies.
+
+    zero-strategy-chunk implements the size search with ``trylast=True``, so a user
+    plugin can override the packing by returning its own list of chunk specs.
+    Stops at first non-None result.
+    """
+
+
+# -- step boundaries ------------------------------------------------------------------
+
+
+@hookspec
+def zero_after_step(engine: Engine, stats: dict[str, Any]) -> None:
+    """Called on every rank after each optimizer step with that step's counters.
+
+    ``stats`` maps collective kind names to ``{"calls": int, "bytes_sent": int}``.
+    """

@@ -1,0 +1,19 @@
+"""Test helpers for zero and its plugins: a distributed harness, a model zoo, parity
+helpers and conformance kits that plugin authors subclass."""
+
+from zero_core.testing.distributed import DistributedTestError, run_distributed
+from zero_core.testing.parity import RunResult, assert_parity, make_optimizer, train_reference, train_sharded
+from zero_core.testing.zoo import ZOO, ZooCase, get_case
+
+__all__ = [
+    "ZOO",
+    "DistributedTestError",
+    "RunResult",
+    "ZooCase",
+    "assert_parity",
+    "get_case",
+    "make_optimizer",
+    "run_distributed",
+    "train_reference",
+    "train_sharded",
+]

@@ -1,0 +1,143 @@
+"""Run a function on N gloo ranks in separate processes, with a timeout.
+
+``run_distributed(fn, world_size, *args)`` starts one process per rank (forked from a
+forkserver that has already imported torch, so a start costs well under a second),
+joins them into a gloo process group through a file rendezvous, runs ``fn`` on each
+and returns the per-rank results. If any rank raises, the others get a short grace
+period and are then killed, and :class:`DistributedTestError` carries every failing
+rank's traceback. Nothing waits longer than ``timeout``.
+
+``fn`` must be importable by name (a module-level function in an installed module),
+because the ranks are separate processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["DistributedTestError", "run_distributed"]
+
+_PRELOAD = ["torch", "torch.distributed", "zero_core"]
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks failed, died or did not finish in time."""
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _rank_main(
+    fn: Callable[..., Any], rank: int, world_size: int, init_file: str, backend: str, timeout: float,
+    threads: int, env: dict[str, str], results: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        value = fn(*args, **kwargs)
+        # Plain pickle copies tensor bytes; the queue's own pickler would pass shared-memory
+        # handles that die with this process.
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a peer may be gone already; the result is what matters
+                pass
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    grace: float = 5.0,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
+
+    Args:
+        timeout: Seconds for the whole run; also the process group's collective timeout.
+        grace: Seconds the other ranks get to finish once one rank has failed.
+        env: Extra environment variables for the ranks.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = _context()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    results = ctx.Queue()
+    done: dict[int, Any] = {}
+    failed: dict[int, str] = {}
+    with tempfile.TemporaryDirectory(prefix="zero-dist-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, init_file, backend, timeout, threads, dict(env or {}), results, args, kwargs),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while len(done) + len(failed) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    rank, ok, payload = results.get(timeout=min(remaining, 0.2))
+                except queue.Empty:
+                    for rank, p in enumerate(procs):
+                        if rank not in done and rank not in failed and p.exitcode is not None and results.empty():
+                            failed[rank] = f"rank {rank} exited with code {p.exitcode} without reporting a result"
+                    if failed:
+                        deadline = min(deadline, time.monotonic() + grace)
+                    continue
+                if ok:
+                    done[rank] = pickle.loads(payload)
+                else:
+                    failed[rank] = payload
+                    deadline = min(deadline, time.monotonic() + grace)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    missing = [r for r in range(world_size) if r not in done and r not in failed]
+    if failed or missing:
+        parts = [f"--- rank {r} failed ---\n{failed[r]}" for r in sorted(failed)]
+        if missing:
+            why = "after another rank failed" if failed else f"within {timeout:.0f}s"
+            parts.append(f"--- ranks {missing} did not finish {why} and were killed ---")
+        raise DistributedTestError(f"{fn.__name__} on {world_size} ranks:\n" + "\n".join(parts))
+    return [done[r] for r in range(world_size)]
