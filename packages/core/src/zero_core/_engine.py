@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import deque
-from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from zero_core._schedule import GatherScheduler
 from zero_core._state import TrainingState
+from zero_core._waiter import ReductionWaiter
 from zero_core.chunk import Chunk
 from zero_core.errors import GradientLostError, ZeroError
 
@@ -107,6 +106,7 @@ class Engine:
         self.hook = hook
         self.device = device
         self._chunk_of: dict[int, Chunk] = {id(s.param): c for c in chunks for s in c.slots}
+        self._slot_of: dict[int, int] = {id(s.param): i for c in chunks for i, s in enumerate(c.slots)}
         self._name_of: dict[int, str] = {id(s.param): s.name for c in chunks for s in c.slots}
         # Chunks reduced in this order on every rank. See [Note: gradient reduction order].
         self._reduce_order: list[Chunk] = [c for c in reversed(chunks) if c.requires_grad]
@@ -115,7 +115,7 @@ class Engine:
         self._triggers: dict[int, set[int]] = {c.index: set() for c in chunks}
         self._handles: list[Any] = []
         self._scheduler = GatherScheduler(chunks, comm, placement, agree=not config.static_graph)
-        self._pending: deque[Callable[[], None]] = deque()
+        self._waiter = ReductionWaiter()
 
         # Per-step state, reset by the transitions below.
         self.state = TrainingState.IDLE
@@ -241,6 +241,9 @@ class Engine:
     def _pre_backward(self, chunks: tuple[Chunk, ...], *_: Any) -> None:
         self._enter_backward()
         self._gather(chunks)
+        for chunk in chunks:
+            if chunk.index not in self._reduced:
+                chunk.prepare_gradients()
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         self._enter_backward()
@@ -252,6 +255,7 @@ class Engine:
                 "activation checkpointing (use torch.utils.checkpoint(..., use_reentrant=False)) or when a "
                 "parameter's gradient does not flow through the wrapped model's outputs."
             )
+        chunk.got_grad[self._slot_of[id(param)]] = True
         expected = self._expected.get(chunk.index)
         if expected is not None:
             expected.discard(id(param))
@@ -268,14 +272,10 @@ class Engine:
 
     def _reduce(self, chunk: Chunk) -> None:
         with torch.profiler.record_function("ZeRO::reduce_scatter"):
-            self._pending.append(chunk.reduce_gradients(self.reduce_comm))
+            self._waiter.submit(chunk.reduce_gradients(self.reduce_comm))
         self._reduced.add(chunk.index)
         self._next_reduce += 1
         self._release([chunk])
-
-    def _complete_reductions(self) -> None:
-        while self._pending:
-            self._pending.popleft()()
 
     def _publish_gradients(self) -> None:
         """Give each optimizer segment its gradient if its parameter got one on any rank."""
@@ -295,7 +295,7 @@ class Engine:
             self._scheduler.drain()
             while self._next_reduce < len(self._reduce_order):
                 self._reduce(self._reduce_order[self._next_reduce])
-            self._complete_reductions()
+            self._waiter.join()
             self._publish_gradients()
             self._release(self.chunks)
         finally:

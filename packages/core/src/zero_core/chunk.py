@@ -1,12 +1,15 @@
 """Chunks: flat buffers of parameters, sharded evenly over the data-parallel ranks.
 
 [Note: parameter views]
-Every parameter a chunk holds becomes a view into the chunk's ``full`` buffer
-(``param.data = full[offset:offset + numel].view(shape)``). Gathering a chunk
-re-allocates the buffer's storage and all-gathers the shards into it; releasing
-frees the storage (``untyped_storage().resize_(0)``). The views keep their shapes
-throughout, so modules and autograd see ordinary parameters, and any access while
-the chunk is sharded fails with a storage-size error rather than reading stale data.
+While a chunk is gathered, every parameter it holds is a view into the chunk's
+``full`` buffer (``param.data = full[offset:offset + numel].view(shape)``), so modules
+and autograd see ordinary parameters. Releasing frees the buffer's storage in place
+(``untyped_storage().resize_(0)``) and points each parameter at an empty tensor, so
+code that touches a parameter of a sharded chunk fails with a shape error instead of
+reading freed memory. Gathering re-allocates the same storage object and points the
+parameters back at their views. Tensors autograd saved in forward (``weight.t()`` and
+the like) are views of that same storage, so they are valid again after the backward
+re-gather.
 
 Each rank owns the slice ``[rank * shard_size, (rank + 1) * shard_size)`` of the
 full buffer; it lives in ``shard``, and the next gather publishes its updates.
@@ -24,14 +27,14 @@ therefore match single-process training; optimizers that look at a whole tensor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from zero_core._state import ChunkState, MemoryTier
-from zero_core.comm import CommBackend
+from zero_core.comm import CommBackend, Pending
 
 __all__ = ["Chunk", "ChunkSpec", "ParamInfo", "ParamSlot", "Segment"]
 
@@ -125,12 +128,16 @@ class Chunk:
         self.state = ChunkState.GATHERED
         self.tier = MemoryTier.DEVICE
         self.full = torch.zeros(self.size, dtype=self.dtype, device=device)
+        self._views = tuple(self.full[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots)
+        self._empty = torch.empty(0, dtype=self.dtype, device=device)
         self.shard: torch.Tensor = self.full
         self.segments: tuple[Segment, ...] = ()
         # Mean gradient of this rank's shard from the last backward, until published to segments.
         self.reduced_grad: torch.Tensor | None = None
         # Per slot: did the parameter get a gradient on this rank in the last backward?
         self.got_grad = [False] * len(self.slots)
+        # Full-size gradient buffer of the running backward; parameters' .grad are views of it.
+        self._grad_flat: torch.Tensor | None = None
 
     @staticmethod
     def _layout(params: Sequence[ParamInfo]) -> tuple[ParamSlot, ...]:
@@ -149,9 +156,9 @@ class Chunk:
         """
         self._assert_state(ChunkState.GATHERED)
         with torch.no_grad():
-            for slot in self.slots:
-                self.full[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
-                slot.param.data = self._view(slot)
+            for slot, view in zip(self.slots, self._views):
+                view.copy_(slot.param.detach())
+                slot.param.data = view
             if broadcast_from_rank0 and self.world_size > 1:
                 comm.broadcast(self.full, src=0)
             if not self.persistent:
@@ -170,9 +177,6 @@ class Chunk:
                 segments.append(Segment(i, lo - begin, nn.Parameter(self.shard[lo - begin : hi - begin])))
         return tuple(segments)
 
-    def _view(self, slot: ParamSlot) -> torch.Tensor:
-        return self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
-
     # -- transitions ----------------------------------------------------------------
     def _assert_state(self, *states: ChunkState) -> None:
         assert self.state in states, f"chunk {self.index} is {self.state.value}, expected one of {[s.value for s in states]}"
@@ -188,14 +192,18 @@ class Chunk:
         self._assert_state(ChunkState.SHARDED)
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
         comm.all_gather(self.full, self.shard)
+        for slot, view in zip(self.slots, self._views):
+            slot.param.data = view
         self.state = ChunkState.GATHERED
 
     def release(self) -> None:
-        """GATHERED -> SHARDED: free the full buffer's storage (parameter views become invalid)."""
+        """GATHERED -> SHARDED: free the full buffer's storage; parameters become empty tensors."""
         if self.persistent:
             return
         self._assert_state(ChunkState.GATHERED)
         self.full.untyped_storage().resize_(0)
+        for slot in self.slots:
+            slot.param.data = self._empty
         self.state = ChunkState.SHARDED
 
     def gather_for_peers(self, comm: CommBackend) -> None:
@@ -203,32 +211,42 @@ class Chunk:
         scratch = torch.empty(self.size, dtype=self.dtype, device=self.device)
         comm.all_gather(scratch, self.shard)
 
-    def reduce_gradients(self, comm: CommBackend) -> Callable[[], None]:
+    def prepare_gradients(self) -> None:
+        """Point every parameter's ``.grad`` at a zeroed full-size buffer before backward reaches it.
+
+        Autograd then accumulates in place into the buffer (no per-parameter gradient
+        tensors, no copy), and the buffer is what gets reduce-scattered.
+        """
+        if self._grad_flat is not None or not self.requires_grad:
+            return
+        self._grad_flat = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+        for slot in self.slots:
+            if slot.param.grad is None:
+                slot.param.grad = self._grad_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def reduce_gradients(self, comm: CommBackend) -> _Reduction:
         """Start reducing this backward's parameter gradients to this rank's shard (mean over ranks).
 
-        Returns the function that completes it, leaving the result in ``reduced_grad``.
-        Parameters that got no gradient on this rank contribute zeros; each ``.grad`` is
-        dropped as soon as it is copied. Which parameters had one is kept in ``got_grad``.
+        Returns the handle that completes it, leaving the result in ``reduced_grad``.
+        Parameters that got no gradient on this rank contribute zeros. Gradients autograd
+        placed elsewhere than the prepared buffer are copied in; every ``.grad`` is dropped.
         """
-        flat = torch.zeros(self.size, dtype=self.dtype, device=self.device)
-        for i, slot in enumerate(self.slots):
+        flat, self._grad_flat = self._grad_flat, None
+        if flat is None:
+            flat = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+        for slot in self.slots:
             grad = slot.param.grad
-            self.got_grad[i] = grad is not None
             if grad is not None:
-                flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
+                target = flat[slot.offset : slot.offset + slot.numel]
+                if grad.data_ptr() != target.data_ptr():
+                    target.copy_(grad.reshape(-1))
                 slot.param.grad = None
         if self.persistent:
             self.reduced_grad = flat
-            return lambda: None
+            return _Reduction(self, None, None)
         reduced = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
         pending = comm.reduce_scatter(reduced, flat, async_op=True)
-
-        def finish() -> None:
-            if pending is not None:
-                pending.wait()
-            self.reduced_grad = reduced.div_(self.world_size)
-
-        return finish
+        return _Reduction(self, pending, reduced)  # the pending collective keeps ``flat`` alive
 
     def publish_gradients(self, present: Sequence[bool]) -> None:
         """Hand the reduced gradient to the optimizer's segments, as autograd would to parameters.
@@ -269,3 +287,20 @@ class Chunk:
             f"Chunk(index={self.index}, params={len(self.slots)}, used={self.used}, size={self.size}, "
             f"shard={self.shard_size}, state={self.state.value}, tier={self.tier.value})"
         )
+
+
+class _Reduction:
+    """A chunk's gradient reduce-scatter in flight; ``complete()`` stores the mean in the chunk."""
+
+    def __init__(self, chunk: Chunk, pending: Pending | None, reduced: torch.Tensor | None) -> None:
+        self._chunk, self._pending, self._reduced = chunk, pending, reduced
+
+    def done(self) -> bool:
+        return self._pending is None or self._pending.done()
+
+    def complete(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            assert self._reduced is not None
+            self._chunk.reduced_grad = self._reduced.div_(self._chunk.world_size)
+            self._pending = None

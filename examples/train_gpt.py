@@ -1,0 +1,157 @@
+"""Train a GPT-style model with zero (or torch DDP, for comparison) on synthetic data.
+
+Launch it the way torchrun launches any script, one process per rank:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py
+
+Rank 0 shows a progress display with the loss, tokens/s and memory per rank, and every
+run ends with one summary line. ``--json PATH`` also writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zero_core import ChunkPolicy, ZeroConfig, shard
+from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=["zero", "ddp"], default="zero", help="zero (chunked ZeRO-3) or torch DDP")
+    p.add_argument("--strategy", default="chunk", help="zero shard strategy plugin name")
+    p.add_argument("--steps", type=int, default=200, help="most optimizer steps to run")
+    p.add_argument("--time-budget", type=float, default=100.0, help="stop after this many seconds of training")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--chunk-size", type=int, default=None, help="elements per chunk (default: searched)")
+    p.add_argument("--static-graph", action="store_true", help="skip the all-gather agreement rounds")
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--json", default=None, help="write the run's figures to this file (rank 0)")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress display")
+    return p.parse_args(argv)
+
+
+def rss_mib() -> tuple[float, float]:
+    """(current, peak) resident memory of this process in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        current = peak
+    return current, peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(minutes=5))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, n_head=args.heads)
+    data = SyntheticTokens(vocab_size=args.vocab, seq_len=args.seq_len)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    stats = None
+    if args.mode == "zero":
+        config = ZeroConfig(strategy=args.strategy, chunk=ChunkPolicy(chunk_size=args.chunk_size, search_interval=args.d_model),
+                            static_graph=args.static_graph)
+        model, optimizer = shard(model, optimizer, config=config)
+        stats = model.comm_stats
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model.to(device))
+    setup_peak = rss_mib()[1]
+
+    progress = None
+    if rank == 0 and not args.no_progress and sys.stdout.isatty():
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
+                            TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+        progress.start()
+        task = progress.add_task(f"{args.mode} x{world}", total=args.steps, info="")
+
+    if rank == 0:
+        n = cfg.num_params
+        print(f"mode={args.mode} ranks={world} backend={backend} params={n / 1e6:.1f}M tied embeddings "
+              f"tokens/step={args.batch_size * args.seq_len * world} loss floor={data.floor:.3f}", flush=True)
+    losses, step_times = [], []
+    start = time.perf_counter()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        tokens = data.batch(step, args.batch_size * world)[rank * args.batch_size:(rank + 1) * args.batch_size].to(device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        optimizer.step()
+        reported = loss.detach().clone()
+        dist.all_reduce(reported)
+        losses.append(reported.item() / world)
+        step_times.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - start
+        out_of_time = torch.tensor([elapsed > args.time_budget], dtype=torch.uint8)
+        dist.all_reduce(out_of_time, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+        last = bool(out_of_time.item()) or step == args.steps - 1
+        if step % args.log_every == 0 or last:
+            mem = [None] * world
+            dist.all_gather_object(mem, rss_mib())
+            if rank == 0:
+                tps = args.batch_size * args.seq_len * world / statistics.median(step_times[-args.log_every:])
+                info = f"loss {losses[-1]:.3f}  {tps:,.0f} tok/s  rss/rank " + " ".join(f"{m[0]:.0f}" for m in mem) + " MiB"
+                if progress is not None:
+                    progress.update(task, completed=step + 1, info=info)
+                else:
+                    print(f"step {step:4d}  {info}", flush=True)
+        if last:
+            break
+    if progress is not None:
+        progress.stop()
+
+    steady = step_times[2:] if len(step_times) > 4 else step_times
+    step_time = statistics.median(steady)
+    peaks = [None] * world
+    dist.all_gather_object(peaks, {"peak_rss_mib": rss_mib()[1], "setup_peak_rss_mib": setup_peak,
+                                   "model_state_bytes": model.model_state_bytes() if args.mode == "zero" else None})
+    result = {
+        "mode": args.mode, "strategy": args.strategy if args.mode == "zero" else "ddp", "world_size": world,
+        "backend": backend, "params": cfg.num_params, "steps": len(losses), "losses": losses,
+        "median_step_s": step_time, "tokens_per_s": args.batch_size * args.seq_len * world / step_time,
+        "peak_rss_mib": [p["peak_rss_mib"] for p in peaks], "setup_peak_rss_mib": [p["setup_peak_rss_mib"] for p in peaks],
+        "model_state_bytes": [p["model_state_bytes"] for p in peaks],
+        "comm_last_step": stats.summary() if stats is not None else None,
+        "torch": torch.__version__,
+    }
+    if rank == 0:
+        print(f"summary: mode={args.mode} ranks={world} params={cfg.num_params / 1e6:.1f}M steps={len(losses)} "
+              f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (floor {data.floor:.3f}) "
+              f"tokens/s={result['tokens_per_s']:,.0f} step={step_time:.3f}s "
+              f"peak_rss/rank=[{', '.join(f'{p:.0f}' for p in result['peak_rss_mib'])}] MiB", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

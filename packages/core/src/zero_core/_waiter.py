@@ -1,0 +1,48 @@
+"""Completing asynchronous reductions off the training thread.
+
+The training thread must never block on a reduce-scatter in the middle of backward (see
+[Note: agreeing on all-gathers]: a rank blocked there could hold up a gather another
+rank waits for), and gloo reports an asynchronous collective as complete only once
+someone waits on it. So one waiter thread per engine waits on the reductions in the
+order they were issued and completes each the moment it finishes, which frees its
+full-size gradient buffer right away instead of at the end of backward.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+__all__ = ["ReductionWaiter"]
+
+
+class ReductionWaiter:
+    """Runs ``item.complete()`` for each submitted item, in order, on a daemon thread."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="zero-reduction-waiter", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is not None and self._error is None:
+                    item.complete()
+            except BaseException as err:  # handed to the training thread by join()
+                self._error = err
+            finally:
+                self._queue.task_done()
+
+    def submit(self, item: Any) -> None:
+        self._queue.put(item)
+
+    def join(self) -> None:
+        """Wait until every submitted reduction has completed; re-raise the first failure."""
+        self._queue.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err

@@ -1,0 +1,262 @@
+"""Conformance kits: pytest base classes a plugin author subclasses to test an implementation.
+
+Subclass the kit in a test module, set the class attribute naming your implementation,
+and pytest collects every inherited ``test_*`` method::
+
+    from zero_core.testing import PlacementPolicyConformance
+    from my_zero_policy import LruPolicy
+
+    class TestLru(PlacementPolicyConformance):
+        policy_class = LruPolicy
+
+Each test's docstring says what a failure usually means.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+
+from zero_core._state import ChunkState, MemoryTier
+from zero_core.api import ChunkPolicy, ZeroConfig
+from zero_core.chunk import Chunk, ChunkSpec, ParamInfo
+from zero_core.comm import CollectiveKind, CommBackend
+from zero_core.placement import PlacementPolicy
+from zero_core.strategy import ShardStrategy
+from zero_core.testing.distributed import run_distributed
+from zero_core.testing.zoo import ZOO, get_case
+
+__all__ = ["ChunkConformance", "CommBackendConformance", "PlacementPolicyConformance", "ShardStrategyConformance"]
+
+
+def _params(case: str) -> list[ParamInfo]:
+    torch.manual_seed(0)
+    model = get_case(case).build()
+    return [ParamInfo(n, p, 0 if p.requires_grad else None) for n, p in model.named_parameters()]
+
+
+def _chunks(world_size: int = 1, rank: int = 0, case: str = "gpt") -> list[Chunk]:
+    params = _params(case)
+    specs, current, used = [], [], 0
+    for info in params:  # simple packing: a new chunk whenever 300 elements are exceeded or the key changes
+        if current and (used + info.numel > 300 or current[-1].key != info.key):
+            specs.append(ChunkSpec(tuple(current), -(-used // world_size) * world_size))
+            current, used = [], 0
+        current.append(info)
+        used += info.numel
+    specs.append(ChunkSpec(tuple(current), -(-used // world_size) * world_size))
+    return [Chunk(i, s, rank=rank, world_size=world_size, device=torch.device("cpu")) for i, s in enumerate(specs)]
+
+
+# -- comm backends -------------------------------------------------------------------
+
+
+def _comm_worker(backend_cls: type[CommBackend]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    comm = backend_cls(dist.group.WORLD, timeout=timedelta(seconds=60))
+    n, r = comm.world_size, comm.rank
+    shard = torch.arange(3, dtype=torch.float32) + 10 * r
+    full = torch.empty(3 * n)
+    comm.all_gather(full, shard)
+    rs_in = torch.arange(2 * n, dtype=torch.float32) * (r + 1)
+    rs_out = torch.empty(2)
+    comm.reduce_scatter(rs_out, rs_in)
+    pending_out = torch.empty(2)
+    pending = comm.reduce_scatter(pending_out, rs_in.clone(), async_op=True)
+    if pending is not None:
+        pending.wait()
+    ar = torch.tensor([float(r + 1)])
+    comm.all_reduce(ar)
+    mx = torch.tensor([float(r)])
+    comm.all_reduce(mx, op="max")
+    b = torch.full((4,), float(r))
+    comm.broadcast(b, src=0)
+    agreed = comm.agree_min(5 + r)
+    anyflags = comm.agree_any(torch.tensor([0, int(r == n - 1), 0], dtype=torch.uint8))
+    objs = comm.all_gather_object({"rank": r})
+    return {
+        "rank": r, "world": n, "full": full, "rs": rs_out, "rs_async": pending_out, "ar": ar.item(), "max": mx.item(),
+        "bcast": b, "agreed": agreed, "any": anyflags.tolist(), "objs": objs, "stats": comm.stats.summary(comm.stats.current),
+    }
+
+
+class CommBackendConformance:
+    """Tests for a :class:`~zero_core.CommBackend`; set ``backend_class``.
+
+    The tests run the backend on 1 and 2 gloo ranks in separate processes.
+    """
+
+    backend_class: ClassVar[type[CommBackend]]
+    world_sizes: ClassVar[tuple[int, ...]] = (1, 2)
+
+    def _run(self, world: int) -> list[dict[str, Any]]:
+        return run_distributed(_comm_worker, world, self.backend_class, timeout=120)
+
+    def test_collectives_compute_the_right_values(self) -> None:
+        """all_gather concatenates in rank order; reduce_scatter sums and keeps this rank's slice."""
+        for world in self.world_sizes:
+            for res in self._run(world):
+                n, r = res["world"], res["rank"]
+                expect_full = torch.cat([torch.arange(3, dtype=torch.float32) + 10 * k for k in range(n)])
+                torch.testing.assert_close(res["full"], expect_full)
+                total = sum(k + 1 for k in range(n))
+                expect_rs = torch.arange(2 * n, dtype=torch.float32)[2 * r : 2 * r + 2] * total
+                torch.testing.assert_close(res["rs"], expect_rs)
+                torch.testing.assert_close(res["rs_async"], expect_rs)
+                assert res["ar"] == total and res["max"] == n - 1
+                torch.testing.assert_close(res["bcast"], torch.zeros(4))
+                assert res["agreed"] == 5
+                assert res["any"] == [0, 1, 0]
+                assert [o["rank"] for o in res["objs"]] == list(range(n))
+
+    def test_counts_match_ring_formulas(self) -> None:
+        """Bytes sent per rank follow the ring convention in zero_core.comm's docstring; one rank sends nothing."""
+        for world in self.world_sizes:
+            stats = self._run(world)[0]["stats"]
+            if world == 1:
+                assert all(v["bytes_sent"] == 0 for v in stats.values()), stats
+                continue
+            n = world
+            assert stats[CollectiveKind.ALL_GATHER.value] == {"calls": 1, "bytes_sent": (n - 1) * 3 * 4}
+            assert stats[CollectiveKind.REDUCE_SCATTER.value] == {"calls": 2, "bytes_sent": 2 * (n - 1) * 2 * 4}
+            assert stats[CollectiveKind.ALL_REDUCE.value] == {"calls": 2, "bytes_sent": 2 * (2 * (n - 1) * 4 // n)}
+            assert stats[CollectiveKind.BROADCAST.value] == {"calls": 1, "bytes_sent": (n - 1) * 16 // n}
+
+    def test_rejects_mismatched_sizes(self) -> None:
+        """A wrongly sized output raises ValueError naming the sizes, instead of hanging or corrupting."""
+        comm = self.backend_class(None, timeout=timedelta(seconds=5))
+        try:
+            comm.all_gather(torch.empty(5), torch.empty(3))
+        except ValueError as err:
+            assert "5" in str(err) and "3" in str(err)
+        else:
+            raise AssertionError("all_gather accepted an output of the wrong size")
+
+
+# -- chunks -------------------------------------------------------------------------
+
+
+def _chunk_roundtrip_worker() -> list[tuple[str, torch.Tensor]]:
+    import torch.distributed as dist
+
+    from zero_core._plugins import ZeroPlugins
+
+    comm = ZeroPlugins.load().comm_backends.get("torch")(dist.group.WORLD, timeout=timedelta(seconds=60))
+    chunks = _chunks(comm.world_size, comm.rank)
+    expected = {s.name: s.param.detach().clone() for c in chunks for s in c.slots}
+    out = []
+    for chunk in chunks:
+        chunk.pack(comm, broadcast_from_rank0=True)
+        assert chunk.state is ChunkState.SHARDED or chunk.persistent
+        assert chunk.shard.numel() == chunk.shard_size
+        chunk.gather(comm)
+        for slot in chunk.slots:
+            assert torch.equal(slot.param.detach(), expected[slot.name]), slot.name
+            out.append((slot.name, slot.param.detach().clone()))
+        chunk.release()
+    return out
+
+
+class ChunkConformance:
+    """Tests for the :class:`~zero_core.Chunk` contract (state transitions and exact bytes)."""
+
+    chunk_class: ClassVar[type[Chunk]] = Chunk
+
+    def test_pack_gather_release_round_trips_values(self) -> None:
+        """Gathering after packing restores every parameter bit for bit, at 1 and 2 ranks."""
+        for world in (1, 2):
+            results = run_distributed(_chunk_roundtrip_worker, world, timeout=120)
+            for other in results[1:]:  # every rank sees the same whole parameters
+                assert [n for n, _ in other] == [n for n, _ in results[0]]
+                assert all(torch.equal(a, b) for (_, a), (_, b) in zip(other, results[0]))
+
+    def test_released_storage_is_freed(self) -> None:
+        """A sharded chunk holds no full buffer and its parameters are empty, so a stray access fails loudly."""
+        params = tuple(_params("odd_sizes"))
+        used = sum(p.numel for p in params)
+        chunk = self.chunk_class(0, ChunkSpec(params, used + (-used) % 2), rank=0, world_size=2, device=torch.device("cpu"))
+        chunk.pack(None, broadcast_from_rank0=False)  # type: ignore[arg-type]  # no collective without broadcast
+        assert chunk.state is ChunkState.SHARDED
+        assert chunk.full.untyped_storage().nbytes() == 0
+        assert chunk.shard.numel() == chunk.size // 2
+        assert all(p.param.numel() == 0 for p in params)
+        try:
+            torch.nn.functional.linear(torch.ones(1, 6), params[0].param)
+        except RuntimeError:
+            pass  # the expected loud failure: a sharded parameter never reads freed memory
+        else:
+            raise AssertionError("using a released parameter did not fail")
+
+    def test_sizes_and_padding_are_exact(self) -> None:
+        """Shard size is size / world; padding is size - used; bytes follow from the dtype."""
+        for world in (1, 2, 4):
+            for chunk in _chunks(world_size=world):
+                assert chunk.size % world == 0
+                assert chunk.shard_size * world == chunk.size
+                assert chunk.padding == chunk.size - sum(s.numel for s in chunk.slots)
+                assert chunk.shard_bytes == chunk.shard_size * 4
+                assert chunk.tier is MemoryTier.DEVICE
+
+
+# -- shard strategies -----------------------------------------------------------------
+
+
+class ShardStrategyConformance:
+    """Tests for a :class:`~zero_core.ShardStrategy`; set ``strategy_class`` (and ``config`` if needed)."""
+
+    strategy_class: ClassVar[type[ShardStrategy]]
+    config: ClassVar[ZeroConfig] = ZeroConfig(chunk=ChunkPolicy(chunk_size=128))
+
+    def test_plan_covers_every_parameter_once(self) -> None:
+        """ShardPlan.validate names the first broken invariant (missing, duplicated, mixed or misaligned)."""
+        for case in ZOO:
+            params = _params(case)
+            for world in (1, 2, 4):
+                plan = self.strategy_class().plan(params, world_size=world, config=self.config)
+                plan.validate(params, world)
+                assert plan.numel == sum(p.numel for p in params)
+
+    def test_plan_is_deterministic(self) -> None:
+        """Every rank computes the plan on its own; the same input must give the same plan."""
+        params = _params("gpt")
+        a = self.strategy_class().plan(params, world_size=2, config=self.config)
+        b = self.strategy_class().plan(params, world_size=2, config=self.config)
+        assert [(tuple(p.name for p in c.params), c.size) for c in a.chunks] == [
+            (tuple(p.name for p in c.params), c.size) for c in b.chunks
+        ]
+
+
+# -- placement policies ----------------------------------------------------------------
+
+
+class PlacementPolicyConformance:
+    """Tests for a :class:`~zero_core.PlacementPolicy`; set ``policy_class``."""
+
+    policy_class: ClassVar[type[PlacementPolicy]]
+
+    def test_has_a_name(self) -> None:
+        """Users select the policy by this name; it must be a non-empty string."""
+        assert isinstance(self.policy_class.name, str) and self.policy_class.name
+
+    def test_attach_places_every_chunk(self) -> None:
+        """After attach, every chunk has a tier and tier_of agrees with it."""
+        chunks = _chunks()
+        policy = self.policy_class()
+        policy.attach(chunks)
+        for chunk in chunks:
+            assert isinstance(chunk.tier, MemoryTier)
+            assert policy.tier_of(chunk) is chunk.tier
+
+    def test_chunks_are_on_the_device_when_gathered(self) -> None:
+        """before_gather must leave every chunk it is given on the device tier."""
+        chunks = _chunks()
+        policy = self.policy_class()
+        policy.attach(chunks)
+        policy.before_gather(chunks)
+        assert all(c.tier is MemoryTier.DEVICE for c in chunks)
+        policy.after_release(chunks)
+        policy.before_step(chunks)
+        policy.after_step(chunks)

@@ -1,0 +1,69 @@
+"""The plugin manager: entry-point discovery, registries, blocking, in-process plugins."""
+
+import pytest
+
+from zero_core import ChunkSpec, PluginNotFoundError, Registry, ZeroConfig, ZeroPlugins, hookimpl, shard
+from zero_core.testing.zoo import get_case
+
+
+def test_builtins_register_through_entry_points():
+    plugins = ZeroPlugins.load()
+    assert "chunk" in plugins.strategies
+    assert "torch" in plugins.comm_backends
+    assert "device" in plugins.placement_policies
+
+
+def test_each_engine_gets_a_fresh_manager():
+    assert ZeroPlugins.load().manager is not ZeroPlugins.load().manager
+
+
+def test_unknown_name_lists_available_and_install_hint():
+    plugins = ZeroPlugins.load()
+    with pytest.raises(PluginNotFoundError, match=r"no placement policy named 'gemini'.*available: device.*zero-offload"):
+        plugins.placement_policies.get("gemini")
+    with pytest.raises(PluginNotFoundError, match="available: chunk"):
+        plugins.strategies.get("nope")
+
+
+def test_registry_rejects_two_different_items_under_one_name():
+    registry: Registry[type] = Registry("thing")
+    registry.add("a", int)
+    registry.add("a", int)  # the same item twice is harmless
+    with pytest.raises(ValueError, match="two plugins register a thing named 'a'"):
+        registry.add("a", str)
+    assert registry.names() == ["a"] and len(registry) == 1
+
+
+def test_blocked_plugins_are_not_loaded(monkeypatch):
+    monkeypatch.setenv("ZERO_BLOCKED_PLUGINS", "strategy-chunk")
+    assert "chunk" not in ZeroPlugins.load().strategies
+
+
+def test_autoload_can_be_disabled_and_plugins_passed_in(monkeypatch):
+    monkeypatch.setenv("ZERO_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert len(ZeroPlugins.load().strategies) == 0
+    import zero_strategy_chunk.plugin
+
+    assert "chunk" in ZeroPlugins.load([zero_strategy_chunk.plugin]).strategies
+
+
+class OneChunkPerParameter:
+    """A user plugin that overrides the chunk packing: every parameter alone."""
+
+    calls = 0
+
+    @hookimpl
+    def zero_plan_chunks(self, params, world_size, config):
+        OneChunkPerParameter.calls += 1
+        return [ChunkSpec((p,), -(-p.numel // world_size) * world_size) for p in params]
+
+
+def test_a_plugin_can_override_chunk_packing():
+    case = get_case("odd_sizes")
+    model = case.build()
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sharded, _ = shard(model, opt, config=ZeroConfig(), plugins=[OneChunkPerParameter()])
+    assert OneChunkPerParameter.calls == 1
+    assert len(sharded.engine.chunks) == len(list(model.parameters()))
