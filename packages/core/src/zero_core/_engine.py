@@ -67,6 +67,12 @@ def _reachable_params(outputs: Sequence[torch.Tensor]) -> set[int]:
         if fn is None or fn in seen:
             continue
         seen.add(fn)
+        if type(fn).__name__ == "CheckpointFunctionBackward":
+            raise GradientLostError(
+                "the model uses reentrant activation checkpointing, which hides parameters from the autograd "
+                "graph until backward, so their gradients would be lost; use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
         variable = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
         if variable is not None:
             found.add(id(variable))
@@ -150,10 +156,12 @@ class Engine:
         self._handles.append(self.optimizer.register_step_pre_hook(self._before_step))
         self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
 
-    def remove_hooks(self) -> None:
+    def close(self) -> None:
+        """Remove every hook and stop the reduction waiter; the engine cannot train afterwards."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._waiter.close()
 
     # -- gather / release ----------------------------------------------------------
     def _gather(self, chunks: Sequence[Chunk]) -> None:
@@ -185,7 +193,11 @@ class Engine:
         self._release(self.chunks)
         tensors = [t for t in _tensors(outputs) if t.requires_grad and t.grad_fn is not None]
         if torch.is_grad_enabled() and tensors and self._reduce_order:
-            reachable = _reachable_params(tensors)
+            try:
+                reachable = _reachable_params(tensors)
+            except GradientLostError:
+                self.abort_forward()
+                raise
             for chunk in self._reduce_order:
                 ids = {id(s.param) for s in chunk.slots if id(s.param) in reachable}
                 self._expected.setdefault(chunk.index, set()).update(ids)

@@ -29,16 +29,27 @@ class ReductionWaiter:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
             try:
-                if item is not None and self._error is None:
+                if self._error is None:
                     item.complete()
             except BaseException as err:  # handed to the training thread by join()
                 self._error = err
             finally:
+                # Drop the collective's handle now: one outliving its process group aborts the process at exit.
+                item = None
                 self._queue.task_done()
 
     def submit(self, item: Any) -> None:
         self._queue.put(item)
+
+    def close(self) -> None:
+        """Stop the thread once everything submitted has completed."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
     def join(self) -> None:
         """Wait until every submitted reduction has completed; re-raise the first failure."""

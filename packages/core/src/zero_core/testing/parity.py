@@ -81,7 +81,8 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         raise ValueError(f"global batch {batch_size} must divide evenly over {world} ranks")
     local = batch_size // world
     model = _build(case)
-    model, opt = shard(model, make_optimizer(case, model, optimizer, lr), config=config)
+    example = case.batch(0, batch_size)[0][:local] if config.chunk.param_order == "first_use" else None
+    model, opt = shard(model, make_optimizer(case, model, optimizer, lr), config=config, example_inputs=example)
     losses = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)

@@ -1,0 +1,85 @@
+"""zero against torch DDP on the demo model, in one run, on the same ranks and data.
+
+Each configuration trains in its own pair of torchrun-launched processes (so peak RSS
+is per configuration), for the same number of steps. The table reports the median step
+time after warm-up, tokens/s, peak RSS per rank, and the ratios to DDP; it fails when
+the configurations' losses disagree, so a strategy that trains a different model shows
+up as a failure instead of a fast row.
+
+    python benchmarks/compare_ddp.py --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+CONFIGS = {
+    "ddp": ["--mode", "ddp"],
+    "zero-chunk": ["--mode", "zero"],
+    "zero-chunk-static": ["--mode", "zero", "--static-graph"],
+}
+
+
+def run(name: str, extra: list[str], args: argparse.Namespace, tmp: Path) -> dict:
+    out = tmp / f"{name}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+           str(ROOT / "examples" / "train_gpt.py"), *extra, "--steps", str(args.steps), "--time-budget", "1e9",
+           "--no-progress", "--log-every", "1000", "--json", str(out), *args.model_args]
+    print(f"running {name}: {' '.join(cmd[3:])}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(out.read_text())
+
+
+def table(results: dict[str, dict]) -> str:
+    base = results["ddp"]
+    rows = ["| config | step s (median) | tokens/s | peak RSS/rank MiB | step vs DDP | RSS vs DDP | bytes sent/step/rank | model-state bytes/rank |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        rss = max(r["peak_rss_mib"])
+        comm = r["comm_last_step"]
+        states = r["model_state_bytes"][0]
+        sent = "n/a (DDP)" if comm is None else f"{sum(v['bytes_sent'] for k, v in comm.items() if k != 'control') / 2**20:.1f} MiB"
+        held = "n/a (DDP)" if states is None else f"{sum(states[k] for k in ('params', 'grads', 'optimizer_states')) / 2**20:.1f} MiB"
+        rows.append(f"| {name} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {rss:.0f} | "
+                    f"{r['median_step_s'] / base['median_step_s']:.2f}x | {rss / max(base['peak_rss_mib']):.2f}x | {sent} | {held} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    p.add_argument("--loss-rtol", type=float, default=1e-4)
+    args, model_args = p.parse_known_args()
+    args.model_args = model_args
+    names = ["ddp"] + [n for n in args.configs.split(",") if n != "ddp"]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {name: run(name, CONFIGS[name], args, Path(tmp)) for name in names}
+    print()
+    print(table(results))
+    reference = results["ddp"]["losses"]
+    bad = [n for n, r in results.items()
+           if any(abs(a - b) > args.loss_rtol * abs(b) for a, b in zip(r["losses"], reference))]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    record = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "results": results}
+    (RESULTS / "compare_ddp.json").write_text(json.dumps(record, indent=1))
+    print(f"\nlosses agree with DDP within {args.loss_rtol}: {'yes' if not bad else 'NO: ' + ', '.join(bad)}")
+    print(f"results written to {RESULTS / 'compare_ddp.json'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

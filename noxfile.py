@@ -1,0 +1,48 @@
+"""Sessions: ``nox -s tests`` (the test suite), ``nox -s demo`` (2-rank GPT training),
+``nox -s docs`` (strict docs build), ``nox -s bench`` (zero vs torch DDP, side by side)."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "docs"]
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+# The CPU build of torch 2.13.0 is what CI provides; an unpinned torch would pull CUDA wheels.
+TORCH = "torch==2.13.0"
+PACKAGES = ["packages/core", "packages/comm", "packages/strategies/chunk"]
+
+
+def install_zero(session: nox.Session, *extra: str) -> None:
+    session.install(TORCH)
+    session.install(*[arg for path in PACKAGES for arg in ("-e", path)], *extra)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Unit tests of every package plus the cross-package parity, counting and demo tests."""
+    install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "rich>=13")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Train a 23M-parameter GPT with tied embeddings on 2 CPU ranks, launched by torchrun."""
+    install_zero(session, "rich>=13")
+    session.run("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "examples/train_gpt.py", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site; warnings are errors."""
+    session.install("mkdocs-material>=9.5")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """zero against torch DDP on the demo model, in one run. Options after -- go to the script."""
+    install_zero(session, "rich>=13")
+    session.run("python", "benchmarks/compare_ddp.py", *session.posargs)
