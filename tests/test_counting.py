@@ -33,8 +33,10 @@ def test_zero3_collectives_and_bytes_per_step(world):
             assert step["reduce_scatter"]["bytes_sent"] == (world - 1) * padded * 4 // world
             data = step["all_gather"]["bytes_sent"] + step["reduce_scatter"]["bytes_sent"]
             assert data == (world - 1) * padded * (2 * 4 + 4) // world  # the ZeRO-3 formula plus padding
-            # agreement rounds: one per gather, one drain per pass, one gradient-presence exchange
-            assert step["control"]["calls"] == 2 * n_chunks + 3
+            # agreement rounds: at most one per gather plus a drain per pass and one gradient-presence
+            # exchange (prefetched chunks need none); the same on every rank and every step
+            assert step["control"] == results[0].step_stats[0]["control"]
+            assert step["control"]["calls"] <= 2 * n_chunks + 3
             assert set(step) == {"all_gather", "reduce_scatter", "control"}
 
 

@@ -72,7 +72,7 @@ class TorchCommBackend(CommBackend):
     def _record(self, kind: CollectiveKind, payload_bytes: int) -> None:
         self.stats.record(kind, ring_bytes_sent(kind, payload_bytes, self._world))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
         if output.numel() != input.numel() * self._world:
             raise ValueError(
                 f"all_gather output has {output.numel()} elements, expected world_size x input = "
@@ -80,10 +80,14 @@ class TorchCommBackend(CommBackend):
             )
         if self._world == 1:
             output.copy_(input)
-            return
+            return None
         self._record(CollectiveKind.ALL_GATHER, output.numel() * output.element_size())
         work = dist.all_gather_single(output, input, group=self.group, async_op=True)
-        self._wait(work, f"all_gather of {output.numel()} elements")
+        pending = _Pending(self, work, f"all_gather of {output.numel()} elements", keep=input)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
         if input.numel() != output.numel() * self._world:

@@ -335,8 +335,10 @@ class Engine:
         ``grads`` counts each gradient storage once (segments' gradients are views of one
         shard-sized buffer per chunk). ``optimizer_scalars`` counts zero-dimensional
         optimizer states (step counters) separately, because the ZeRO formulas leave them out.
+        ``gradient_workspace`` is the idle full-size gradient buffers kept for reuse.
         """
-        report = {"params": 0, "grads": 0, "optimizer_states": 0, "optimizer_scalars": 0, "gathered_buffers": 0}
+        report = {"params": 0, "grads": 0, "optimizer_states": 0, "optimizer_scalars": 0, "gathered_buffers": 0,
+                  "gradient_workspace": self.chunks[0]._pool.nbytes if self.chunks else 0}
         grad_storages: dict[int, int] = {}
         for chunk in self.chunks:
             report["params"] += chunk.shard_bytes

@@ -15,12 +15,22 @@ same pass (a tied weight, a module called twice) starts a new lap of the walk.
 
 With ``ZeroConfig(static_graph=True)`` the user promises that every rank runs the
 same modules in the same order, and the agreement rounds are skipped.
+
+[Note: prefetch]
+After every all-gather of a pass, the scheduler starts an asynchronous all-gather of the
+chunk at the next position of the walk, so it travels while the current chunk computes,
+unless the walk already gathered that chunk in this pass.
+The decision depends only on the walk's position, which is identical on every rank, so
+every rank issues the same prefetches; a rank that already holds that chunk joins into
+a scratch buffer. A prefetched chunk a rank never uses is released with the rest when
+the pass ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from zero_core._state import ChunkState
 from zero_core.chunk import Chunk
 from zero_core.comm import CommBackend
 from zero_core.placement import PlacementPolicy
@@ -41,10 +51,13 @@ class GatherScheduler:
         # Position of the last agreed all-gather in this pass (laps * len(chunks) + position), identical on all ranks.
         self._cursor = -1
         self._reverse = False
+        # Chunks the agreed sequence gathered in this pass: never prefetched again in it.
+        self._seen: set[int] = set()
 
     def begin_pass(self, *, reverse: bool) -> None:
         self._cursor = -1
         self._reverse = reverse
+        self._seen = set()
 
     def _position(self, index: int) -> int:
         return len(self.chunks) - 1 - index if self._reverse else index
@@ -61,21 +74,33 @@ class GatherScheduler:
     def gather(self, chunks: Sequence[Chunk]) -> None:
         """Gather ``chunks`` (those not gathered yet), serving other ranks' needs in between."""
         todo = sorted((c for c in chunks if not c.is_gathered), key=lambda c: self._position(c.index))
-        if not todo:
-            return
-        self.placement.before_gather(todo)
+        if todo:
+            self.placement.before_gather(todo)
         for chunk in todo:
+            if chunk.is_gathered:  # prefetched by an earlier round of this loop
+                continue
             if not self.agree:
                 chunk.gather(self.comm)
+                self._seen.add(chunk.index)
+                self._cursor = self._position(chunk.index)
+                self._prefetch_next()
                 continue
-            proposal = self._proposal(chunk)
-            while True:
+            while not chunk.is_gathered:  # serving another rank may prefetch this very chunk
+                proposal = self._proposal(chunk)
                 agreed = self.comm.agree_min(proposal)
                 self._cursor = agreed
                 if agreed == proposal:
                     chunk.gather(self.comm)
-                    break
-                self._serve(self._chunk_at(agreed))
+                    self._seen.add(chunk.index)
+                    self._prefetch_next()
+                else:
+                    self._serve(self._chunk_at(agreed))
+        for chunk in chunks:
+            if chunk.state is ChunkState.GATHERING:
+                chunk.wait()
+                # Consuming a prefetch is rank-local, so only a static graph may chain the next one from here.
+                if not self.agree and self._cursor == self._position(chunk.index):
+                    self._prefetch_next()
 
     def drain(self) -> None:
         """This rank's pass is over: keep serving other ranks until none needs anything."""
@@ -88,3 +113,21 @@ class GatherScheduler:
     def _serve(self, chunk: Chunk) -> None:
         self.placement.before_gather([chunk])
         chunk.gather_for_peers(self.comm)
+        self._seen.add(chunk.index)
+        self._prefetch_next()
+
+    def _prefetch_next(self) -> None:
+        """See [Note: prefetch]. Identical on every rank because the cursor is."""
+        n = len(self.chunks)
+        if self._cursor < 0 or (self._cursor + 1) % n == 0:
+            return  # the walk's lap is over: nothing follows
+        chunk = self._chunk_at(self._cursor + 1)
+        if chunk.index in self._seen:
+            return  # gathered earlier in this pass (a tied weight): every rank skips it alike
+        self._cursor += 1
+        self._seen.add(chunk.index)
+        self.placement.before_gather([chunk])
+        if chunk.is_gathered:
+            chunk.gather_for_peers(self.comm)
+        else:
+            chunk.gather(self.comm, async_op=True)

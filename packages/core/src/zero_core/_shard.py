@@ -14,7 +14,7 @@ from zero_core._module import ZeroModule
 from zero_core._plugins import ZeroPlugins
 from zero_core._setup import check_ranks_agree, collect_params, first_use_order, resolve_device, resolve_group
 from zero_core.api import ZeroConfig
-from zero_core.chunk import Chunk
+from zero_core.chunk import BufferPool, Chunk
 from zero_core.errors import ConfigError, ZeroSetupError
 
 __all__ = ["Sharded", "shard"]
@@ -87,8 +87,9 @@ def shard(
     plan.validate(params, comm.world_size)
 
     chunks = []
+    pool = BufferPool()
     for index, spec in enumerate(plan.chunks):
-        chunk = Chunk(index, spec, rank=comm.rank, world_size=comm.world_size, device=device)
+        chunk = Chunk(index, spec, rank=comm.rank, world_size=comm.world_size, device=device, pool=pool)
         chunk.pack(comm, broadcast_from_rank0=config.sync_module_states)
         chunks.append(chunk)
     with torch.no_grad():

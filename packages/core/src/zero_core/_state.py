@@ -26,6 +26,8 @@ class ChunkState(enum.Enum):
     #: Only this rank's shard exists; the full buffer's storage is freed, so any
     #: access to a parameter view fails loudly instead of reading stale data.
     SHARDED = "sharded"
+    #: An all-gather into the full buffer is in flight (a prefetch); wait before use.
+    GATHERING = "gathering"
     #: The full buffer holds every rank's shard; parameter views are valid.
     GATHERED = "gathered"
 

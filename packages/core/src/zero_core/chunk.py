@@ -28,6 +28,7 @@ therefore match single-process training; optimizers that look at a whole tensor
 from __future__ import annotations
 
 from collections.abc import Sequence
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ from torch import nn
 from zero_core._state import ChunkState, MemoryTier
 from zero_core.comm import CommBackend, Pending
 
-__all__ = ["Chunk", "ChunkSpec", "ParamInfo", "ParamSlot", "Segment"]
+__all__ = ["BufferPool", "Chunk", "ChunkSpec", "ParamInfo", "ParamSlot", "Segment"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +102,48 @@ class Segment:
     param: nn.Parameter
 
 
+class BufferPool:
+    """Reusable full-size gradient buffers, keyed by (size, dtype, device).
+
+    Fresh multi-megabyte CPU allocations are mapped anew and page-faulted on first touch,
+    which cost about as much as the gradient copy itself; a pool keeps the few buffers a
+    backward has in flight at once. Thread-safe: the reduction waiter returns buffers.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((size, dtype, device))
+            buf = free.pop() if free else None
+        if buf is None:
+            return torch.zeros(size, dtype=dtype, device=device)
+        return buf.zero_()
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the idle buffers the pool keeps."""
+        with self._lock:
+            return sum(b.numel() * b.element_size() for bufs in self._free.values() for b in bufs)
+
+
 class Chunk:
     """A flat, evenly sharded buffer of parameters. See [Note: parameter views]."""
 
-    def __init__(self, index: int, spec: ChunkSpec, *, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(
+        self, index: int, spec: ChunkSpec, *, rank: int, world_size: int, device: torch.device,
+        pool: BufferPool | None = None,
+    ) -> None:
         if spec.size % world_size:
             raise ValueError(f"chunk size {spec.size} is not a multiple of the world size {world_size}")
         if spec.used > spec.size:
@@ -130,6 +169,8 @@ class Chunk:
         self.full = torch.zeros(self.size, dtype=self.dtype, device=device)
         self._views = tuple(self.full[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots)
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
+        self._pending_gather: Pending | None = None
+        self._pool = pool or BufferPool()
         self.shard: torch.Tensor = self.full
         self.segments: tuple[Segment, ...] = ()
         # Mean gradient of this rank's shard from the last backward, until published to segments.
@@ -183,15 +224,31 @@ class Chunk:
 
     @property
     def is_gathered(self) -> bool:
-        return self.state is ChunkState.GATHERED
+        """Whether the full buffer exists or is being filled (GATHERING counts: it needs no new all-gather)."""
+        return self.state is not ChunkState.SHARDED
 
-    def gather(self, comm: CommBackend) -> None:
-        """SHARDED -> GATHERED: re-allocate the full buffer and all-gather the shards into it."""
+    def gather(self, comm: CommBackend, *, async_op: bool = False) -> None:
+        """SHARDED -> GATHERED (or GATHERING with ``async_op``): re-allocate the full buffer and all-gather into it."""
         if self.persistent:
             return
         self._assert_state(ChunkState.SHARDED)
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
-        comm.all_gather(self.full, self.shard)
+        pending = comm.all_gather(self.full, self.shard, async_op=async_op)
+        if async_op and pending is not None:
+            self._pending_gather = pending
+            self.state = ChunkState.GATHERING
+        else:
+            self._to_gathered()
+
+    def wait(self) -> None:
+        """GATHERING -> GATHERED: wait for the in-flight all-gather (no-op in other states)."""
+        if self.state is ChunkState.GATHERING:
+            pending, self._pending_gather = self._pending_gather, None
+            assert pending is not None
+            pending.wait()
+            self._to_gathered()
+
+    def _to_gathered(self) -> None:
         for slot, view in zip(self.slots, self._views):
             slot.param.data = view
         self.state = ChunkState.GATHERED
@@ -200,6 +257,7 @@ class Chunk:
         """GATHERED -> SHARDED: free the full buffer's storage; parameters become empty tensors."""
         if self.persistent:
             return
+        self.wait()
         self._assert_state(ChunkState.GATHERED)
         self.full.untyped_storage().resize_(0)
         for slot in self.slots:
@@ -219,7 +277,7 @@ class Chunk:
         """
         if self._grad_flat is not None or not self.requires_grad:
             return
-        self._grad_flat = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+        self._grad_flat = self._pool.take(self.size, self.dtype, self.device)
         for slot in self.slots:
             if slot.param.grad is None:
                 slot.param.grad = self._grad_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
@@ -233,7 +291,7 @@ class Chunk:
         """
         flat, self._grad_flat = self._grad_flat, None
         if flat is None:
-            flat = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+            flat = self._pool.take(self.size, self.dtype, self.device)
         for slot in self.slots:
             grad = slot.param.grad
             if grad is not None:
@@ -243,10 +301,10 @@ class Chunk:
                 slot.param.grad = None
         if self.persistent:
             self.reduced_grad = flat
-            return _Reduction(self, None, None)
+            return _Reduction(self, None, None, None)
         reduced = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
         pending = comm.reduce_scatter(reduced, flat, async_op=True)
-        return _Reduction(self, pending, reduced)  # the pending collective keeps ``flat`` alive
+        return _Reduction(self, pending, reduced, flat)
 
     def publish_gradients(self, present: Sequence[bool]) -> None:
         """Hand the reduced gradient to the optimizer's segments, as autograd would to parameters.
@@ -292,8 +350,10 @@ class Chunk:
 class _Reduction:
     """A chunk's gradient reduce-scatter in flight; ``complete()`` stores the mean in the chunk."""
 
-    def __init__(self, chunk: Chunk, pending: Pending | None, reduced: torch.Tensor | None) -> None:
-        self._chunk, self._pending, self._reduced = chunk, pending, reduced
+    def __init__(
+        self, chunk: Chunk, pending: Pending | None, reduced: torch.Tensor | None, flat: torch.Tensor | None
+    ) -> None:
+        self._chunk, self._pending, self._reduced, self._flat = chunk, pending, reduced, flat
 
     def done(self) -> bool:
         return self._pending is None or self._pending.done()
@@ -304,3 +364,6 @@ class _Reduction:
             assert self._reduced is not None
             self._chunk.reduced_grad = self._reduced.div_(self._chunk.world_size)
             self._pending = None
+        if self._flat is not None:  # the collective is done with it
+            self._chunk._pool.give(self._flat)
+            self._flat = None

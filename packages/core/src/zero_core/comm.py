@@ -138,8 +138,11 @@ class CommBackend(ABC):
         """Number of ranks in the group."""
 
     @abstractmethod
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """Gather every rank's ``input`` into ``output`` (``world_size * input.numel()``)."""
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
+        """Gather every rank's ``input`` into ``output`` (``world_size * input.numel()``).
+
+        With ``async_op=True`` return a :class:`Pending` to wait on before reading ``output``.
+        """
 
     @abstractmethod
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
