@@ -338,7 +338,7 @@ class Engine:
         ``gradient_workspace`` is the idle full-size gradient buffers kept for reuse.
         """
         report = {"params": 0, "grads": 0, "optimizer_states": 0, "optimizer_scalars": 0, "gathered_buffers": 0,
-                  "gradient_workspace": self.chunks[0]._pool.nbytes if self.chunks else 0}
+                  "gradient_workspace": self.chunks[0].pool.nbytes if self.chunks else 0}
         grad_storages: dict[int, int] = {}
         for chunk in self.chunks:
             report["params"] += chunk.shard_bytes

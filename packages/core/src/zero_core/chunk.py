@@ -170,7 +170,7 @@ class Chunk:
         self._views = tuple(self.full[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots)
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         self._pending_gather: Pending | None = None
-        self._pool = pool or BufferPool()
+        self.pool = pool or BufferPool()
         self.shard: torch.Tensor = self.full
         self.segments: tuple[Segment, ...] = ()
         # Mean gradient of this rank's shard from the last backward, until published to segments.
@@ -277,7 +277,7 @@ class Chunk:
         """
         if self._grad_flat is not None or not self.requires_grad:
             return
-        self._grad_flat = self._pool.take(self.size, self.dtype, self.device)
+        self._grad_flat = self.pool.take(self.size, self.dtype, self.device)
         for slot in self.slots:
             if slot.param.grad is None:
                 slot.param.grad = self._grad_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
@@ -291,7 +291,7 @@ class Chunk:
         """
         flat, self._grad_flat = self._grad_flat, None
         if flat is None:
-            flat = self._pool.take(self.size, self.dtype, self.device)
+            flat = self.pool.take(self.size, self.dtype, self.device)
         for slot in self.slots:
             grad = slot.param.grad
             if grad is not None:
@@ -365,5 +365,5 @@ class _Reduction:
             self._chunk.reduced_grad = self._reduced.div_(self._chunk.world_size)
             self._pending = None
         if self._flat is not None:  # the collective is done with it
-            self._chunk._pool.give(self._flat)
+            self._chunk.pool.give(self._flat)
             self._flat = None
