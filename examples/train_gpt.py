@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
+    if args.mode == "zero":
+        model.close()  # stop zero's helper thread before the process group goes away
     dist.destroy_process_group()
     return 0
 

@@ -69,6 +69,14 @@ class TorchCommBackend(CommBackend):
                 "died, or issued a different collective; look at the other ranks' output first."
             ) from err
 
+    def _finish(self, work: Any, what: str, keep: torch.Tensor, async_op: bool) -> Pending | None:
+        """Hand back the in-flight collective, or wait for it here (with the timeout)."""
+        pending = _Pending(self, work, what, keep=keep)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
+
     def _record(self, kind: CollectiveKind, payload_bytes: int) -> None:
         self.stats.record(kind, ring_bytes_sent(kind, payload_bytes, self._world))
 
@@ -83,11 +91,7 @@ class TorchCommBackend(CommBackend):
             return None
         self._record(CollectiveKind.ALL_GATHER, output.numel() * output.element_size())
         work = dist.all_gather_single(output, input, group=self.group, async_op=True)
-        pending = _Pending(self, work, f"all_gather of {output.numel()} elements", keep=input)
-        if async_op:
-            return pending
-        pending.wait()
-        return None
+        return self._finish(work, f"all_gather of {output.numel()} elements", input, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
         if input.numel() != output.numel() * self._world:
@@ -100,11 +104,7 @@ class TorchCommBackend(CommBackend):
             return None
         self._record(CollectiveKind.REDUCE_SCATTER, input.numel() * input.element_size())
         work = dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        pending = _Pending(self, work, f"reduce_scatter of {input.numel()} elements", keep=input)
-        if async_op:
-            return pending
-        pending.wait()
-        return None
+        return self._finish(work, f"reduce_scatter of {input.numel()} elements", input, async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         if op not in _OPS:

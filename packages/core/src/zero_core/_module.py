@@ -37,6 +37,14 @@ class ZeroModule(nn.Module):
         self.engine.post_forward_root(outputs)
         return outputs
 
+    def close(self) -> None:
+        """Detach zero from the model: remove its hooks and stop its helper thread.
+
+        Call it before ``torch.distributed.destroy_process_group()``; the model cannot
+        train afterwards.
+        """
+        self.engine.close()
+
     @property
     def comm_stats(self) -> CommStats:
         """Collective calls and bytes this rank sent, per step. See :class:`zero_core.CommStats`."""

@@ -10,8 +10,10 @@ full-size gradient buffer right away instead of at the end of backward.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from typing import Any
 
 __all__ = ["ReductionWaiter"]
@@ -25,6 +27,10 @@ class ReductionWaiter:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="zero-reduction-waiter", daemon=True)
         self._thread.start()
+        # A waiter thread still alive while the interpreter tears torch down aborts the process
+        # ("terminate called without an active exception"), so stop it before that.
+        ref = weakref.ref(self)
+        atexit.register(lambda: (w := ref()) is not None and w.close(timeout=10.0))
 
     def _run(self) -> None:
         while True:
@@ -45,11 +51,11 @@ class ReductionWaiter:
     def submit(self, item: Any) -> None:
         self._queue.put(item)
 
-    def close(self) -> None:
-        """Stop the thread once everything submitted has completed."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the thread once everything submitted has completed (or ``timeout`` passed)."""
         if self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join()
+            self._thread.join(timeout)
 
     def join(self) -> None:
         """Wait until every submitted reduction has completed; re-raise the first failure."""
