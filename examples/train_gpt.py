@@ -38,7 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=int, default=10, help="steps of linear learning-rate warm-up")
+    p.add_argument("--alphabet", type=int, default=64, help="tokens the synthetic Markov chain uses")
     p.add_argument("--chunk-size", type=int, default=None, help="elements per chunk (default: searched)")
     p.add_argument("--static-graph", action="store_true", help="skip the all-gather agreement rounds")
     p.add_argument("--log-every", type=int, default=5)
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, n_head=args.heads)
-    data = SyntheticTokens(vocab_size=args.vocab, seq_len=args.seq_len)
+    data = SyntheticTokens(vocab_size=args.vocab, seq_len=args.seq_len, alphabet=args.alphabet)
     torch.manual_seed(0)
     model = GPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -81,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = torch.nn.parallel.DistributedDataParallel(model.to(device))
     setup_peak = rss_mib()[1]
+    # An ordinary scheduler: zero re-points the optimizer in place, so schedulers just work.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, args.warmup)))
 
     progress = None
     if rank == 0 and not args.no_progress and sys.stdout.isatty():
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = lm_loss(model(tokens), tokens)
         loss.backward()
         optimizer.step()
+        scheduler.step()
         reported = loss.detach().clone()
         dist.all_reduce(reported)
         losses.append(reported.item() / world)
