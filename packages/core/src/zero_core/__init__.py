@@ -3,6 +3,7 @@
 The one verb is :func:`shard`; everything else configures, extends or inspects it.
 """
 
+from zero_core._clip import clip_grad_norm_
 from zero_core._engine import Engine
 from zero_core._module import ZeroModule
 from zero_core._plugins import ENTRY_POINT_GROUP, ZeroPlugins, hookimpl
@@ -57,6 +58,7 @@ __all__ = [
     "ZeroPlugins",
     "ZeroSetupError",
     "__version__",
+    "clip_grad_norm_",
     "hookimpl",
     "ring_bytes_sent",
     "round_up",

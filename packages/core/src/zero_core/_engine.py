@@ -122,6 +122,8 @@ class Engine:
         self._handles: list[Any] = []
         self._scheduler = GatherScheduler(chunks, comm, placement, agree=not config.static_graph)
         self._waiter = ReductionWaiter()
+        # False inside ZeroModule.no_sync(): backwards accumulate full gradients without reducing them.
+        self.sync_gradients = True
 
         # Per-step state, reset by the transitions below.
         self.state = TrainingState.IDLE
@@ -273,7 +275,8 @@ class Engine:
             expected.discard(id(param))
             if not expected:
                 self._ready[chunk.index] = True
-        self._reduce_ready()
+        if self.sync_gradients:
+            self._reduce_ready()
 
     def _reduce_ready(self) -> None:
         while self._next_reduce < len(self._reduce_order):
@@ -305,10 +308,11 @@ class Engine:
         """Queued on the autograd engine: runs once when the outermost backward finishes."""
         try:
             self._scheduler.drain()
-            while self._next_reduce < len(self._reduce_order):
-                self._reduce(self._reduce_order[self._next_reduce])
-            self._waiter.join()
-            self._publish_gradients()
+            if self.sync_gradients:
+                while self._next_reduce < len(self._reduce_order):
+                    self._reduce(self._reduce_order[self._next_reduce])
+                self._waiter.join()
+                self._publish_gradients()
             self._release(self.chunks)
         finally:
             self._expected = {}
@@ -320,6 +324,16 @@ class Engine:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.state is TrainingState.BACKWARD:
             raise ZeroError("optimizer.step() was called during backward; call it after loss.backward() returns")
+        if not self.sync_gradients:
+            raise ZeroError(
+                "optimizer.step() was called inside model.no_sync(): this backward's gradients were not reduced. "
+                "Run the last micro-batch's forward and backward outside no_sync(), then step"
+            )
+        if any(chunk.has_unreduced_gradients for chunk in self._reduce_order):
+            raise ZeroError(
+                "optimizer.step() after a backward inside model.no_sync(): the accumulated gradients were never "
+                "reduced. Run the last micro-batch's forward and backward outside no_sync(), then step"
+            )
         self.placement.before_step(self.chunks)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,6 +38,23 @@ class ZeroModule(nn.Module):
             raise
         self.engine.post_forward_root(outputs)
         return outputs
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients over micro-batches without communicating (DDP's ``no_sync``).
+
+        Backwards inside the context add into full-size, unsharded gradient buffers
+        (4 bytes per parameter per rank in fp32, on top of the sharded states) and skip
+        the reduce-scatter; the first backward outside the context reduces the sum. The
+        parameter all-gathers still run on every micro-batch. Stepping the optimizer inside
+        the context, or before a backward outside it, raises :class:`ZeroError`.
+        """
+        previous = self.engine.sync_gradients
+        self.engine.sync_gradients = False
+        try:
+            yield
+        finally:
+            self.engine.sync_gradients = previous
 
     def close(self) -> None:
         """Detach zero from the model: remove its hooks and stop its helper thread.

@@ -269,6 +269,11 @@ class Chunk:
         scratch = torch.empty(self.size, dtype=self.dtype, device=self.device)
         comm.all_gather(scratch, self.shard)
 
+    @property
+    def has_unreduced_gradients(self) -> bool:
+        """Gradients accumulated (inside ``no_sync``) but not reduce-scattered yet."""
+        return self._grad_flat is not None
+
     def prepare_gradients(self) -> None:
         """Point every parameter's ``.grad`` at a zeroed full-size buffer before backward reaches it.
 

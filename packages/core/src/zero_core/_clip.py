@@ -1,0 +1,52 @@
+"""Gradient clipping by the global norm over every rank's gradient shards."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zero_core._module import ZeroModule
+from zero_core._state import TrainingState
+from zero_core.errors import ConfigError, ZeroError
+
+__all__ = ["clip_grad_norm_"]
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: ZeroModule, max_norm: float, norm_type: float = 2.0) -> float:
+    """Scale the sharded gradients so their global norm is at most ``max_norm``; return that norm.
+
+    The same contract as :func:`torch.nn.utils.clip_grad_norm_` over the whole model,
+    computed from the shards: each element belongs to exactly one rank's segments, so
+    one all-reduce (sum, or max for ``norm_type=inf``) yields the true global norm. The
+    returned float is identical on every rank. Collective: call it on every rank, after
+    ``loss.backward()`` and before ``optimizer.step()``.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ConfigError(f"clip_grad_norm_ needs a positive max_norm, got {max_norm!r}")
+    norm_type = float(norm_type)
+    if not (norm_type > 0 or math.isinf(norm_type)):
+        raise ConfigError(f"clip_grad_norm_ needs a positive norm_type or inf, got {norm_type!r}")
+    if not isinstance(model, ZeroModule):
+        raise ZeroError(f"clip_grad_norm_ takes the model zero_core.shard returned, got {type(model).__name__}")
+    engine = model.engine
+    if engine.state is TrainingState.BACKWARD:
+        raise ZeroError("clip_grad_norm_ was called during backward; call it after loss.backward() returns")
+    grads = [seg.param.grad for chunk in engine.chunks for seg in chunk.segments if seg.param.grad is not None]
+    device = engine.device
+    if math.isinf(norm_type):
+        local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+        total = local.to(device=device, dtype=torch.float64).reshape(1)
+        engine.comm.all_reduce(total, op="max")
+        norm = float(total.item())
+    else:
+        local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        total = local.to(device).reshape(1)
+        engine.comm.all_reduce(total)
+        norm = float(total.item() ** (1.0 / norm_type))
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return norm

@@ -1,0 +1,58 @@
+"""Gradient accumulation with no_sync() and global-norm clipping reproduce one-process training."""
+
+import math
+
+import pytest
+import torch
+
+from zero_core import ChunkPolicy, ConfigError, ZeroConfig, ZeroError, clip_grad_norm_, shard
+from zero_core.testing import assert_parity, run_distributed, train_reference, train_sharded
+from zero_core.testing.zoo import get_case
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("case", ["gpt", "unused"])
+def test_no_sync_accumulation_equals_one_big_batch(case, world):
+    micro = 2 if world == 4 else 4  # 8 samples: 2 per rank at 4 ranks, split into 2 micro-batches
+    results = run_distributed(train_sharded, world, case, micro_batches=micro)
+    assert_parity(train_reference(case), results[0])
+    chunks = results[0].chunks
+    for step in results[0].step_stats:  # one reduce-scatter per chunk per step, whatever the micro-batches
+        if world > 1:
+            assert step["reduce_scatter"]["calls"] == sum(c["requires_grad"] for c in chunks)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_clipping_uses_the_global_norm(world, norm_type):
+    clip = 0.05  # below the gradient norms of the first steps, so clipping acts
+    results = run_distributed(train_sharded, world, "gpt", clip=clip, norm_type=norm_type)
+    reference = train_reference("gpt", clip=clip, norm_type=norm_type)
+    assert any(n > clip for n in reference.norms)
+    assert_parity(reference, results[0])
+    assert all(r.norms == results[0].norms for r in results)  # identical floats on every rank
+
+
+def small():
+    torch.manual_seed(0)
+    model = get_case("odd_sizes").build()
+    return shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=ZeroConfig(chunk=ChunkPolicy(chunk_size=64)))
+
+
+def test_stepping_inside_no_sync_is_refused():
+    model, opt = small()
+    with model.no_sync():
+        model(torch.rand(2, 6)).sum().backward()
+        with pytest.raises(ZeroError, match="inside model.no_sync"):
+            opt.step()
+    with pytest.raises(ZeroError, match="never reduced"):
+        opt.step()
+    model(torch.rand(2, 6)).sum().backward()
+    opt.step()  # a backward outside no_sync reduces the accumulated sum
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True])
+def test_clipping_needs_a_positive_max_norm(bad):
+    model, _ = small()
+    with pytest.raises(ConfigError, match="positive max_norm"):
+        clip_grad_norm_(model, bad)
