@@ -24,7 +24,7 @@ def test_zero3_collectives_and_bytes_per_step(world):
     chunks = results[0].chunks
     n_chunks, padded = len(chunks), sum(c["size"] for c in chunks)
     assert all(c["requires_grad"] for c in chunks)
-    for rank, result in enumerate(results):
+    for result in results:
         assert len(result.step_stats) == 3
         for step in result.step_stats:
             assert step["all_gather"]["calls"] == 2 * n_chunks  # forward + backward, one per chunk

@@ -3,13 +3,12 @@
 import time
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
 
 from zero_comm import TorchCommBackend
 from zero_core import CollectiveTimeoutError
-from zero_core.testing import CommBackendConformance, DistributedTestError, run_distributed
+from zero_core.testing import CommBackendConformance, run_distributed
 
 
 class TestTorchBackend(CommBackendConformance):

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from zero_core import CommBackend, Registry, hookimpl
-
 from zero_comm._torch_backend import TorchCommBackend
+from zero_core import CommBackend, Registry, hookimpl
 
 
 @hookimpl

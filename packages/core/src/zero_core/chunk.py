@@ -27,8 +27,8 @@ therefore match single-process training; optimizers that look at a whole tensor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from zero_core import ChunkSpec, ParamInfo, ShardPlan, ShardStrategy, ZeroConfig, round_up
-
 from zero_strategy_chunk._search import outlier_threshold, search_chunk_size
 
 if TYPE_CHECKING:

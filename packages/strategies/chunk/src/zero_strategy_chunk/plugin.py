@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from zero_core import ChunkSpec, ParamInfo, Registry, ShardStrategy, ZeroConfig, hookimpl
-
 from zero_strategy_chunk._strategy import ChunkStrategy, pack_chunks
 
 
