@@ -18,6 +18,11 @@ def padding_on_rank(chunk, rank, world):
     return max(0, hi - max(lo, chunk["used"]))
 
 
+def test_one_rank_sends_nothing():
+    result = run_distributed(train_sharded, 1, "gpt", steps=2)[0]
+    assert result.step_stats == [{}, {}]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_zero3_collectives_and_bytes_per_step(world):
     results = run_distributed(train_sharded, world, "gpt", steps=3)

@@ -23,9 +23,6 @@ class _Pending:
         self._backend, self._work, self._what = backend, work, what
         self._keep: torch.Tensor | None = keep  # the input must outlive the collective
 
-    def done(self) -> bool:
-        return self._keep is None or bool(self._work.is_completed())
-
     def wait(self) -> None:
         if self._keep is not None:
             self._backend._wait(self._work, self._what)

@@ -25,7 +25,6 @@ a gradient that cannot arrive.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -48,9 +47,6 @@ if TYPE_CHECKING:
     from zero_core.strategy import ShardStrategy
 
 __all__ = ["Engine"]
-
-logger = logging.getLogger("zero")
-
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(obj)

@@ -126,10 +126,6 @@ class BufferPool:
         with self._lock:
             self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
     @property
     def nbytes(self) -> int:
         """Bytes of the idle buffers the pool keeps."""
@@ -359,9 +355,6 @@ class _Reduction:
         self, chunk: Chunk, pending: Pending | None, reduced: torch.Tensor | None, flat: torch.Tensor | None
     ) -> None:
         self._chunk, self._pending, self._reduced, self._flat = chunk, pending, reduced, flat
-
-    def done(self) -> bool:
-        return self._pending is None or self._pending.done()
 
     def complete(self) -> None:
         if self._pending is not None:

@@ -101,9 +101,6 @@ class CommStats:
 class Pending(Protocol):
     """An asynchronous collective in flight."""
 
-    def done(self) -> bool:
-        """Whether it has completed (never blocks)."""
-
     def wait(self) -> None:
         """Block until it completes (raising on timeout or failure)."""
 
