@@ -171,7 +171,8 @@ class Chunk:
         self.segments: tuple[Segment, ...] = ()
         # Mean gradient of this rank's shard from the last backward, until published to segments.
         self.reduced_grad: torch.Tensor | None = None
-        # Per slot: did the parameter get a gradient on this rank in the last backward?
+        # Per slot: did the parameter get a gradient on this rank since the last publish (every backward of
+        # a no_sync accumulation included)? Set by the engine's post-accumulate-grad hook.
         self.got_grad = [False] * len(self.slots)
         # Full-size gradient buffer of the running backward; parameters' .grad are views of it.
         self._grad_flat: torch.Tensor | None = None
