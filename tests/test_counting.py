@@ -1,15 +1,24 @@
 """Exact, deterministic counts: collectives per step, bytes sent, model-state bytes per rank.
 
-Formulas (peers.md section 4, fp32, Adam): ZeRO-3 sends (N-1)/N * Psi * (2*b_p + b_g)
-bytes per rank per step (two all-gathers, one reduce-scatter), with Psi counted over the
-padded chunks; parameters + gradients + optimizer states are 16*Psi/N per rank, where
-padding carries parameter and gradient bytes but no optimizer state.
+Formulas (peers.md section 4, Adam): ZeRO-3 sends (N-1)/N * Psi * (2*b_p + b_g) bytes
+per rank per step (two all-gathers, one reduce-scatter); stages 1 and 2 send
+(N-1)/N * Psi * (b_g + b_p) (a reduce-scatter, and the all-gather of the updated
+parameters), which in fp32 is exactly DDP's ring all-reduce. Psi is counted over the
+padded chunks; padding carries parameter and gradient bytes but no optimizer state.
+
+Model-state bytes per rank (fp32 | 16-bit compute with fp32 masters):
+stage 1: 8Psi + 8Psi/N | 4Psi + 16Psi/N; stage 2: 4Psi + 12Psi/N | 2Psi + 16Psi/N;
+stage 3: 16Psi/N | 16Psi/N. The 16-bit figures exceed the paper's 4Psi + 12Psi/N and
+2Psi + 14Psi/N because the fp32 masters' gradients are fp32 shards (4Psi/N) where the
+paper keeps 16-bit ones; the paper's count has no gradient for the masters in stage 1.
 """
 
 import pytest
 
-from zero_core import ChunkPolicy, ZeroConfig
+from zero_core import ChunkPolicy, CollectiveKind, LossScale, Precision, ZeroConfig, ring_bytes_sent
 from zero_core.testing import run_distributed, train_sharded
+
+PRECISIONS = {"fp32": Precision(), "bf16": Precision(compute="bf16")}
 
 
 def padding_on_rank(chunk, rank, world):
@@ -80,3 +89,77 @@ def test_static_graph_sends_no_control_traffic():
     config = ZeroConfig(chunk=ChunkPolicy(chunk_size=300), static_graph=True)
     results = run_distributed(train_sharded, 2, "gpt", config=config, steps=2)
     assert all("control" not in step for step in results[0].step_stats)
+
+
+def gpt_config(stage, precision="fp32", **kwargs):
+    return ZeroConfig(stage=stage, precision=PRECISIONS[precision], chunk=ChunkPolicy(chunk_size=300), **kwargs)
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_send_what_ddp_sends(stage, world, precision):
+    results = run_distributed(train_sharded, world, "gpt", steps=3, config=gpt_config(stage, precision))
+    chunks = results[0].chunks
+    n_chunks, padded = len(chunks), sum(c["size"] for c in chunks)
+    b_p, b_g = (4, 4) if precision == "fp32" else (2, 4)
+    for result in results:
+        for step in result.step_stats:
+            assert step["reduce_scatter"] == {"calls": n_chunks, "bytes_sent": (world - 1) * padded * b_g // world}
+            # the only all-gathers: updated parameters after the step; nothing is gathered in forward or backward
+            assert step["all_gather"] == {"calls": n_chunks, "bytes_sent": (world - 1) * padded * b_p // world}
+            assert step["control"]["calls"] == 1  # which parameters got gradients; no gather agreement
+            if precision == "fp32":  # the same volume as DDP's one ring all-reduce of fp32 gradients
+                ddp = ring_bytes_sent(CollectiveKind.ALL_REDUCE, padded * 4, world)
+                assert step["reduce_scatter"]["bytes_sent"] + step["all_gather"]["bytes_sent"] == ddp
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage_3_in_bf16_gathers_16bit_and_reduces_fp32(world):
+    results = run_distributed(train_sharded, world, "gpt", steps=2, config=gpt_config(3, "bf16"))
+    chunks = results[0].chunks
+    n_chunks, padded = len(chunks), sum(c["size"] for c in chunks)
+    for step in results[0].step_stats:
+        assert step["all_gather"] == {"calls": 2 * n_chunks, "bytes_sent": 2 * (world - 1) * padded * 2 // world}
+        assert step["reduce_scatter"] == {"calls": n_chunks, "bytes_sent": (world - 1) * padded * 4 // world}
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_model_state_bytes_per_stage_and_precision(world, stage, precision):
+    results = run_distributed(train_sharded, world, "gpt", steps=2, config=gpt_config(stage, precision))
+    chunks = results[0].chunks
+    full = sum(c["size"] for c in chunks)  # Psi plus padding
+    shard = full // world  # Psi/N plus this rank's padding
+    b = 4 if precision == "fp32" else 2
+    kept_full = stage < 3 or world == 1
+    # parameters: the kept full buffer in the compute dtype, plus the fp32 master shard unless it is a view of it
+    params = (b * full if kept_full else 0) + (0 if kept_full and b == 4 else 4 * shard)
+    # gradients: stage 1 keeps a full compute-dtype buffer, whose own slice holds the fp32 mean when b == 4;
+    # otherwise the masters' gradients are fp32 shards
+    grads = (b * full if stage == 1 else 0) + (0 if stage == 1 and b == 4 else 4 * shard)
+    for rank, result in enumerate(results):
+        mem = result.model_state_bytes
+        pad = sum(padding_on_rank(c, rank, world) for c in chunks)
+        assert mem["params"] == params
+        assert mem["grads"] == grads
+        assert mem["optimizer_states"] == 8 * (shard - pad)
+        assert mem["gathered_buffers"] == 0
+    psi_over_n, psi = shard, full  # padding aside
+    expected = {("fp32", 1): 8 * psi + 8 * psi_over_n, ("fp32", 2): 4 * psi + 12 * psi_over_n,
+                ("fp32", 3): 16 * psi_over_n, ("bf16", 1): 4 * psi + 16 * psi_over_n,
+                ("bf16", 2): 2 * psi + 16 * psi_over_n, ("bf16", 3): 16 * psi_over_n}
+    if world > 1:  # one rank keeps the full buffer at every stage
+        mem = results[0].model_state_bytes
+        pad0 = sum(padding_on_rank(c, 0, world) for c in chunks)
+        assert mem["params"] + mem["grads"] + mem["optimizer_states"] + 8 * pad0 == expected[(precision, stage)]
+
+
+def test_fp16_checks_overflow_with_one_collective_per_step():
+    precision = Precision(compute="fp16", loss_scale=LossScale(init_scale=2.0**10))
+    config = ZeroConfig(stage=3, precision=precision, chunk=ChunkPolicy(chunk_size=300), static_graph=True)
+    results = run_distributed(train_sharded, 2, "gpt", steps=3, config=config)
+    for step in results[0].step_stats:  # static graph: no other control traffic, so this is the overflow flag
+        assert step["control"] == {"calls": 1, "bytes_sent": ring_bytes_sent(CollectiveKind.ALL_REDUCE, 1, 2)}
+    assert results[0].scales == [2.0**10] * 3

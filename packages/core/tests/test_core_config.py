@@ -1,8 +1,9 @@
 """ZeroConfig and ChunkPolicy reject bad values at construction, naming the field and the fix."""
 
 import pytest
+import torch
 
-from zero_core import ChunkPolicy, ConfigError, ZeroConfig
+from zero_core import ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig
 
 
 @pytest.mark.parametrize(
@@ -50,3 +51,42 @@ def test_configs_are_frozen_and_keyword_only():
     assert config.replace(static_graph=True).static_graph is True
     with pytest.raises(ConfigError):
         config.replace(collective_timeout_s=-1)
+
+
+@pytest.mark.parametrize("bad", [0, 4, "2", 2.0, True, None])
+def test_unknown_stage(bad):
+    with pytest.raises(ConfigError, match="ZeroConfig.stage must be 1, 2 or 3"):
+        ZeroConfig(stage=bad)
+
+
+@pytest.mark.parametrize("field", ["compute", "reduce"])
+@pytest.mark.parametrize("bad", ["fp8", "float64", torch.int8, torch.float64, 16])
+def test_unknown_dtype(field, bad):
+    with pytest.raises(ConfigError, match=rf"Precision.{field} must be one of 'fp32', 'bf16', 'fp16'"):
+        Precision(**{field: bad})
+
+
+def test_dtype_spellings_normalise_to_torch_dtypes():
+    assert Precision(compute="BF16", reduce="float32") == Precision(compute=torch.bfloat16, reduce=torch.float32)
+    assert Precision(compute="half", loss_scale=LossScale()).compute is torch.float16
+    assert Precision().compute is None and Precision().reduce is torch.float32
+
+
+def test_fp16_without_a_loss_scale():
+    with pytest.raises(ConfigError, match=r"fp16 compute needs loss scaling.*loss_scale=LossScale\(\)"):
+        Precision(compute="fp16")
+
+
+@pytest.mark.parametrize(("field", "bad", "message"), [
+    ("init_scale", 0, "positive finite number"), ("init_scale", float("inf"), "positive finite number"),
+    ("growth_factor", 1.0, "above 1"), ("backoff_factor", 1.0, "below 1"), ("hysteresis", 0, "positive int"),
+    ("growth_interval", 1.5, "positive int"), ("min_scale", 1e9, "above init_scale"), ("dynamic", "yes", "True or False"),
+])
+def test_bad_loss_scale(field, bad, message):
+    with pytest.raises(ConfigError, match=f"LossScale.{field}.*{message}|{message}"):
+        LossScale(**{field: bad})
+
+
+def test_precision_must_be_a_precision():
+    with pytest.raises(ConfigError, match="ZeroConfig.precision must be a Precision"):
+        ZeroConfig(precision="bf16")

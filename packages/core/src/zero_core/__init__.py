@@ -8,10 +8,11 @@ from zero_core._engine import Engine
 from zero_core._module import ZeroModule
 from zero_core._plugins import ENTRY_POINT_GROUP, ZeroPlugins, hookimpl
 from zero_core._registry import Registry
+from zero_core._scaler import LossScaler
 from zero_core._shard import Sharded, shard
 from zero_core._state import ChunkState, MemoryTier, TrainingState
 from zero_core._version import __version__
-from zero_core.api import ChunkPolicy, ZeroConfig
+from zero_core.api import ChunkPolicy, LossScale, Precision, ZeroConfig
 from zero_core.chunk import Chunk, ChunkSpec, ParamInfo, ParamSlot
 from zero_core.comm import CollectiveCount, CollectiveKind, CommBackend, CommStats, ring_bytes_sent
 from zero_core.errors import (
@@ -41,11 +42,14 @@ __all__ = [
     "DevicePlacementPolicy",
     "Engine",
     "GradientLostError",
+    "LossScale",
+    "LossScaler",
     "MemoryTier",
     "ParamInfo",
     "ParamSlot",
     "PlacementPolicy",
     "PluginNotFoundError",
+    "Precision",
     "RanksDisagreeError",
     "Registry",
     "ShardPlan",

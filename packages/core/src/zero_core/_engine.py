@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from zero_core._scaler import LossScaler
 from zero_core._schedule import GatherScheduler
 from zero_core._state import TrainingState
 from zero_core._waiter import ReductionWaiter
@@ -116,7 +117,16 @@ class Engine:
         self._module_chunks: dict[int, tuple[Chunk, ...]] = {}
         self._triggers: dict[int, set[int]] = {c.index: set() for c in chunks}
         self._handles: list[Any] = []
-        self._scheduler = GatherScheduler(chunks, comm, placement, agree=not config.static_graph)
+        # Stages 1 and 2 never gather during a pass, so they need no agreement rounds either.
+        sharded_params = any(not c.persistent for c in chunks)
+        self._scheduler = GatherScheduler(chunks, comm, placement, agree=not config.static_graph and sharded_params)
+        # Chunks whose kept full buffer is refreshed from the master shards after each step.
+        self._refresh_after_step = [c for c in chunks if c.requires_grad and c.persistent
+                                    and (c.world_size > 1 or not c.shard_is_view)]
+        loss_scale = config.precision.loss_scale
+        self.scaler = LossScaler(loss_scale) if loss_scale is not None else None
+        # Set by ZeroModule.backward: the losses of this step were scaled by the scaler.
+        self.loss_scaled = False
         self._waiter = ReductionWaiter()
         # False inside ZeroModule.no_sync(): backwards accumulate full gradients without reducing them.
         self.sync_gradients = True
@@ -283,7 +293,8 @@ class Engine:
 
     def _reduce(self, chunk: Chunk) -> None:
         with torch.profiler.record_function("ZeRO::reduce_scatter"):
-            self._waiter.submit(chunk.reduce_gradients(self.reduce_comm))
+            scale = self.scaler.scale if self.scaler is not None else 1.0
+            self._waiter.submit(chunk.reduce_gradients(self.reduce_comm, loss_scale=scale))
         self._reduced.add(chunk.index)
         self._next_reduce += 1
         self._release([chunk])
@@ -330,9 +341,44 @@ class Engine:
                 "optimizer.step() after a backward inside model.no_sync(): the accumulated gradients were never "
                 "reduced. Run the last micro-batch's forward and backward outside no_sync(), then step"
             )
+        if self.scaler is not None:
+            self._check_overflow()
         self.placement.before_step(self.chunks)
 
+    def _check_overflow(self) -> None:
+        """See [Note: one overflow check per step]."""
+        if not self.loss_scaled:
+            raise ZeroError(
+                "this step's gradients were not loss-scaled: with Precision(loss_scale=...) call "
+                "model.backward(loss) instead of loss.backward()"
+            )
+        grads = [seg.param.grad for c in self._reduce_order for seg in c.segments if seg.param.grad is not None]
+        found = torch.zeros(1, dtype=torch.float32, device=self.device)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
+        for device, group in by_device.items():
+            found_here = torch.zeros(1, dtype=torch.float32, device=device)
+            # torch's fused finite check (GradScaler's); an inv_scale of 1 leaves the gradients as they are
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, torch.ones(1, device=device))
+            found += found_here.to(self.device)
+        flag = torch.tensor([1 if found.item() > 0 else 0], dtype=torch.uint8)
+        overflow = bool(self.comm.agree_any(flag)[0].item())
+        if overflow:
+            for chunk in self._reduce_order:
+                for seg in chunk.segments:
+                    seg.param.grad = None  # the optimizer skips parameters without a gradient
+        self.scaler.update(overflow)
+
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.loss_scaled = False
+        skipped = self.scaler is not None and self.scaler.last_step_skipped
+        if not skipped and self._refresh_after_step:
+            with torch.profiler.record_function("ZeRO::publish_parameters"):
+                pending = [c.publish_parameters(self.comm, async_op=True) for c in self._refresh_after_step]
+                for p in pending:
+                    if p is not None:
+                        p.wait()
         self.placement.after_step(self.chunks)
         self.step_count += 1
         finished = self.comm.stats.end_step()
@@ -342,41 +388,58 @@ class Engine:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model states this rank holds now, by kind (exact, from tensor storages).
 
-        ``grads`` counts each gradient storage once (segments' gradients are views of one
-        shard-sized buffer per chunk). ``optimizer_scalars`` counts zero-dimensional
-        optimizer states (step counters) separately, because the ZeRO formulas leave them out.
-        ``gradient_workspace`` is the idle full-size gradient buffers kept for reuse.
+        ``params`` counts master shards and the full buffers stages 1 and 2 keep, each
+        storage once (in one dtype the kept buffer holds the shard). ``grads`` counts each
+        gradient storage once: the segments' gradients (views of one shard-sized buffer
+        per chunk) and the full-size buffer stage 1 keeps. ``optimizer_scalars`` counts
+        zero-dimensional optimizer states (step counters) separately, because the ZeRO
+        formulas leave them out. ``gathered_buffers`` is stage 3's full buffers gathered
+        right now; ``gradient_workspace`` the idle full-size gradient buffers kept for reuse.
         """
         report = {"params": 0, "grads": 0, "optimizer_states": 0, "optimizer_scalars": 0, "gathered_buffers": 0,
                   "gradient_workspace": self.chunks[0].pool.nbytes if self.chunks else 0}
+        param_storages: dict[int, int] = {}
         grad_storages: dict[int, int] = {}
+
+        def add(storages: dict[int, int], tensor: torch.Tensor) -> None:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+
         for chunk in self.chunks:
-            report["params"] += chunk.shard_bytes
-            if chunk.is_gathered and not chunk.persistent:
+            add(param_storages, chunk.shard)
+            if chunk.persistent:
+                add(param_storages, chunk.full)
+            elif chunk.is_gathered:
                 report["gathered_buffers"] += chunk.full_bytes
+            if chunk.grad_full is not None:
+                add(grad_storages, chunk.grad_full)
             for seg in chunk.segments:
-                grad = seg.param.grad
-                if grad is not None:
-                    grad_storages[grad.untyped_storage().data_ptr()] = grad.untyped_storage().nbytes()
+                if seg.param.grad is not None:
+                    add(grad_storages, seg.param.grad)
                 for value in self.optimizer.state.get(seg.param, {}).values():
                     if isinstance(value, torch.Tensor):
                         key = "optimizer_scalars" if value.dim() == 0 else "optimizer_states"
                         report[key] += value.numel() * value.element_size()
+        report["params"] = sum(param_storages.values())
         report["grads"] = sum(grad_storages.values())
         return report
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, as CPU copies, gathered one chunk at a time. Collective: call on every rank."""
+        """Every parameter, whole, as CPU copies of the master values, one chunk at a time.
+
+        Collective: call on every rank. With 16-bit compute these are the fp32 masters
+        the optimizer updates, not the 16-bit copies forward uses.
+        """
         if self.state is not TrainingState.IDLE:
             raise ZeroError(f"full_parameters() needs an idle engine, but it is in {self.state.value}")
         result: dict[str, torch.Tensor] = {}
         for chunk in self.chunks:
-            was_gathered = chunk.is_gathered
-            if not was_gathered:
-                chunk.gather(self.comm)
+            if chunk.shard_is_view:
+                full = chunk.full
+            else:
+                full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
+                self.comm.all_gather(full, chunk.shard)
             for slot in chunk.slots:
-                result[slot.name] = slot.param.detach().to("cpu", copy=True)
-            if not was_gathered:
-                chunk.release()
+                result[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
         return result

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from zero_core._engine import Engine
+from zero_core._scaler import LossScaler
 from zero_core.comm import CommStats
 from zero_core.errors import ZeroError
 
@@ -30,6 +33,9 @@ class ZeroModule(nn.Module):
         self.engine = engine
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        compute = self.engine.config.precision.compute
+        if compute is not None:  # the model runs in the compute dtype: floating inputs follow its parameters
+            args, kwargs = tree_map(functools.partial(_cast_floating, compute), (args, kwargs))
         self.engine.pre_forward_root()
         try:
             outputs = self.module(*args, **kwargs)
@@ -39,12 +45,34 @@ class ZeroModule(nn.Module):
         self.engine.post_forward_root(outputs)
         return outputs
 
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)``, with the loss scaled when the precision has a loss scale.
+
+        Works for every precision, so one training loop serves all; required with
+        ``Precision(loss_scale=...)`` (fp16), where ``optimizer.step()`` refuses gradients
+        of an unscaled backward. The gradients the optimizer and
+        :func:`~zero_core.clip_grad_norm_` see are unscaled.
+        """
+        scaler = self.engine.scaler
+        if scaler is None:
+            loss.backward(**kwargs)
+            return
+        self.engine.loss_scaled = True
+        # Scaled in fp32: a 16-bit loss times 2**16 would overflow before backward starts.
+        (loss.float() * scaler.scale).backward(**kwargs)
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The running loss scale (fp16), or ``None`` without one."""
+        return self.engine.scaler
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients over micro-batches without communicating (DDP's ``no_sync``).
 
         Backwards inside the context add into full-size, unsharded gradient buffers
-        (4 bytes per parameter per rank in fp32, on top of the sharded states) and skip
+        (one compute-dtype element per parameter per rank, 4 bytes in fp32, on top of the
+        sharded states; stage 1 already keeps that buffer) and skip
         the reduce-scatter; the first backward outside the context reduces the sum. The
         parameter all-gathers still run on every micro-batch. Stepping the optimizer inside
         the context, or before a backward outside it, raises :class:`ZeroError`.
@@ -85,3 +113,9 @@ class ZeroModule(nn.Module):
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
         raise ZeroError("load a state dict into the plain model before calling zero_core.shard")
+
+
+def _cast_floating(dtype: torch.dtype, value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    return value

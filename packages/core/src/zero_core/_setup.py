@@ -80,7 +80,9 @@ def collect_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[P
                     "model being sharded; build the optimizer from this model's parameters"
                 )
             group_of[id(p)] = g
-    if any(optimizer.state.values()):
+    # Eagerly initialised state (Adagrad's accumulators, with step 0) is carried over to the shards;
+    # state of an optimizer that already stepped is not.
+    if any(state and float(state.get("step", 1)) > 0 for state in optimizer.state.values()):
         raise ZeroSetupError(
             "the optimizer already has state (it has stepped); create the optimizer fresh and call "
             "zero_core.shard before the first optimizer.step()"

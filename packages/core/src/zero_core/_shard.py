@@ -12,6 +12,7 @@ from torch import nn
 from zero_core._engine import Engine
 from zero_core._module import ZeroModule
 from zero_core._plugins import ZeroPlugins
+from zero_core._scaler import LossScaler
 from zero_core._setup import check_ranks_agree, collect_params, first_use_order, resolve_device, resolve_group
 from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk
@@ -89,7 +90,9 @@ def shard(
     chunks = []
     pool = BufferPool()
     for index, spec in enumerate(plan.chunks):
-        chunk = Chunk(index, spec, rank=comm.rank, world_size=comm.world_size, device=device, pool=pool)
+        chunk = Chunk(index, spec, rank=comm.rank, world_size=comm.world_size, device=device, pool=pool,
+                      stage=config.stage, compute_dtype=config.precision.compute,
+                      reduce_dtype=config.precision.reduce)
         chunk.pack(comm, broadcast_from_rank0=config.sync_module_states)
         chunks.append(chunk)
     with torch.no_grad():
@@ -98,6 +101,8 @@ def shard(
                 if buf is None:
                     continue
                 buf = buf.to(device)
+                if config.precision.compute is not None and buf.is_floating_point():
+                    buf = buf.to(config.precision.compute)  # the model runs in the compute dtype throughout
                 if config.sync_module_states and comm.world_size > 1:
                     comm.broadcast(buf, src=0)
                 module._buffers[name] = buf
@@ -108,6 +113,8 @@ def shard(
         module=model, optimizer=optimizer, chunks=chunks, comm=comm, reduce_comm=reduce_comm, strategy=strategy,
         placement=placement, config=config, hook=plugins_.manager.hook, device=device,
     )
+    if engine.scaler is not None:
+        _attach_scaler_state(optimizer, engine.scaler)
     comm.stats.end_setup()
     model._zero_sharded = True  # type: ignore[attr-defined]
     optimizer._zero_sharded = True  # type: ignore[attr-defined]
@@ -130,6 +137,36 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk]) ->
     Hyperparameters stay as the user set them, group by group (a chunk never mixes
     groups), so learning-rate schedulers and per-group settings keep working.
     """
+    initial = {id(p): state for p, state in optimizer.state.items()}
+    optimizer.state.clear()
     for g, group in enumerate(optimizer.param_groups):
         group["params"] = [seg.param for c in chunks if c.group == g for seg in c.segments]
-    optimizer.state.clear()
+    for chunk in chunks:
+        for seg in chunk.segments:
+            slot = chunk.slots[seg.slot]
+            state = initial.get(id(slot.param))
+            if state:  # eagerly initialised (Adagrad): each segment takes its piece of the parameter's state
+                lo = chunk.rank * chunk.shard_size + seg.begin - slot.offset
+                optimizer.state[seg.param] = {
+                    key: (value.reshape(-1)[lo : lo + seg.param.numel()].clone() if value.shape == slot.shape
+                          else value.clone()) if isinstance(value, torch.Tensor) else value
+                    for key, value in state.items()
+                }
+
+
+def _attach_scaler_state(optimizer: torch.optim.Optimizer, scaler: LossScaler) -> None:
+    """Make the loss scaler's state part of the optimizer's state dict (saved and restored with it)."""
+
+    def save(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict[LossScaler.STATE_KEY] = scaler.state_dict()
+        return state_dict
+
+    def load(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(LossScaler.STATE_KEY, None)
+        if saved is not None:
+            scaler.load_state_dict(saved)
+        return state_dict
+
+    optimizer.register_state_dict_post_hook(save)
+    optimizer.register_load_state_dict_pre_hook(load)

@@ -7,12 +7,43 @@ so a bad value fails where it is written, not in the middle of a training step.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from zero_core.errors import ConfigError
 
-__all__ = ["ChunkPolicy", "ZeroConfig"]
+__all__ = ["ChunkPolicy", "LossScale", "Precision", "ZeroConfig"]
+
+STAGES = (1, 2, 3)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+
+
+def _as_dtype(owner: str, field_name: str, value: object, *, allow_none: bool = False) -> torch.dtype | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, torch.dtype) and value in _DTYPES.values():
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    hint = ", or None for the parameters' own dtype" if allow_none else ""
+    raise ConfigError(
+        f"{owner}.{field_name} must be one of 'fp32', 'bf16', 'fp16' (or torch.float32, torch.bfloat16, "
+        f"torch.float16){hint}; got {value!r}."
+    )
+
+
+def _positive_number(owner: str, field_name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{owner}.{field_name} must be a positive finite number, got {value!r}.")
+    return float(value)
 
 ParamOrder = Literal["registration", "first_use"]
 
@@ -68,10 +99,98 @@ class ChunkPolicy:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LossScale:
+    """How the loss is scaled for fp16 training (see :meth:`zero_core.ZeroModule.backward`).
+
+    Dynamic scaling multiplies the loss by ``scale`` before backward and divides the
+    gradients by it after the reduction. A step whose gradients hold an inf or NaN on any
+    rank is skipped on every rank (no parameter or optimizer state changes) and counts
+    as an overflow; ``hysteresis`` overflows in a row back the scale off by
+    ``backoff_factor``; after ``growth_interval`` clean steps it grows by ``growth_factor``.
+
+    Attributes:
+        init_scale: The first step's scale.
+        growth_factor: Multiplier after ``growth_interval`` steps without overflow (> 1).
+        backoff_factor: Multiplier on overflow (between 0 and 1).
+        growth_interval: Clean steps before the scale grows.
+        hysteresis: Overflows tolerated before backing off (1 backs off on every overflow);
+            every skipped step still counts. Reset by a clean step.
+        min_scale: The scale never drops below this.
+        dynamic: ``False`` keeps ``init_scale`` fixed (overflowing steps are still skipped).
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("init_scale", "min_scale", "growth_factor", "backoff_factor"):
+            object.__setattr__(self, name, _positive_number("LossScale", name, getattr(self, name)))
+        if not self.growth_factor > 1.0:
+            raise ConfigError(f"LossScale.growth_factor must be above 1, got {self.growth_factor!r}.")
+        if not self.backoff_factor < 1.0:
+            raise ConfigError(f"LossScale.backoff_factor must be below 1, got {self.backoff_factor!r}.")
+        _check_positive_int("LossScale", "growth_interval", self.growth_interval)
+        _check_positive_int("LossScale", "hysteresis", self.hysteresis)
+        if not isinstance(self.dynamic, bool):
+            raise ConfigError(f"LossScale.dynamic must be True or False, got {self.dynamic!r}.")
+        if self.min_scale > self.init_scale:
+            raise ConfigError(f"LossScale.min_scale {self.min_scale} is above init_scale {self.init_scale}.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Precision:
+    """Which dtypes a step computes and reduces in.
+
+    The optimizer always updates master shards in the parameters' own dtype (fp32 for
+    an fp32 model); only the gathered compute copy and the reduction use these dtypes.
+    Dtypes are given as ``"fp32"``, ``"bf16"``, ``"fp16"`` or as ``torch`` dtypes.
+
+    Attributes:
+        compute: Dtype of the parameters, floating buffers and floating inputs during
+            forward and backward; ``None`` computes in the parameters' own dtype.
+        reduce: Dtype in which gradients are summed over ranks (fp32 by default: the
+            sum of N half-precision gradients loses bits; ``"bf16"`` halves the traffic).
+        loss_scale: Required for fp16 compute, whose gradients underflow without it;
+            then call ``model.backward(loss)`` instead of ``loss.backward()``.
+    """
+
+    compute: torch.dtype | str | None = None
+    reduce: torch.dtype | str = torch.float32
+    loss_scale: LossScale | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compute", _as_dtype("Precision", "compute", self.compute, allow_none=True))
+        object.__setattr__(self, "reduce", _as_dtype("Precision", "reduce", self.reduce))
+        if self.loss_scale is not None and not isinstance(self.loss_scale, LossScale):
+            raise ConfigError(
+                f"Precision.loss_scale must be a LossScale or None, got {type(self.loss_scale).__name__}; "
+                "write Precision(compute='fp16', loss_scale=LossScale())."
+            )
+        if self.compute is torch.float16 and self.loss_scale is None:
+            raise ConfigError(
+                "fp16 compute needs loss scaling, or small gradients underflow to zero: write "
+                "Precision(compute='fp16', loss_scale=LossScale()) and call model.backward(loss); "
+                "or use compute='bf16', which needs no scaling."
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroConfig:
     """What :func:`zero_core.shard` builds.
 
     Attributes:
+        stage: What is sharded over the ranks. 1: optimizer states (parameters and
+            gradients replicated; each rank updates its shard, then the updated
+            parameters are all-gathered). 2: gradients too (reduce-scattered, and only
+            this rank's shard is kept). 3 (default): parameters too (gathered just in time
+            for forward and backward, freed after). Same communication volume as DDP for
+            stages 1 and 2, 1.5x for stage 3.
+        precision: Compute and reduction dtypes and loss scaling, see :class:`Precision`.
         strategy: Name of the shard strategy plugin (``"chunk"`` from zero-strategy-chunk).
         comm: Name of the comm backend plugin (``"torch"`` from zero-comm).
         placement: Name of the placement policy plugin (``"device"``, built into zero-core,
@@ -91,6 +210,8 @@ class ZeroConfig:
             unless the agreement rounds show up in a profile.
     """
 
+    stage: int = 3
+    precision: Precision = field(default_factory=Precision)
     strategy: str = "chunk"
     comm: str = "torch"
     placement: str = "device"
@@ -102,6 +223,16 @@ class ZeroConfig:
     static_graph: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in STAGES:
+            raise ConfigError(
+                f"ZeroConfig.stage must be 1, 2 or 3, got {self.stage!r}: 1 shards optimizer states, "
+                "2 also gradients, 3 also parameters."
+            )
+        if not isinstance(self.precision, Precision):
+            raise ConfigError(
+                f"ZeroConfig.precision must be a Precision, got {type(self.precision).__name__}; "
+                "write ZeroConfig(precision=Precision(compute='bf16'))."
+            )
         for name in ("strategy", "comm", "placement"):
             _check_name("ZeroConfig", name, getattr(self, name))
         if not isinstance(self.chunk, ChunkPolicy):

@@ -14,6 +14,28 @@ re-gather.
 Each rank owns the slice ``[rank * shard_size, (rank + 1) * shard_size)`` of the
 full buffer; it lives in ``shard``, and the next gather publishes its updates.
 
+[Note: stages and dtypes]
+What a chunk keeps between steps depends on the stage and the compute dtype:
+
+=====  ==========================================  =========================================
+stage  parameters                                  gradients
+=====  ==========================================  =========================================
+1      full buffer kept; master shard              one full-size buffer kept (replicated);
+                                                   this rank's mean lands in its own slice
+2      full buffer kept; master shard              full-size buffer only during backward;
+                                                   the mean shard is kept
+3      full buffer only while gathered; shard      as stage 2
+=====  ==========================================  =========================================
+
+The master shard is in the parameters' own dtype. When the compute dtype is the
+same, a kept full buffer holds the master shard as a view of its own slice, so stages
+1 and 2 hold parameters once. With 16-bit compute, the full buffer is 16-bit and the
+master shard a separate fp32 tensor; gathers send the shard cast to 16 bits. Gradients
+accumulate in the compute dtype, are cast to the reduce dtype for the reduce-scatter,
+and reach the optimizer in the master dtype, divided by ``world_size x loss scale``.
+After a step, stages 1 and 2 refresh their own slice from the master shard and
+all-gather the updated slices in place.
+
 [Note: optimizer segments]
 The optimizer does not see the shard as one tensor. It sees one ``nn.Parameter`` per
 piece of a parameter that falls into this rank's shard (a *segment*, a view into
@@ -89,7 +111,29 @@ class ParamSlot:
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """The part of one parameter inside this rank's shard. See [Note: optimizer segments].
+    """The part of one parameter inside this rank's shard. See [Note: stages and dtypes]
+What a chunk keeps between steps depends on the stage and the compute dtype:
+
+=====  ==========================================  =========================================
+stage  parameters                                  gradients
+=====  ==========================================  =========================================
+1      full buffer kept; master shard              one full-size buffer kept (replicated);
+                                                   this rank's mean lands in its own slice
+2      full buffer kept; master shard              full-size buffer only during backward;
+                                                   the mean shard is kept
+3      full buffer only while gathered; shard      as stage 2
+=====  ==========================================  =========================================
+
+The master shard is in the parameters' own dtype. When the compute dtype is the
+same, a kept full buffer holds the master shard as a view of its own slice, so stages
+1 and 2 hold parameters once. With 16-bit compute, the full buffer is 16-bit and the
+master shard a separate fp32 tensor; gathers send the shard cast to 16 bits. Gradients
+accumulate in the compute dtype, are cast to the reduce dtype for the reduce-scatter,
+and reach the optimizer in the master dtype, divided by ``world_size x loss scale``.
+After a step, stages 1 and 2 refresh their own slice from the master shard and
+all-gather the updated slices in place.
+
+[Note: optimizer segments].
 
     Attributes:
         slot: Index of the parameter in the chunk's slots.
@@ -134,16 +178,19 @@ class BufferPool:
 
 
 class Chunk:
-    """A flat, evenly sharded buffer of parameters. See [Note: parameter views]."""
+    """A flat, evenly sharded buffer of parameters. See [Note: parameter views] and [Note: stages and dtypes]."""
 
     def __init__(
         self, index: int, spec: ChunkSpec, *, rank: int, world_size: int, device: torch.device,
-        pool: BufferPool | None = None,
+        pool: BufferPool | None = None, stage: int = 3, compute_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         if spec.size % world_size:
             raise ValueError(f"chunk size {spec.size} is not a multiple of the world size {world_size}")
         if spec.used > spec.size:
             raise ValueError(f"chunk {index} holds {spec.used} elements but its size is {spec.size}")
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
         first = spec.params[0]
         # Identity and layout: fixed for the chunk's life.
         self.index = index
@@ -152,13 +199,20 @@ class Chunk:
         self.rank = rank
         self.shard_size = spec.size // world_size
         self.device = device
-        self.dtype = first.param.dtype
+        self.stage = stage
+        # The optimizer updates the shard in the parameters' own dtype; forward and backward run in ``dtype``.
+        self.master_dtype = first.param.dtype
+        floating = self.master_dtype.is_floating_point
+        self.dtype = compute_dtype if (compute_dtype is not None and floating) else self.master_dtype
+        self.reduce_dtype = reduce_dtype if (reduce_dtype is not None and floating) else self.master_dtype
         self.requires_grad = first.param.requires_grad
         self.group = first.group
         self.slots: tuple[ParamSlot, ...] = self._layout(spec.params)
         self.used = spec.used
-        # With one rank the full buffer is the shard and is never freed.
-        self.persistent = world_size == 1
+        # Stages 1 and 2 keep the full buffer for the whole run, and so does a single rank.
+        self.persistent = stage < 3 or world_size == 1
+        # In one dtype, a kept full buffer holds the shard: the optimizer updates it in place.
+        self.shard_is_view = self.persistent and self.dtype == self.master_dtype
         # Runtime state, changed only through the transition methods below.
         self.state = ChunkState.GATHERED
         self.tier = MemoryTier.DEVICE
@@ -176,6 +230,8 @@ class Chunk:
         self.got_grad = [False] * len(self.slots)
         # Full-size gradient buffer of the running backward; parameters' .grad are views of it.
         self._grad_flat: torch.Tensor | None = None
+        # Stage 1 keeps one full-size gradient buffer for the whole run (gradients are replicated).
+        self.grad_full: torch.Tensor | None = None
 
     @staticmethod
     def _layout(params: Sequence[ParamInfo]) -> tuple[ParamSlot, ...]:
@@ -190,18 +246,27 @@ class Chunk:
         """Copy the parameters into the chunk, keep this rank's shard, point params at views.
 
         Each parameter's original storage is dropped as soon as it is copied, so at no
-        point does a rank hold more than its parameters plus one full chunk.
+        point does a rank hold more than its parameters plus one full chunk (two when the
+        compute dtype differs: the master copy is staged in the parameters' dtype).
         """
         self._assert_state(ChunkState.GATHERED)
         with torch.no_grad():
+            staging = self.full if self.dtype == self.master_dtype else torch.zeros(
+                self.size, dtype=self.master_dtype, device=self.device)
             for slot, view in zip(self.slots, self._views):
-                view.copy_(slot.param.detach())
+                staging[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
                 slot.param.data = view
             if broadcast_from_rank0 and self.world_size > 1:
-                comm.broadcast(self.full, src=0)
+                comm.broadcast(staging, src=0)
+            begin = self.rank * self.shard_size
+            if staging is not self.full:
+                self.full.copy_(staging)
+            if self.shard_is_view:
+                self.shard = self.full[begin : begin + self.shard_size]
+            else:
+                self.shard = staging[begin : begin + self.shard_size].clone()
+            del staging
             if not self.persistent:
-                begin = self.rank * self.shard_size
-                self.shard = self.full[begin : begin + self.shard_size].clone()
                 self.release()
         if self.requires_grad:
             self.segments = self._segments()
@@ -230,7 +295,7 @@ class Chunk:
             return
         self._assert_state(ChunkState.SHARDED)
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
-        pending = comm.all_gather(self.full, self.shard, async_op=async_op)
+        pending = comm.all_gather(self.full, self._compute_shard(), async_op=async_op)
         if async_op and pending is not None:
             self._pending_gather = pending
             self.state = ChunkState.GATHERING
@@ -264,7 +329,30 @@ class Chunk:
     def gather_for_peers(self, comm: CommBackend) -> None:
         """Join an all-gather of this chunk that other ranks need, without changing local state."""
         scratch = torch.empty(self.size, dtype=self.dtype, device=self.device)
-        comm.all_gather(scratch, self.shard)
+        comm.all_gather(scratch, self._compute_shard())
+
+    def _compute_shard(self) -> torch.Tensor:
+        """This rank's shard in the compute dtype: what an all-gather sends."""
+        return self.shard if self.dtype == self.master_dtype else self.shard.to(self.dtype)
+
+    def publish_parameters(self, comm: CommBackend, *, async_op: bool = False) -> Pending | None:
+        """After an optimizer step, bring a kept full buffer up to date with the updated shards.
+
+        Stages 1 and 2: the rank's slice is refreshed from its master shard and the
+        slices are all-gathered in place. One rank with a separate master: a cast copy.
+        Stage 3 needs nothing: the next gather reads the shard.
+        """
+        if not self.persistent:
+            return None
+        self._assert_state(ChunkState.GATHERED)
+        begin = self.rank * self.shard_size
+        own = self.full[begin : begin + self.shard_size]
+        if not self.shard_is_view:
+            with torch.no_grad():
+                own.copy_(self.shard)
+        if self.world_size == 1:
+            return None
+        return comm.all_gather(self.full, own, async_op=async_op)
 
     @property
     def has_unreduced_gradients(self) -> bool:
@@ -275,25 +363,42 @@ class Chunk:
         """Point every parameter's ``.grad`` at a zeroed full-size buffer before backward reaches it.
 
         Autograd then accumulates in place into the buffer (no per-parameter gradient
-        tensors, no copy), and the buffer is what gets reduce-scattered.
+        tensors, no copy), and the buffer is what gets reduce-scattered. Stage 1 reuses
+        its one kept buffer; the other stages borrow one from the pool for this backward.
         """
         if self._grad_flat is not None or not self.requires_grad:
             return
-        self._grad_flat = self.pool.take(self.size, self.dtype, self.device)
+        self._grad_flat = self._take_grad_buffer()
         for slot in self.slots:
             if slot.param.grad is None:
                 slot.param.grad = self._grad_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
-    def reduce_gradients(self, comm: CommBackend) -> _Reduction:
+    def _take_grad_buffer(self) -> torch.Tensor:
+        if self.stage != 1:
+            return self.pool.take(self.size, self.dtype, self.device)
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+            return self.grad_full
+        # Gradients published from the last backward may be views of this buffer's own slice (they
+        # accumulate until a step): move them out before the buffer is zeroed for this backward.
+        storage = self.grad_full.untyped_storage().data_ptr()
+        for seg in self.segments:
+            grad = seg.param.grad
+            if grad is not None and grad.untyped_storage().data_ptr() == storage:
+                seg.param.grad = grad.clone()
+        return self.grad_full.zero_()
+
+    def reduce_gradients(self, comm: CommBackend, *, loss_scale: float = 1.0) -> _Reduction:
         """Start reducing this backward's parameter gradients to this rank's shard (mean over ranks).
 
-        Returns the handle that completes it, leaving the result in ``reduced_grad``.
-        Parameters that got no gradient on this rank contribute zeros. Gradients autograd
-        placed elsewhere than the prepared buffer are copied in; every ``.grad`` is dropped.
+        Returns the handle that completes it, leaving the result, in the master dtype and
+        divided by ``loss_scale``, in ``reduced_grad``. Parameters that got no gradient on
+        this rank contribute zeros. Gradients autograd placed elsewhere than the prepared
+        buffer are copied in; every ``.grad`` is dropped.
         """
         flat, self._grad_flat = self._grad_flat, None
         if flat is None:
-            flat = self.pool.take(self.size, self.dtype, self.device)
+            flat = self._take_grad_buffer()
         for slot in self.slots:
             grad = slot.param.grad
             if grad is not None:
@@ -301,12 +406,20 @@ class Chunk:
                 if grad.data_ptr() != target.data_ptr():
                     target.copy_(grad.reshape(-1))
                 slot.param.grad = None
-        if self.persistent:
-            self.reduced_grad = flat
-            return _Reduction(self, None, None, None)
-        reduced = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
-        pending = comm.reduce_scatter(reduced, flat, async_op=True)
-        return _Reduction(self, pending, reduced, flat)
+        pooled = flat if flat is not self.grad_full else None
+        send = flat if flat.dtype == self.reduce_dtype else flat.to(self.reduce_dtype)
+        divisor = self.world_size * loss_scale
+        if self.world_size == 1:
+            if send is not flat and pooled is not None:
+                self.pool.give(pooled)
+            return _Reduction(self, None, send, None, divisor)
+        begin = self.rank * self.shard_size
+        if self.stage == 1 and send is flat:
+            reduced = flat[begin : begin + self.shard_size]  # in place: the gradient stays in the kept buffer
+        else:
+            reduced = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
+        pending = comm.reduce_scatter(reduced, send, async_op=True)
+        return _Reduction(self, pending, reduced, pooled, divisor)
 
     def publish_gradients(self, present: Sequence[bool]) -> None:
         """Hand the reduced gradient to the optimizer's segments, as autograd would to parameters.
@@ -336,7 +449,7 @@ class Chunk:
 
     @property
     def shard_bytes(self) -> int:
-        return self.shard_size * self.full.element_size()
+        return self.shard_size * self.shard.element_size()
 
     @property
     def full_bytes(self) -> int:
@@ -353,16 +466,22 @@ class _Reduction:
     """A chunk's gradient reduce-scatter in flight; ``complete()`` stores the mean in the chunk."""
 
     def __init__(
-        self, chunk: Chunk, pending: Pending | None, reduced: torch.Tensor | None, flat: torch.Tensor | None
+        self, chunk: Chunk, pending: Pending | None, reduced: torch.Tensor, pooled: torch.Tensor | None,
+        divisor: float,
     ) -> None:
-        self._chunk, self._pending, self._reduced, self._flat = chunk, pending, reduced, flat
+        self._chunk, self._pending, self._reduced, self._pooled = chunk, pending, reduced, pooled
+        self._divisor = divisor
 
     def complete(self) -> None:
         if self._pending is not None:
             self._pending.wait()
-            assert self._reduced is not None
-            self._chunk.reduced_grad = self._reduced.div_(self._chunk.world_size)
             self._pending = None
-        if self._flat is not None:  # the collective is done with it
-            self._chunk.pool.give(self._flat)
-            self._flat = None
+        if self._reduced is not None:
+            grad = self._reduced.to(self._chunk.master_dtype)
+            if self._divisor != 1.0:
+                grad.div_(self._divisor)
+            self._chunk.reduced_grad = grad
+            self._reduced = None
+        if self._pooled is not None:  # the collective is done with it
+            self._chunk.pool.give(self._pooled)
+            self._pooled = None

@@ -8,7 +8,14 @@ from zero_core.testing.conformance import (
     ShardStrategyConformance,
 )
 from zero_core.testing.distributed import DistributedTestError, run_distributed
-from zero_core.testing.parity import RunResult, assert_parity, make_optimizer, train_reference, train_sharded
+from zero_core.testing.parity import (
+    RunResult,
+    assert_parity,
+    make_optimizer,
+    train_reference,
+    train_sharded,
+    train_zoo_sharded,
+)
 from zero_core.testing.zoo import ZOO, ZooCase, get_case
 
 __all__ = [
@@ -26,4 +33,5 @@ __all__ = [
     "run_distributed",
     "train_reference",
     "train_sharded",
+    "train_zoo_sharded",
 ]

@@ -24,13 +24,18 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["DistributedTestError", "run_distributed", "threads_per_rank"]
 
 _PRELOAD = ["torch", "torch.distributed", "zero_core"]
 
 
 class DistributedTestError(AssertionError):
     """One or more ranks failed, died or did not finish in time."""
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Intra-op threads each rank gets: the machine's cores split evenly (kernels' sum order depends on it)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -88,7 +93,7 @@ def run_distributed(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _context()
-    threads = max(1, (os.cpu_count() or 1) // world_size)
+    threads = threads_per_rank(world_size)
     results = ctx.Queue()
     done: dict[int, Any] = {}
     failed: dict[int, str] = {}

@@ -2,15 +2,30 @@
 
 :func:`train_sharded` runs on every rank (inside :func:`~zero_core.testing.run_distributed`);
 each rank takes its slice of the same global batch. :func:`train_reference` trains the
-same model in one process on the whole global batch. With a mean loss, the mean over
-ranks of the ranks' gradients equals the whole batch's gradient, so the two runs must
+same model in one process with plain PyTorch. With a mean loss, the mean over ranks of
+the ranks' gradients equals the whole batch's gradient, so in fp32 the two runs must
 agree up to floating-point reassociation: :func:`assert_parity` checks losses and
 final parameters.
+
+[Note: the 16-bit reference]
+A 16-bit run cannot be compared with a one-batch fp32 run: rounding differs by far
+more than any bug would. So for 16-bit compute the reference follows the same casting
+rules in one process: fp32 master parameters and optimizer; for each rank's slice of
+the batch, a 16-bit copy of the model (own buffers, like a rank's) computes the loss
+and the 16-bit gradients (the loss multiplied by the loss scale first); the ranks'
+gradients are cast to the reduce dtype, summed in rank order, cast to fp32 and divided
+by ``world_size x scale``; a non-finite gradient skips the step. Run with a rank's
+thread count, the reference then reproduces the sharded run bit for bit on this
+machine's CPU kernels; the tests still allow 1e-3 (relative to each tensor's largest
+magnitude) so that a kernel whose summation order depends on memory alignment cannot
+fail them, while a broken casting rule (a gradient summed in 16 bits, a missing
+unscale, a master rounded to 16 bits) is off by far more.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,11 +33,13 @@ import torch
 import torch.distributed as dist
 
 from zero_core._clip import clip_grad_norm_
+from zero_core._scaler import LossScaler
 from zero_core._shard import shard
-from zero_core.api import ChunkPolicy, ZeroConfig
+from zero_core.api import ChunkPolicy, Precision, ZeroConfig
+from zero_core.testing.distributed import threads_per_rank
 from zero_core.testing.zoo import ZooCase, get_case
 
-__all__ = ["RunResult", "assert_parity", "make_optimizer", "train_reference", "train_sharded"]
+__all__ = ["RunResult", "assert_parity", "make_optimizer", "train_reference", "train_sharded", "train_zoo_sharded"]
 
 SEED = 1234
 
@@ -37,6 +54,7 @@ class RunResult:
     model_state_bytes: dict[str, int] = field(default_factory=dict)
     chunks: list[dict[str, Any]] = field(default_factory=list)
     norms: list[float] = field(default_factory=list)
+    scales: list[float] = field(default_factory=list)
 
 
 def make_optimizer(case: ZooCase, model: torch.nn.Module, name: str = "adamw", lr: float = 1e-3) -> torch.optim.Optimizer:
@@ -45,9 +63,21 @@ def make_optimizer(case: ZooCase, model: torch.nn.Module, name: str = "adamw", l
         return torch.optim.AdamW(groups, lr=lr, weight_decay=0.01)
     if name == "adam":
         return torch.optim.Adam(groups, lr=lr)
+    if name == "adamw_fused":
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=0.01, fused=True)
+    if name == "adam_foreach":
+        return torch.optim.Adam(groups, lr=lr, foreach=True)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=0.9)
-    raise ValueError(f"unknown optimizer {name!r}; use adamw, adam or sgd")
+    if name == "sgd_fused":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, fused=True)
+    if name == "adagrad":
+        return torch.optim.Adagrad(groups, lr=lr * 10)
+    if name == "adagrad_fused":
+        return torch.optim.Adagrad(groups, lr=lr * 10, fused=True)
+    raise ValueError(
+        f"unknown optimizer {name!r}; use adamw, adamw_fused, adam, adam_foreach, sgd, sgd_fused, adagrad or adagrad_fused"
+    )
 
 
 def _build(case: ZooCase) -> torch.nn.Module:
@@ -56,8 +86,23 @@ def _build(case: ZooCase) -> torch.nn.Module:
 
 
 def train_reference(case_name: str, *, steps: int = 4, batch_size: int = 8, optimizer: str = "adamw",
-                    lr: float = 1e-3, clip: float | None = None, norm_type: float = 2.0) -> RunResult:
-    """One process, whole global batch, plain PyTorch (``torch.nn.utils.clip_grad_norm_`` when clipping)."""
+                    lr: float = 1e-3, clip: float | None = None, norm_type: float = 2.0,
+                    precision: Precision | None = None, world: int = 1) -> RunResult:
+    """One process, plain PyTorch (``torch.nn.utils.clip_grad_norm_`` when clipping).
+
+    In the parameters' dtype: the whole global batch at once. With 16-bit compute:
+    ``world`` simulated ranks, see [Note: the 16-bit reference].
+    """
+    if precision is not None and precision.compute is not None:
+        # Match a rank's thread count: a CPU kernel's summation order depends on it, and one 16-bit
+        # rounding that falls the other way shows in every later step.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(threads_per_rank(world))
+        try:
+            return _train_reference_16bit(case_name, steps=steps, batch_size=batch_size, optimizer=optimizer, lr=lr,
+                                          clip=clip, norm_type=norm_type, precision=precision, world=world)
+        finally:
+            torch.set_num_threads(threads)
     case = get_case(case_name)
     model = _build(case)
     opt = make_optimizer(case, model, optimizer, lr)
@@ -73,6 +118,59 @@ def train_reference(case_name: str, *, steps: int = 4, batch_size: int = 8, opti
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return RunResult(losses, params, norms=norms)
+
+
+def _train_reference_16bit(case_name: str, *, steps: int, batch_size: int, optimizer: str, lr: float,
+                           clip: float | None, norm_type: float, precision: Precision, world: int) -> RunResult:
+    case = get_case(case_name)
+    compute, reduce = precision.compute, precision.reduce
+    assert isinstance(compute, torch.dtype) and isinstance(reduce, torch.dtype)
+    master = _build(case)
+    opt = make_optimizer(case, master, optimizer, lr)
+    replicas = [copy.deepcopy(master).to(compute) for _ in range(world)]
+    scaler = LossScaler(precision.loss_scale) if precision.loss_scale is not None else None
+    named = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
+    local = batch_size // world
+    losses, norms, scales = [], [], []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        inputs, targets = case.batch(step, batch_size)
+        scale = scaler.scale if scaler is not None else 1.0
+        loss_sum = torch.zeros(())
+        for rank, replica in enumerate(replicas):
+            with torch.no_grad():
+                for (_, p), q in zip(master.named_parameters(), replica.parameters()):
+                    q.copy_(p)
+                    q.grad = None
+            x, y = inputs[rank * local:(rank + 1) * local], targets[rank * local:(rank + 1) * local]
+            if x.is_floating_point():
+                x = x.to(compute)
+            loss = case.loss(replica(x), y)
+            (loss.float() * scale if scaler is not None else loss).backward()
+            loss_sum += loss.detach()
+        replica_params = [dict(r.named_parameters()) for r in replicas]
+        for name, p in named:
+            grads = [rp[name].grad for rp in replica_params]
+            if all(g is None for g in grads):
+                continue
+            summed = torch.stack([(g if g is not None else torch.zeros_like(rp[name])).to(reduce)
+                                  for g, rp in zip(grads, replica_params)]).sum(0)
+            grad = summed.to(p.dtype)
+            if world * scale != 1.0:
+                grad = grad.div_(world * scale)
+            p.grad = grad
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_([p for _, p in named], clip, norm_type).item())
+        if scaler is not None:
+            overflow = any(not torch.isfinite(p.grad).all() for _, p in named if p.grad is not None)
+            if overflow:
+                opt.zero_grad(set_to_none=True)
+            scales.append(scaler.scale)
+            scaler.update(overflow)
+        opt.step()
+        losses.append((loss_sum / world).item())
+    params = {n: p.detach().clone() for n, p in master.named_parameters()}
+    return RunResult(losses, params, norms=norms, scales=scales)
 
 
 def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: int = 4, batch_size: int = 8,
@@ -97,7 +195,7 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
     if local % micro_batches:
         raise ValueError(f"{local} samples per rank do not split into {micro_batches} micro-batches")
     micro = local // micro_batches
-    losses, norms = [], []
+    losses, norms, scales = [], [], []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         inputs, targets = case.batch(step, batch_size)
@@ -108,10 +206,12 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
             context = model.no_sync() if m < micro_batches - 1 else contextlib.nullcontext()
             with context:
                 micro_loss = case.loss(model(inputs[part]), targets[part]) / micro_batches
-                micro_loss.backward()
+                model.backward(micro_loss)
             loss += micro_loss.detach()
         if clip is not None:
             norms.append(clip_grad_norm_(model, clip, norm_type))
+        if model.loss_scaler is not None:
+            scales.append(model.loss_scaler.scale)
         opt.step()
         reported = loss.detach().clone()
         if world > 1:  # reporting only: not part of the engine's counted traffic
@@ -127,10 +227,23 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         chunks=[{"size": c.size, "used": c.used, "requires_grad": c.requires_grad, "params": len(c.slots)}
                 for c in engine.chunks],
         norms=norms,
+        scales=scales,
     )
 
 
-def assert_parity(reference: RunResult, sharded: RunResult, *, rtol: float = 1e-5) -> None:
+def train_zoo_sharded(cases: list[str], *, config: ZeroConfig | None = None, **kwargs: Any) -> dict[str, RunResult]:
+    """:func:`train_sharded` on each zoo case in turn, in one process group (each case's own chunk size)."""
+    results = {}
+    for name in cases:
+        case_config = None
+        if config is not None:
+            case_config = config.replace(chunk=ChunkPolicy(chunk_size=get_case(name).chunk_size))
+        results[name] = train_sharded(name, config=case_config, **kwargs)
+        results[name].step_stats = []  # keep the pickled result small
+    return results
+
+
+def assert_parity(reference: RunResult, sharded: RunResult, *, rtol: float = 1e-5, label: str = "") -> None:
     """Losses and parameters agree within ``rtol``, relative to each tensor's largest magnitude.
 
     A tolerance relative to the tensor's scale rather than to each element: elements near
@@ -139,7 +252,7 @@ def assert_parity(reference: RunResult, sharded: RunResult, *, rtol: float = 1e-
     """
     assert len(reference.losses) == len(sharded.losses), (reference.losses, sharded.losses)
     for step, (a, b) in enumerate(zip(reference.losses, sharded.losses)):
-        assert abs(a - b) <= rtol * max(abs(a), 1e-12), f"step {step}: loss {b!r} vs reference {a!r}"
+        assert abs(a - b) <= rtol * max(abs(a), 1e-12), f"{label} step {step}: loss {b!r} vs reference {a!r}"
     assert reference.params.keys() == sharded.params.keys(), (
         sorted(set(reference.params) ^ set(sharded.params)))
     for name, ref in reference.params.items():
@@ -147,7 +260,8 @@ def assert_parity(reference: RunResult, sharded: RunResult, *, rtol: float = 1e-
         assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
         scale = ref.abs().max().item()
         err = (got - ref).abs().max().item()
-        assert err <= rtol * max(scale, 1e-12), f"{name}: max error {err:.3g} exceeds {rtol} x {scale:.3g}"
+        assert err <= rtol * max(scale, 1e-12), f"{label} {name}: max error {err:.3g} exceeds {rtol} x {scale:.3g}"
     assert len(reference.norms) == len(sharded.norms), (reference.norms, sharded.norms)
     for step, (a, b) in enumerate(zip(reference.norms, sharded.norms)):
-        assert abs(a - b) <= rtol * max(abs(a), 1e-12), f"step {step}: gradient norm {b!r} vs reference {a!r}"
+        assert abs(a - b) <= rtol * max(abs(a), 1e-12), f"{label} step {step}: gradient norm {b!r} vs reference {a!r}"
+    assert reference.scales == sharded.scales, f"{label} loss scales {sharded.scales} vs reference {reference.scales}"
