@@ -5,16 +5,18 @@ import math
 import pytest
 import torch
 
-from zero_core import ChunkPolicy, ConfigError, ZeroConfig, ZeroError, clip_grad_norm_, shard
+from zero_core import ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, ZeroError, clip_grad_norm_, shard
 from zero_core.testing import assert_parity, run_distributed, train_reference, train_sharded
 from zero_core.testing.zoo import get_case
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("case", ["gpt", "unused"])
-def test_no_sync_accumulation_equals_one_big_batch(case, world):
+def test_no_sync_accumulation_equals_one_big_batch(case, world, stage):
     micro = 2 if world == 4 else 4  # 8 samples: 2 per rank at 4 ranks, split into 2 micro-batches
-    results = run_distributed(train_sharded, world, case, micro_batches=micro)
+    config = ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=get_case(case).chunk_size))
+    results = run_distributed(train_sharded, world, case, micro_batches=micro, config=config)
     assert_parity(train_reference(case), results[0])
     chunks = results[0].chunks
     for step in results[0].step_stats:  # one reduce-scatter per chunk per step, whatever the micro-batches
@@ -22,15 +24,40 @@ def test_no_sync_accumulation_equals_one_big_batch(case, world):
             assert step["reduce_scatter"]["calls"] == sum(c["requires_grad"] for c in chunks)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_reducing_every_micro_batch_also_equals_one_big_batch(stage):
+    config = ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=300))
+    results = run_distributed(train_sharded, 2, "gpt", micro_batches=2, no_sync=False, config=config)
+    assert_parity(train_reference("gpt"), results[0])
+    chunks = results[0].chunks
+    for step in results[0].step_stats:  # gradients published by the first reduction accumulate with the second's
+        assert step["reduce_scatter"]["calls"] == 2 * len(chunks)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_clipping_uses_the_global_norm(world, norm_type):
+def test_clipping_uses_the_global_norm(world, norm_type, stage):
     clip = 0.05  # below the gradient norms of the first steps, so clipping acts
-    results = run_distributed(train_sharded, world, "gpt", clip=clip, norm_type=norm_type)
+    config = ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=300))
+    results = run_distributed(train_sharded, world, "gpt", clip=clip, norm_type=norm_type, config=config)
     reference = train_reference("gpt", clip=clip, norm_type=norm_type)
     assert any(n > clip for n in reference.norms)
     assert_parity(reference, results[0])
     assert all(r.norms == results[0].norms for r in results)  # identical floats on every rank
+    assert all(isinstance(n, float) for n in results[0].norms)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clipping_in_16bit_sees_unscaled_gradients(precision, norm_type):
+    mixed = {"bf16": Precision(compute="bf16"),
+             "fp16": Precision(compute="fp16", loss_scale=LossScale(init_scale=2.0**10))}[precision]
+    config = ZeroConfig(precision=mixed, chunk=ChunkPolicy(chunk_size=300))
+    results = run_distributed(train_sharded, 2, "gpt", clip=0.05, norm_type=norm_type, config=config)
+    reference = train_reference("gpt", clip=0.05, norm_type=norm_type, precision=mixed, world=2)
+    assert any(n > 0.05 for n in reference.norms)
+    assert_parity(reference, results[0], rtol=1e-3)
 
 
 def small():

@@ -35,14 +35,23 @@ def clip_grad_norm_(model: ZeroModule, max_norm: float, norm_type: float = 2.0) 
         raise ZeroError("clip_grad_norm_ was called during backward; call it after loss.backward() returns")
     grads = [seg.param.grad for chunk in engine.chunks for seg in chunk.segments if seg.param.grad is not None]
     device = engine.device
+    # Shards may live on different devices (offloaded to the host, or partly): each device reduces its
+    # own gradients, and only one float64 scalar per device travels to the compute device.
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    total = torch.zeros(1, dtype=torch.float64, device=device)
     if math.isinf(norm_type):
-        local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
-        total = local.to(device=device, dtype=torch.float64).reshape(1)
+        for group in by_device.values():
+            local = torch.stack([g.abs().max() for g in group]).max().to(device=device, dtype=torch.float64)
+            total = torch.maximum(total, local.reshape(1))
         engine.comm.all_reduce(total, op="max")
         norm = float(total.item())
     else:
-        local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
-        total = local.to(device).reshape(1)
+        for group in by_device.values():
+            local = sum((g.double().abs().pow(norm_type).sum() for g in group), torch.zeros((), dtype=torch.float64,
+                                                                                         device=group[0].device))
+            total += local.to(device)
         engine.comm.all_reduce(total)
         norm = float(total.item() ** (1.0 / norm_type))
     coef = min(1.0, max_norm / (norm + 1e-6))

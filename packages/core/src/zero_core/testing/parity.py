@@ -175,11 +175,12 @@ def _train_reference_16bit(case_name: str, *, steps: int, batch_size: int, optim
 
 def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: int = 4, batch_size: int = 8,
                   optimizer: str = "adamw", lr: float = 1e-3, micro_batches: int = 1, clip: float | None = None,
-                  norm_type: float = 2.0) -> RunResult:
+                  norm_type: float = 2.0, no_sync: bool = True) -> RunResult:
     """Run on every rank: shard the zoo model, train on this rank's slice of each global batch.
 
     With ``micro_batches > 1`` the slice is split and all but the last micro-batch run
-    inside ``model.no_sync()``, each loss scaled so the sum equals the slice's mean loss.
+    inside ``model.no_sync()`` (or, with ``no_sync=False``, each reduces its own
+    gradients), each loss scaled so the sum equals the slice's mean loss.
     With ``clip`` the gradients are clipped by :func:`zero_core.clip_grad_norm_`.
     """
     case = get_case(case_name)
@@ -203,7 +204,7 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         loss = torch.zeros(())
         for m in range(micro_batches):
             part = slice(m * micro, (m + 1) * micro)
-            context = model.no_sync() if m < micro_batches - 1 else contextlib.nullcontext()
+            context = model.no_sync() if no_sync and m < micro_batches - 1 else contextlib.nullcontext()
             with context:
                 micro_loss = case.loss(model(inputs[part]), targets[part]) / micro_batches
                 model.backward(micro_loss)
