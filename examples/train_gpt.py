@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zero_core import ChunkPolicy, ZeroConfig, shard
+from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig, shard
 from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
 
 
@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=["zero", "ddp"], default="zero", help="zero (chunked ZeRO-3) or torch DDP")
     p.add_argument("--strategy", default="chunk", help="zero shard strategy plugin name")
+    p.add_argument("--stage", type=int, choices=[1, 2, 3], default=3, help="ZeRO stage")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="compute dtype (16-bit runs keep fp32 master weights; fp16 scales the loss)")
     p.add_argument("--steps", type=int, default=200, help="most optimizer steps to run")
     p.add_argument("--time-budget", type=float, default=100.0, help="stop after this many seconds of training")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
@@ -76,11 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     stats = None
     if args.mode == "zero":
-        config = ZeroConfig(strategy=args.strategy, chunk=ChunkPolicy(chunk_size=args.chunk_size, search_interval=args.d_model),
+        precision = Precision(compute=None if args.precision == "fp32" else args.precision,
+                              loss_scale=LossScale() if args.precision == "fp16" else None)
+        config = ZeroConfig(strategy=args.strategy, stage=args.stage, precision=precision,
+                            chunk=ChunkPolicy(chunk_size=args.chunk_size, search_interval=args.d_model),
                             static_graph=args.static_graph)
         model, optimizer = shard(model, optimizer, config=config)
         stats = model.comm_stats
     else:
+        if args.precision != "fp32":
+            raise SystemExit("--mode ddp runs in fp32 only; it is the reference the zero runs are compared with")
         model = torch.nn.parallel.DistributedDataParallel(model.to(device))
     setup_peak = rss_mib()[1]
     # An ordinary scheduler: zero re-points the optimizer in place, so schedulers just work.
@@ -97,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if rank == 0:
         n = cfg.num_params
-        print(f"mode={args.mode} ranks={world} backend={backend} params={n / 1e6:.1f}M tied embeddings "
+        what = f"stage={args.stage} precision={args.precision} " if args.mode == "zero" else ""
+        print(f"mode={args.mode} {what}ranks={world} backend={backend} params={n / 1e6:.1f}M tied embeddings "
               f"tokens/step={args.batch_size * args.seq_len * world} loss floor={data.floor:.3f}", flush=True)
     losses, step_times = [], []
     start = time.perf_counter()
@@ -106,10 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         tokens = data.batch(step, args.batch_size * world)[rank * args.batch_size:(rank + 1) * args.batch_size].to(device)
         optimizer.zero_grad(set_to_none=True)
         loss = lm_loss(model(tokens), tokens)
-        loss.backward()
+        if args.mode == "zero":
+            model.backward(loss)  # scales the loss when fp16 needs it; plain loss.backward() otherwise
+        else:
+            loss.backward()
         optimizer.step()
         scheduler.step()
-        reported = loss.detach().clone()
+        reported = loss.detach().float()
         dist.all_reduce(reported)
         losses.append(reported.item() / world)
         step_times.append(time.perf_counter() - t0)
@@ -139,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "model_state_bytes": model.model_state_bytes() if args.mode == "zero" else None})
     result = {
         "mode": args.mode, "strategy": args.strategy if args.mode == "zero" else "ddp", "world_size": world,
+        "stage": args.stage if args.mode == "zero" else None, "precision": args.precision,
         "backend": backend, "params": cfg.num_params, "steps": len(losses), "losses": losses,
         "median_step_s": step_time, "tokens_per_s": args.batch_size * args.seq_len * world / step_time,
         "peak_rss_mib": [p["peak_rss_mib"] for p in peaks], "setup_peak_rss_mib": [p["setup_peak_rss_mib"] for p in peaks],
@@ -147,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
     }
     if rank == 0:
-        print(f"summary: mode={args.mode} ranks={world} params={cfg.num_params / 1e6:.1f}M steps={len(losses)} "
+        what = f"stage={args.stage} precision={args.precision} " if args.mode == "zero" else ""
+        print(f"summary: mode={args.mode} {what}ranks={world} params={cfg.num_params / 1e6:.1f}M steps={len(losses)} "
               f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (floor {data.floor:.3f}) "
               f"tokens/s={result['tokens_per_s']:,.0f} step={step_time:.3f}s "
               f"peak_rss/rank=[{', '.join(f'{p:.0f}' for p in result['peak_rss_mib'])}] MiB", flush=True)

@@ -60,14 +60,16 @@ def test_clipping_in_16bit_sees_unscaled_gradients(precision, norm_type):
     assert_parity(reference, results[0], rtol=1e-3)
 
 
-def small():
+def small(stage=3):
     torch.manual_seed(0)
     model = get_case("odd_sizes").build()
-    return shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=ZeroConfig(chunk=ChunkPolicy(chunk_size=64)))
+    config = ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=64))
+    return shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=config)
 
 
-def test_stepping_inside_no_sync_is_refused():
-    model, opt = small()
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stepping_inside_no_sync_is_refused(stage):
+    model, opt = small(stage)
     with model.no_sync():
         model(torch.rand(2, 6)).sum().backward()
         with pytest.raises(ZeroError, match="inside model.no_sync"):
