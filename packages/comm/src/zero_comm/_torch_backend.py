@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core import CollectiveKind, CollectiveTimeoutError, CommBackend, ring_bytes_sent
+from zero_core.chunk import BufferPool
 from zero_core.comm import Pending
 
 __all__ = ["TorchCommBackend"]
@@ -66,8 +66,7 @@ class TorchCommBackend(CommBackend):
         backend = dist.get_backend(group) if self._distributed else "gloo"
         # See [Note: reduce-scatter on gloo].
         self._reduce_scatter_by_all_to_all = backend == "gloo"
-        self._receive_free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
-        self._receive_lock = threading.Lock()  # buffers come back from the reduction waiter's thread
+        self._receive_buffers = BufferPool()  # thread-safe: buffers come back from the reduction waiter's thread
         self._control_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     @property
@@ -97,18 +96,6 @@ class TorchCommBackend(CommBackend):
         pending.wait()
         return None
 
-    def _take_receive_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """A reusable receive buffer: a fresh multi-megabyte one every step costs page faults and heap growth."""
-        with self._receive_lock:
-            free = self._receive_free.get((like.numel(), like.dtype, like.device))
-            if free:
-                return free.pop()
-        return torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-
-    def _give_receive_buffer(self, buffer: torch.Tensor) -> None:
-        with self._receive_lock:
-            self._receive_free.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
-
     def _record(self, kind: CollectiveKind, payload_bytes: int) -> None:
         self.stats.record(kind, ring_bytes_sent(kind, payload_bytes, self._world))
 
@@ -137,12 +124,13 @@ class TorchCommBackend(CommBackend):
         self._record(CollectiveKind.REDUCE_SCATTER, input.numel() * input.element_size())
         what = f"reduce_scatter of {input.numel()} elements"
         if self._reduce_scatter_by_all_to_all:
-            received = self._take_receive_buffer(input)
+            # reused: a fresh multi-megabyte buffer every step costs page faults and heap growth
+            received = self._receive_buffers.take(input.numel(), input.dtype, input.device, zeroed=False)
             work = dist.all_to_all_single(received, input.contiguous(), group=self.group, async_op=True)
 
             def add_up() -> None:
                 torch.sum(received.view(self._world, -1), dim=0, out=output.view(-1))
-                self._give_receive_buffer(received)
+                self._receive_buffers.give(received)
 
             return self._finish(work, what, input, async_op, then=add_up)
         work = dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from zero_core._devices import by_device
 from zero_core._module import ZeroModule
 from zero_core._state import TrainingState
 from zero_core.errors import ConfigError, ZeroError
@@ -37,18 +38,16 @@ def clip_grad_norm_(model: ZeroModule, max_norm: float, norm_type: float = 2.0) 
     device = engine.device
     # Shards may live on different devices (offloaded to the host, or partly): each device reduces its
     # own gradients, and only one float64 scalar per device travels to the compute device.
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
+    groups = by_device(grads)
     total = torch.zeros(1, dtype=torch.float64, device=device)
     if math.isinf(norm_type):
-        for group in by_device.values():
+        for group in groups.values():
             local = torch.stack([g.abs().max() for g in group]).max().to(device=device, dtype=torch.float64)
             total = torch.maximum(total, local.reshape(1))
         engine.comm.all_reduce(total, op="max")
         norm = float(total.item())
     else:
-        for group in by_device.values():
+        for group in groups.values():
             local = sum((g.double().abs().pow(norm_type).sum() for g in group), torch.zeros((), dtype=torch.float64,
                                                                                          device=group[0].device))
             total += local.to(device)

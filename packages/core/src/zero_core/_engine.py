@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from zero_core._devices import by_device
 from zero_core._scaler import LossScaler
 from zero_core._schedule import GatherScheduler
 from zero_core._state import TrainingState
@@ -121,8 +122,7 @@ class Engine:
         sharded_params = any(not c.persistent for c in chunks)
         self._scheduler = GatherScheduler(chunks, comm, placement, agree=not config.static_graph and sharded_params)
         # Chunks whose kept full buffer is refreshed from the master shards after each step.
-        self._refresh_after_step = [c for c in chunks if c.requires_grad and c.persistent
-                                    and (c.world_size > 1 or not c.shard_is_view)]
+        self._refresh_after_step = [c for c in chunks if c.requires_grad and c.persistent]
         loss_scale = config.precision.loss_scale
         self.scaler = LossScaler(loss_scale) if loss_scale is not None else None
         # Set by ZeroModule.backward: the losses of this step were scaled by the scaler.
@@ -354,10 +354,7 @@ class Engine:
             )
         grads = [seg.param.grad for c in self._reduce_order for seg in c.segments if seg.param.grad is not None]
         found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for grad in grads:
-            by_device.setdefault(grad.device, []).append(grad)
-        for device, group in by_device.items():
+        for device, group in by_device(grads).items():
             found_here = torch.zeros(1, dtype=torch.float32, device=device)
             # torch's fused finite check (GradScaler's); an inv_scale of 1 leaves the gradients as they are
             torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, torch.ones(1, device=device))

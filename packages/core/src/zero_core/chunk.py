@@ -111,29 +111,7 @@ class ParamSlot:
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """The part of one parameter inside this rank's shard. See [Note: stages and dtypes]
-What a chunk keeps between steps depends on the stage and the compute dtype:
-
-=====  ==========================================  =========================================
-stage  parameters                                  gradients
-=====  ==========================================  =========================================
-1      full buffer kept; master shard              one full-size buffer kept (replicated);
-                                                   this rank's mean lands in its own slice
-2      full buffer kept; master shard              full-size buffer only during backward;
-                                                   the mean shard is kept
-3      full buffer only while gathered; shard      as stage 2
-=====  ==========================================  =========================================
-
-The master shard is in the parameters' own dtype. When the compute dtype is the
-same, a kept full buffer holds the master shard as a view of its own slice, so stages
-1 and 2 hold parameters once. With 16-bit compute, the full buffer is 16-bit and the
-master shard a separate fp32 tensor; gathers send the shard cast to 16 bits. Gradients
-accumulate in the compute dtype, are cast to the reduce dtype for the reduce-scatter,
-and reach the optimizer in the master dtype, divided by ``world_size x loss scale``.
-After a step, stages 1 and 2 refresh their own slice from the master shard and
-all-gather the updated slices in place.
-
-[Note: optimizer segments].
+    """The part of one parameter inside this rank's shard. See [Note: optimizer segments].
 
     Attributes:
         slot: Index of the parameter in the chunk's slots.
@@ -147,7 +125,7 @@ all-gather the updated slices in place.
 
 
 class BufferPool:
-    """Reusable full-size gradient buffers, keyed by (size, dtype, device).
+    """Reusable full-size buffers (gradients, receive buffers), keyed by (size, dtype, device).
 
     Fresh multi-megabyte CPU allocations are mapped anew and page-faulted on first touch,
     which cost about as much as the gradient copy itself; a pool keeps the few buffers a
@@ -158,13 +136,14 @@ class BufferPool:
         self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
-    def take(self, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def take(self, size: int, dtype: torch.dtype, device: torch.device, *, zeroed: bool = True) -> torch.Tensor:
+        """A buffer of ``size`` elements, zero-filled unless ``zeroed=False`` (a buffer about to be overwritten)."""
         with self._lock:
             free = self._free.get((size, dtype, device))
             buf = free.pop() if free else None
         if buf is None:
-            return torch.zeros(size, dtype=dtype, device=device)
-        return buf.zero_()
+            return torch.zeros(size, dtype=dtype, device=device) if zeroed else torch.empty(size, dtype=dtype, device=device)
+        return buf.zero_() if zeroed else buf
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
