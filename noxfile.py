@@ -1,5 +1,7 @@
 """Sessions: ``nox -s tests`` (the test suite), ``nox -s demo`` (2-rank GPT training),
-``nox -s docs`` (strict docs build), ``nox -s bench`` (zero vs torch DDP, side by side)."""
+``nox -s docs`` (strict docs build), ``nox -s bench`` (zero vs torch DDP, side by side),
+``nox -s microbench`` (pytest-benchmark micro-benchmarks of the collectives on 2 gloo ranks;
+pass pytest-benchmark options after ``--``, e.g. ``--benchmark-compare``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ nox.options.error_on_missing_interpreters = True
 
 # The CPU build of torch 2.13.0 is what CI provides; an unpinned torch would pull CUDA wheels.
 TORCH = "torch==2.13.0"
-PACKAGES = ["packages/core", "packages/comm", "packages/strategies/chunk"]
+PACKAGES = ["packages/core", "packages/comm", "packages/strategies/chunk", "packages/strategies/tensor"]
 
 
 def install_zero(session: nox.Session, *extra: str) -> None:
@@ -46,3 +48,16 @@ def bench(session: nox.Session) -> None:
     """zero against torch DDP on the demo model, in one run. Options after -- go to the script."""
     install_zero(session, "rich>=13")
     session.run("python", "benchmarks/compare_ddp.py", *session.posargs)
+
+
+@nox.session(default=False)
+def microbench(session: nox.Session) -> None:
+    """Reduce-scatter and gather micro-benchmarks on 2 gloo ranks; results in benchmarks/results/.
+
+    Writes benchmarks/results/micro.json and autosaves each run under benchmarks/results/micro/,
+    so ``nox -s microbench -- --benchmark-compare`` compares with the last saved run. The test
+    paths in pyproject.toml leave benchmarks/ out, so ``nox -s tests`` never runs these.
+    """
+    install_zero(session, "pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2.3")
+    session.run("pytest", "benchmarks/micro", "-p", "no:cacheprovider", "--benchmark-json", "benchmarks/results/micro.json",
+                "--benchmark-autosave", "--benchmark-storage", "benchmarks/results/micro", *session.posargs)

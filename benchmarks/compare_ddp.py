@@ -31,8 +31,11 @@ CONFIGS = {
     "zero-s3-static": ["--mode", "zero", "--stage", "3", "--static-graph"],
     **{f"zero-s{stage}-{precision}": ["--mode", "zero", "--stage", str(stage), "--precision", precision]
        for precision in ("bf16", "fp16") for stage in (1, 2, 3)},
+    **{f"tensor-s{stage}": ["--mode", "zero", "--strategy", "tensor", "--stage", str(stage)] for stage in (1, 2, 3)},
+    "tensor-s3-unbucketed": ["--mode", "zero", "--strategy", "tensor", "--stage", "3", "--comm", "torch"],
+    "tensor-s3-bf16": ["--mode", "zero", "--strategy", "tensor", "--stage", "3", "--precision", "bf16"],
 }
-DEFAULT = ["ddp", "zero-s1", "zero-s2", "zero-s3", "zero-s3-static"]
+DEFAULT = ["ddp", "zero-s1", "zero-s2", "zero-s3", "zero-s3-static", "tensor-s3", "tensor-s3-unbucketed"]
 
 
 def run(name: str, extra: list[str], args: argparse.Namespace, tmp: Path) -> dict:
@@ -49,16 +52,19 @@ def run(name: str, extra: list[str], args: argparse.Namespace, tmp: Path) -> dic
 
 def table(results: dict[str, dict]) -> str:
     base = results["ddp"]
-    rows = ["| config | step s (median) | tokens/s | peak RSS/rank MiB | step vs DDP | RSS vs DDP | bytes sent/step/rank | model-state bytes/rank |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| config | step s (median) | tokens/s | peak RSS/rank MiB | step vs DDP | RSS vs DDP | bytes sent/step/rank "
+            "| all-gathers/step | reduce-scatters/step | model-state bytes/rank |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         rss = max(r["peak_rss_mib"])
         comm = r["comm_last_step"]
         states = r["model_state_bytes"][0]
         sent = "n/a (DDP)" if comm is None else f"{sum(v['bytes_sent'] for k, v in comm.items() if k != 'control') / 2**20:.1f} MiB"
         held = "n/a (DDP)" if states is None else f"{sum(states[k] for k in ('params', 'grads', 'optimizer_states')) / 2**20:.1f} MiB"
+        calls = ["n/a" if comm is None else str(comm.get(kind, {}).get("calls", 0)) for kind in ("all_gather", "reduce_scatter")]
         rows.append(f"| {name} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} | {rss:.0f} | "
-                    f"{r['median_step_s'] / base['median_step_s']:.2f}x | {rss / max(base['peak_rss_mib']):.2f}x | {sent} | {held} |")
+                    f"{r['median_step_s'] / base['median_step_s']:.2f}x | {rss / max(base['peak_rss_mib']):.2f}x | {sent} | "
+                    f"{calls[0]} | {calls[1]} | {held} |")
     return "\n".join(rows)
 
 

@@ -28,8 +28,10 @@ from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mode", choices=["zero", "ddp"], default="zero", help="zero (chunked ZeRO-3) or torch DDP")
-    p.add_argument("--strategy", default="chunk", help="zero shard strategy plugin name")
+    p.add_argument("--mode", choices=["zero", "ddp"], default="zero", help="zero (any strategy) or torch DDP")
+    p.add_argument("--strategy", default="chunk", help="zero shard strategy plugin name (chunk, tensor, ...)")
+    p.add_argument("--comm", default=None, help="zero comm backend plugin name (default: the strategy's choice)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="reduce-scatter bucket MiB for bucketing backends")
     p.add_argument("--stage", type=int, choices=[1, 2, 3], default=3, help="ZeRO stage")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="compute dtype (16-bit runs keep fp32 master weights; fp16 scales the loss)")
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                               loss_scale=LossScale() if args.precision == "fp16" else None)
         config = ZeroConfig(strategy=args.strategy, stage=args.stage, precision=precision,
                             chunk=ChunkPolicy(chunk_size=args.chunk_size, search_interval=args.d_model),
-                            static_graph=args.static_graph)
+                            static_graph=args.static_graph, comm=args.comm, reduce_bucket_mb=args.bucket_mb)
         model, optimizer = shard(model, optimizer, config=config)
         stats = model.comm_stats
     else:
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "model_state_bytes": model.model_state_bytes() if args.mode == "zero" else None})
     result = {
         "mode": args.mode, "strategy": args.strategy if args.mode == "zero" else "ddp", "world_size": world,
+        "comm": model.engine.reduce_comm.name if args.mode == "zero" else "ddp",
         "stage": args.stage if args.mode == "zero" else None, "precision": args.precision,
         "backend": backend, "params": cfg.num_params, "steps": len(losses), "losses": losses,
         "median_step_s": step_time, "tokens_per_s": args.batch_size * args.seq_len * world / step_time,

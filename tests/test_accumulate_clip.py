@@ -5,17 +5,21 @@ import math
 import pytest
 import torch
 
-from zero_core import ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, ZeroError, clip_grad_norm_, shard
+from zero_core import ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, ZeroError, ZeroPlugins, clip_grad_norm_, shard
 from zero_core.testing import assert_parity, run_distributed, train_reference, train_sharded
 from zero_core.testing.zoo import get_case
+
+STRATEGIES = ZeroPlugins.load().strategies.names()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("case", ["gpt", "unused"])
-def test_no_sync_accumulation_equals_one_big_batch(case, world, stage):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_sync_accumulation_equals_one_big_batch(strategy, case, world, stage):
     micro = 2 if world == 4 else 4  # 8 samples: 2 per rank at 4 ranks, split into 2 micro-batches
-    config = ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=get_case(case).chunk_size))
+    # the torch backend, so the count below is one reduce-scatter per chunk (bucketing has its own tests)
+    config = ZeroConfig(strategy=strategy, stage=stage, comm="torch", chunk=ChunkPolicy(chunk_size=get_case(case).chunk_size))
     results = run_distributed(train_sharded, world, case, micro_batches=micro, config=config)
     assert_parity(train_reference(case), results[0])
     chunks = results[0].chunks
@@ -25,8 +29,9 @@ def test_no_sync_accumulation_equals_one_big_batch(case, world, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_reducing_every_micro_batch_also_equals_one_big_batch(stage):
-    config = ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=300))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_reducing_every_micro_batch_also_equals_one_big_batch(strategy, stage):
+    config = ZeroConfig(strategy=strategy, stage=stage, comm="torch", chunk=ChunkPolicy(chunk_size=300))
     results = run_distributed(train_sharded, 2, "gpt", micro_batches=2, no_sync=False, config=config)
     assert_parity(train_reference("gpt"), results[0])
     chunks = results[0].chunks
@@ -37,9 +42,10 @@ def test_reducing_every_micro_batch_also_equals_one_big_batch(stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_clipping_uses_the_global_norm(world, norm_type, stage):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_clipping_uses_the_global_norm(strategy, world, norm_type, stage):
     clip = 0.05  # below the gradient norms of the first steps, so clipping acts
-    config = ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=300))
+    config = ZeroConfig(strategy=strategy, stage=stage, chunk=ChunkPolicy(chunk_size=300))
     results = run_distributed(train_sharded, world, "gpt", clip=clip, norm_type=norm_type, config=config)
     reference = train_reference("gpt", clip=clip, norm_type=norm_type)
     assert any(n > clip for n in reference.norms)
@@ -50,10 +56,11 @@ def test_clipping_uses_the_global_norm(world, norm_type, stage):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_clipping_in_16bit_sees_unscaled_gradients(precision, norm_type):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_clipping_in_16bit_sees_unscaled_gradients(strategy, precision, norm_type):
     mixed = {"bf16": Precision(compute="bf16"),
              "fp16": Precision(compute="fp16", loss_scale=LossScale(init_scale=2.0**10))}[precision]
-    config = ZeroConfig(precision=mixed, chunk=ChunkPolicy(chunk_size=300))
+    config = ZeroConfig(strategy=strategy, precision=mixed, chunk=ChunkPolicy(chunk_size=300))
     results = run_distributed(train_sharded, 2, "gpt", clip=0.05, norm_type=norm_type, config=config)
     reference = train_reference("gpt", clip=0.05, norm_type=norm_type, precision=mixed, world=2)
     assert any(n > 0.05 for n in reference.norms)

@@ -69,8 +69,10 @@ def test_world_size_above_one_without_a_process_group(monkeypatch):
 
 def test_unknown_plugin_names_list_the_available_ones():
     model, opt = model_and_opt()
-    with pytest.raises(PluginNotFoundError, match=r"no shard strategy named 'tensor' .*available: chunk.*zero-strategy-tensor"):
-        shard(model, opt, config=ZeroConfig(strategy="tensor"))
+    with pytest.raises(PluginNotFoundError, match=r"no placement policy named 'gemini' .*available: device, host.*zero-offload"):
+        shard(model, opt, config=ZeroConfig(placement="gemini"))
+    with pytest.raises(PluginNotFoundError, match=r"no shard strategy named 'tensr' .*available: chunk, tensor"):
+        shard(model, opt, config=ZeroConfig(strategy="tensr"))
 
 
 def test_first_use_order_needs_example_inputs():

@@ -5,6 +5,10 @@ per rank per step (two all-gathers, one reduce-scatter); stages 1 and 2 send
 (N-1)/N * Psi * (b_g + b_p) (a reduce-scatter, and the all-gather of the updated
 parameters), which in fp32 is exactly DDP's ring all-reduce. Psi is counted over the
 padded chunks; padding carries parameter and gradient bytes but no optimizer state.
+Every installed strategy is counted the same way from its chunks and gather groups
+(tensor-wise ZeRO-3: a chunk per parameter, a gather group per module), with the
+``torch`` comm backend: one reduce-scatter per chunk, one all-gather per group.
+Bucketed reduce-scatters have tests of their own at the end.
 
 Model-state bytes per rank (fp32 | 16-bit compute with fp32 masters):
 stage 1: 8Psi + 8Psi/N | 4Psi + 16Psi/N; stage 2: 4Psi + 12Psi/N | 2Psi + 16Psi/N;
@@ -15,10 +19,17 @@ paper keeps 16-bit ones; the paper's count has no gradient for the masters in st
 
 import pytest
 
-from zero_core import ChunkPolicy, CollectiveKind, LossScale, Precision, ZeroConfig, ring_bytes_sent
+from zero_core import ChunkPolicy, CollectiveKind, LossScale, Precision, ZeroConfig, ZeroPlugins, ring_bytes_sent
 from zero_core.testing import run_distributed, train_sharded
 
 PRECISIONS = {"fp32": Precision(), "bf16": Precision(compute="bf16")}
+STRATEGIES = ZeroPlugins.load().strategies.names()
+
+
+def gpt_config(strategy, stage=3, precision="fp32", **kwargs):
+    kwargs.setdefault("comm", "torch")
+    return ZeroConfig(strategy=strategy, stage=stage, precision=PRECISIONS[precision], chunk=ChunkPolicy(chunk_size=300),
+                      **kwargs)
 
 
 def padding_on_rank(chunk, rank, world):
@@ -27,21 +38,23 @@ def padding_on_rank(chunk, rank, world):
     return max(0, hi - max(lo, chunk["used"]))
 
 
-def test_one_rank_sends_nothing():
-    result = run_distributed(train_sharded, 1, "gpt", steps=2)[0]
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_one_rank_sends_nothing(strategy):
+    result = run_distributed(train_sharded, 1, "gpt", steps=2, config=gpt_config(strategy))[0]
     assert result.step_stats == [{}, {}]
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_zero3_collectives_and_bytes_per_step(world):
-    results = run_distributed(train_sharded, world, "gpt", steps=3)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_zero3_collectives_and_bytes_per_step(strategy, world):
+    results = run_distributed(train_sharded, world, "gpt", steps=3, config=gpt_config(strategy))
     chunks = results[0].chunks
-    n_chunks, padded = len(chunks), sum(c["size"] for c in chunks)
+    n_chunks, n_groups, padded = len(chunks), len(results[0].groups), sum(c["size"] for c in chunks)
     assert all(c["requires_grad"] for c in chunks)
     for result in results:
         assert len(result.step_stats) == 3
         for step in result.step_stats:
-            assert step["all_gather"]["calls"] == 2 * n_chunks  # forward + backward, one per chunk
+            assert step["all_gather"]["calls"] == 2 * n_groups  # forward + backward, one per gather group
             assert step["reduce_scatter"]["calls"] == n_chunks
             assert step["all_gather"]["bytes_sent"] == 2 * (world - 1) * padded * 4 // world
             assert step["reduce_scatter"]["bytes_sent"] == (world - 1) * padded * 4 // world
@@ -50,13 +63,14 @@ def test_zero3_collectives_and_bytes_per_step(world):
             # agreement rounds: at most one per gather plus a drain per pass and one gradient-presence
             # exchange (prefetched chunks need none); the same on every rank and every step
             assert step["control"] == results[0].step_stats[0]["control"]
-            assert step["control"]["calls"] <= 2 * n_chunks + 3
+            assert step["control"]["calls"] <= 2 * n_groups + 3
             assert set(step) == {"all_gather", "reduce_scatter", "control"}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_model_state_bytes_are_16_psi_over_n_plus_padding(world):
-    results = run_distributed(train_sharded, world, "gpt", steps=2)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_model_state_bytes_are_16_psi_over_n_plus_padding(strategy, world):
+    results = run_distributed(train_sharded, world, "gpt", steps=2, config=gpt_config(strategy))
     chunks = results[0].chunks
     psi = sum(c["used"] for c in chunks)
     padding = sum(c["size"] - c["used"] for c in chunks)
@@ -73,8 +87,10 @@ def test_model_state_bytes_are_16_psi_over_n_plus_padding(world):
     assert total == 16 * psi + 8 * padding
 
 
-def test_frozen_parameters_hold_no_gradient_or_optimizer_state():
-    results = run_distributed(train_sharded, 2, "frozen", steps=2)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_frozen_parameters_hold_no_gradient_or_optimizer_state(strategy):
+    config = gpt_config(strategy).replace(chunk=ChunkPolicy(chunk_size=64))
+    results = run_distributed(train_sharded, 2, "frozen", steps=2, config=config)
     chunks = results[0].chunks
     trainable = sum(c["size"] // 2 for c in chunks if c["requires_grad"])
     everything = sum(c["size"] // 2 for c in chunks)
@@ -85,29 +101,27 @@ def test_frozen_parameters_hold_no_gradient_or_optimizer_state():
         assert result.step_stats[-1]["reduce_scatter"]["calls"] == sum(c["requires_grad"] for c in chunks)
 
 
-def test_static_graph_sends_no_control_traffic():
-    config = ZeroConfig(chunk=ChunkPolicy(chunk_size=300), static_graph=True)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_static_graph_sends_no_control_traffic(strategy):
+    config = gpt_config(strategy, static_graph=True)
     results = run_distributed(train_sharded, 2, "gpt", config=config, steps=2)
     assert all("control" not in step for step in results[0].step_stats)
-
-
-def gpt_config(stage, precision="fp32", **kwargs):
-    return ZeroConfig(stage=stage, precision=PRECISIONS[precision], chunk=ChunkPolicy(chunk_size=300), **kwargs)
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_stages_1_and_2_send_what_ddp_sends(stage, world, precision):
-    results = run_distributed(train_sharded, world, "gpt", steps=3, config=gpt_config(stage, precision))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_stages_1_and_2_send_what_ddp_sends(strategy, stage, world, precision):
+    results = run_distributed(train_sharded, world, "gpt", steps=3, config=gpt_config(strategy, stage, precision))
     chunks = results[0].chunks
-    n_chunks, padded = len(chunks), sum(c["size"] for c in chunks)
+    n_chunks, n_groups, padded = len(chunks), len(results[0].groups), sum(c["size"] for c in chunks)
     b_p, b_g = (4, 4) if precision == "fp32" else (2, 4)
     for result in results:
         for step in result.step_stats:
             assert step["reduce_scatter"] == {"calls": n_chunks, "bytes_sent": (world - 1) * padded * b_g // world}
             # the only all-gathers: updated parameters after the step; nothing is gathered in forward or backward
-            assert step["all_gather"] == {"calls": n_chunks, "bytes_sent": (world - 1) * padded * b_p // world}
+            assert step["all_gather"] == {"calls": n_groups, "bytes_sent": (world - 1) * padded * b_p // world}
             assert step["control"]["calls"] == 1  # which parameters got gradients; no gather agreement
             if precision == "fp32":  # the same volume as DDP's one ring all-reduce of fp32 gradients
                 ddp = ring_bytes_sent(CollectiveKind.ALL_REDUCE, padded * 4, world)
@@ -115,20 +129,22 @@ def test_stages_1_and_2_send_what_ddp_sends(stage, world, precision):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_stage_3_in_bf16_gathers_16bit_and_reduces_fp32(world):
-    results = run_distributed(train_sharded, world, "gpt", steps=2, config=gpt_config(3, "bf16"))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_stage_3_in_bf16_gathers_16bit_and_reduces_fp32(strategy, world):
+    results = run_distributed(train_sharded, world, "gpt", steps=2, config=gpt_config(strategy, 3, "bf16"))
     chunks = results[0].chunks
-    n_chunks, padded = len(chunks), sum(c["size"] for c in chunks)
+    n_chunks, n_groups, padded = len(chunks), len(results[0].groups), sum(c["size"] for c in chunks)
     for step in results[0].step_stats:
-        assert step["all_gather"] == {"calls": 2 * n_chunks, "bytes_sent": 2 * (world - 1) * padded * 2 // world}
+        assert step["all_gather"] == {"calls": 2 * n_groups, "bytes_sent": 2 * (world - 1) * padded * 2 // world}
         assert step["reduce_scatter"] == {"calls": n_chunks, "bytes_sent": (world - 1) * padded * 4 // world}
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_model_state_bytes_per_stage_and_precision(world, stage, precision):
-    results = run_distributed(train_sharded, world, "gpt", steps=2, config=gpt_config(stage, precision))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_model_state_bytes_per_stage_and_precision(strategy, world, stage, precision):
+    results = run_distributed(train_sharded, world, "gpt", steps=2, config=gpt_config(strategy, stage, precision))
     chunks = results[0].chunks
     full = sum(c["size"] for c in chunks)  # Psi plus padding
     shard = full // world  # Psi/N plus this rank's padding
@@ -163,3 +179,37 @@ def test_fp16_checks_overflow_with_one_collective_per_step():
     for step in results[0].step_stats:  # static graph: no other control traffic, so this is the overflow flag
         assert step["control"] == {"calls": 1, "bytes_sent": ring_bytes_sent(CollectiveKind.ALL_REDUCE, 1, 2)}
     assert results[0].scales == [2.0**10] * 3
+
+
+def bucketed_reduce_scatters(shard_sizes, capacity):
+    """What the bucket rule implies: a bucket that cannot take the next input is launched
+    first; an input larger than a bucket goes alone; the partial bucket goes at the flush."""
+    calls, fill = 0, 0
+    for size in shard_sizes:
+        if size > capacity:
+            calls += 1
+            continue
+        if fill + size > capacity:
+            calls, fill = calls + 1, 0
+        fill += size
+    return calls + (fill > 0)
+
+
+@pytest.mark.parametrize(("world", "bucket_mb"), [(2, 0.0), (2, 2.0**-10), (2, 2.0**-8), (2, 25.0), (4, 2.0**-9)])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bucketed_reduce_scatters_follow_the_bucket_size(strategy, world, bucket_mb):
+    config = gpt_config(strategy, comm="bucketed", reduce_bucket_mb=bucket_mb)
+    results = run_distributed(train_sharded, world, "gpt", steps=2, config=config)
+    chunks = results[0].chunks
+    # the engine reduces trainable chunks in reverse plan order; each sends its shard-sized slice per rank
+    shard_sizes = [c["size"] // world for c in reversed(chunks) if c["requires_grad"]]
+    capacity = int(bucket_mb * 2**20) // 4 // world if bucket_mb > 0 else 0
+    expected = bucketed_reduce_scatters(shard_sizes, capacity) if capacity else len(shard_sizes)
+    padded = sum(c["size"] for c in chunks)
+    for result in results:
+        for step in result.step_stats:
+            assert step["reduce_scatter"] == {"calls": expected, "bytes_sent": (world - 1) * padded * 4 // world}
+    if bucket_mb == 25.0:
+        assert expected == 1  # the tiny model's gradients all share one bucket
+    unbucketed = run_distributed(train_sharded, world, "gpt", steps=2, config=gpt_config(strategy))
+    assert results[0].losses == unbucketed[0].losses  # the same sums, in the same order: bit for bit

@@ -4,23 +4,25 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig, ZeroError, shard
+from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig, ZeroError, ZeroPlugins, shard
 from zero_core.testing import run_distributed
 from zero_core.testing.zoo import get_case
 
+STRATEGIES = ZeroPlugins.load().strategies.names()
 
-def _fp16_model(stage, loss_scale, world=1):
+
+def _fp16_model(stage, loss_scale, world=1, strategy="chunk"):
     torch.manual_seed(0)
     model = get_case("twice").build()
-    config = ZeroConfig(stage=stage, precision=Precision(compute="fp16", loss_scale=loss_scale),
+    config = ZeroConfig(strategy=strategy, stage=stage, precision=Precision(compute="fp16", loss_scale=loss_scale),
                         chunk=ChunkPolicy(chunk_size=64))
     return shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config)
 
 
-def _overflow_on_rank_1(stage, hysteresis):
+def _overflow_on_rank_1(stage, hysteresis, strategy="chunk"):
     """Rank 1 alone overflows in step 0; step 1 is clean on both ranks."""
     rank = dist.get_rank()
-    model, opt = _fp16_model(stage, LossScale(init_scale=2.0**10, hysteresis=hysteresis))
+    model, opt = _fp16_model(stage, LossScale(init_scale=2.0**10, hysteresis=hysteresis), strategy=strategy)
     x = torch.rand(4, 6, generator=torch.Generator().manual_seed(rank))
     y = torch.tensor([0, 1, 2, 0])
     before = model.full_parameters()
@@ -45,8 +47,9 @@ def _overflow_on_rank_1(stage, hysteresis):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_overflow_on_one_rank_skips_the_step_on_every_rank(stage):
-    for record in run_distributed(_overflow_on_rank_1, 2, stage, 1):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_overflow_on_one_rank_skips_the_step_on_every_rank(strategy, stage):
+    for record in run_distributed(_overflow_on_rank_1, 2, stage, 1, strategy):
         assert record["skipped"]
         assert record["unchanged"]  # no parameter touched
         assert record["optimizer_state"] == 0  # no moment, no step counter

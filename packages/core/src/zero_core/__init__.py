@@ -24,7 +24,7 @@ from zero_core.errors import (
     ZeroError,
     ZeroSetupError,
 )
-from zero_core.placement import DevicePlacementPolicy, PlacementPolicy
+from zero_core.placement import DevicePlacementPolicy, HostPlacementPolicy, PlacementPolicy
 from zero_core.strategy import ShardPlan, ShardStrategy, round_up
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "DevicePlacementPolicy",
     "Engine",
     "GradientLostError",
+    "HostPlacementPolicy",
     "LossScale",
     "LossScaler",
     "MemoryTier",

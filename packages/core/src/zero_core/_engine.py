@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from zero_core._devices import by_device
+from zero_core._group import GatherGroup, build_groups
 from zero_core._scaler import LossScaler
 from zero_core._schedule import GatherScheduler
 from zero_core._state import TrainingState
@@ -88,6 +89,7 @@ class Engine:
         optimizer: torch.optim.Optimizer,
         chunks: list[Chunk],
         comm: CommBackend,
+        gather_groups: Sequence[Sequence[int]] | None = None,
         reduce_comm: CommBackend,
         strategy: ShardStrategy,
         placement: PlacementPolicy,
@@ -120,9 +122,11 @@ class Engine:
         self._handles: list[Any] = []
         # Stages 1 and 2 never gather during a pass, so they need no agreement rounds either.
         sharded_params = any(not c.persistent for c in chunks)
-        self._scheduler = GatherScheduler(chunks, comm, placement, agree=not config.static_graph and sharded_params)
-        # Chunks whose kept full buffer is refreshed from the master shards after each step.
-        self._refresh_after_step = [c for c in chunks if c.requires_grad and c.persistent]
+        pool = chunks[0].pool if chunks else None
+        self.groups: list[GatherGroup] = build_groups(chunks, gather_groups, pool) if pool is not None else []
+        self._scheduler = GatherScheduler(self.groups, comm, placement, agree=not config.static_graph and sharded_params)
+        # Groups whose kept full buffers are refreshed from the master shards after each step.
+        self._refresh_after_step = [g for g in self.groups if g.refreshed]
         loss_scale = config.precision.loss_scale
         self.scaler = LossScaler(loss_scale) if loss_scale is not None else None
         # Set by ZeroModule.backward: the losses of this step were scaled by the scaler.
@@ -318,6 +322,7 @@ class Engine:
             if self.sync_gradients:
                 while self._next_reduce < len(self._reduce_order):
                     self._reduce(self._reduce_order[self._next_reduce])
+                self.reduce_comm.flush()  # a bucketing backend launches what it still holds
                 self._waiter.join()
                 self._publish_gradients()
             self._release(self.chunks)
@@ -372,7 +377,7 @@ class Engine:
         skipped = self.scaler is not None and self.scaler.last_step_skipped
         if not skipped and self._refresh_after_step:
             with torch.profiler.record_function("ZeRO::publish_parameters"):
-                pending = [c.publish_parameters(self.comm, async_op=True) for c in self._refresh_after_step]
+                pending = [p for g in self._refresh_after_step for p in g.publish_parameters(self.comm)]
                 for p in pending:
                     if p is not None:
                         p.wait()
@@ -436,7 +441,7 @@ class Engine:
                 full = chunk.full
             else:
                 full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-                self.comm.all_gather(full, chunk.shard)
+                self.comm.all_gather(full, chunk.shard.to(chunk.device))
             for slot in chunk.slots:
                 result[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
         return result

@@ -2,7 +2,8 @@
 
 [Note: agreeing on all-gathers]
 Collectives on a process group match by order, so every rank must all-gather the same
-chunks in the same sequence. A model whose control flow depends on the data (experts
+chunks in the same sequence. (The unit gathered is a gather group, see [Note: gather
+groups]; below, "chunk" stands for the group that holds it.) A model whose control flow depends on the data (experts
 chosen per sample, branches skipped on some ranks, outputs that reach the loss on
 some ranks only) needs different chunks on different ranks. The scheduler merges the
 ranks' needs: each pass (a forward, or a backward) walks the chunks in plan order
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from zero_core._group import GatherGroup
 from zero_core._state import ChunkState
 from zero_core.chunk import Chunk
 from zero_core.comm import CommBackend
@@ -41,17 +43,18 @@ _NOTHING = 1 << 62
 
 
 class GatherScheduler:
-    """Gathers chunks so that every rank issues the same all-gathers in the same order."""
+    """Gathers groups of chunks so that every rank issues the same all-gathers in the same order."""
 
-    def __init__(self, chunks: Sequence[Chunk], comm: CommBackend, placement: PlacementPolicy, *, agree: bool) -> None:
-        self.chunks = chunks
+    def __init__(self, groups: Sequence[GatherGroup], comm: CommBackend, placement: PlacementPolicy, *, agree: bool) -> None:
+        self.groups = groups
         self.comm = comm
         self.placement = placement
         self.agree = agree and comm.world_size > 1
-        # Position of the last agreed all-gather in this pass (laps * len(chunks) + position), identical on all ranks.
+        self._group_of: dict[int, GatherGroup] = {c.index: g for g in groups for c in g.chunks}
+        # Position of the last agreed all-gather in this pass (laps * len(groups) + position), identical on all ranks.
         self._cursor = -1
         self._reverse = False
-        # Chunks the agreed sequence gathered in this pass: never prefetched again in it.
+        # Groups the agreed sequence gathered in this pass: never prefetched again in it.
         self._seen: set[int] = set()
 
     def begin_pass(self, *, reverse: bool) -> None:
@@ -60,46 +63,47 @@ class GatherScheduler:
         self._seen = set()
 
     def _position(self, index: int) -> int:
-        return len(self.chunks) - 1 - index if self._reverse else index
+        return len(self.groups) - 1 - index if self._reverse else index
 
-    def _proposal(self, chunk: Chunk) -> int:
-        n = len(self.chunks)
+    def _proposal(self, group: GatherGroup) -> int:
+        n = len(self.groups)
         lap, last = divmod(self._cursor, n) if self._cursor >= 0 else (0, -1)
-        position = self._position(chunk.index)
+        position = self._position(group.index)
         return (lap if position > last else lap + 1) * n + position
 
-    def _chunk_at(self, agreed: int) -> Chunk:
-        return self.chunks[self._position(agreed % len(self.chunks))]
+    def _group_at(self, agreed: int) -> GatherGroup:
+        return self.groups[self._position(agreed % len(self.groups))]
 
     def gather(self, chunks: Sequence[Chunk]) -> None:
         """Gather ``chunks`` (those not gathered yet), serving other ranks' needs in between."""
-        todo = sorted((c for c in chunks if not c.is_gathered), key=lambda c: self._position(c.index))
+        needed = {id(g): g for c in chunks if not c.is_gathered for g in (self._group_of[c.index],)}
+        todo = sorted(needed.values(), key=lambda g: self._position(g.index))
         if todo:
-            self.placement.before_gather(todo)
-        for chunk in todo:
-            if chunk.is_gathered:  # prefetched by an earlier round of this loop
+            self.placement.before_gather([c for g in todo for c in g.chunks])
+        for group in todo:
+            if group.is_gathered:  # prefetched by an earlier round of this loop
                 continue
             if not self.agree:
-                chunk.gather(self.comm)
-                self._seen.add(chunk.index)
-                self._cursor = self._position(chunk.index)
+                group.gather(self.comm)
+                self._seen.add(group.index)
+                self._cursor = self._position(group.index)
                 self._prefetch_next()
                 continue
-            while not chunk.is_gathered:  # serving another rank may prefetch this very chunk
-                proposal = self._proposal(chunk)
+            while not group.is_gathered:  # serving another rank may prefetch this very group
+                proposal = self._proposal(group)
                 agreed = self.comm.agree_min(proposal)
                 self._cursor = agreed
                 if agreed == proposal:
-                    chunk.gather(self.comm)
-                    self._seen.add(chunk.index)
+                    group.gather(self.comm)
+                    self._seen.add(group.index)
                     self._prefetch_next()
                 else:
-                    self._serve(self._chunk_at(agreed))
+                    self._serve(self._group_at(agreed))
         for chunk in chunks:
             if chunk.state is ChunkState.GATHERING:
                 chunk.wait()
                 # Consuming a prefetch is rank-local, so only a static graph may chain the next one from here.
-                if not self.agree and self._cursor == self._position(chunk.index):
+                if not self.agree and self._cursor == self._position(self._group_of[chunk.index].index):
                     self._prefetch_next()
 
     def drain(self) -> None:
@@ -108,26 +112,23 @@ class GatherScheduler:
             return
         while (agreed := self.comm.agree_min(_NOTHING)) != _NOTHING:
             self._cursor = agreed
-            self._serve(self._chunk_at(agreed))
+            self._serve(self._group_at(agreed))
 
-    def _serve(self, chunk: Chunk) -> None:
-        self.placement.before_gather([chunk])
-        chunk.gather_for_peers(self.comm)
-        self._seen.add(chunk.index)
+    def _serve(self, group: GatherGroup) -> None:
+        self.placement.before_gather(group.chunks)
+        group.gather(self.comm, keep=False)
+        self._seen.add(group.index)
         self._prefetch_next()
 
     def _prefetch_next(self) -> None:
         """See [Note: prefetch]. Identical on every rank because the cursor is."""
-        n = len(self.chunks)
+        n = len(self.groups)
         if self._cursor < 0 or (self._cursor + 1) % n == 0:
             return  # the walk's lap is over: nothing follows
-        chunk = self._chunk_at(self._cursor + 1)
-        if chunk.index in self._seen:
+        group = self._group_at(self._cursor + 1)
+        if group.index in self._seen:
             return  # gathered earlier in this pass (a tied weight): every rank skips it alike
         self._cursor += 1
-        self._seen.add(chunk.index)
-        self.placement.before_gather([chunk])
-        if chunk.is_gathered:
-            chunk.gather_for_peers(self.comm)
-        else:
-            chunk.gather(self.comm, async_op=True)
+        self._seen.add(group.index)
+        self.placement.before_gather(group.chunks)
+        group.gather(self.comm, async_op=True)  # members this rank holds already only take part

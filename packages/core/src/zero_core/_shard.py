@@ -34,6 +34,7 @@ def shard(
     *,
     config: ZeroConfig | None = None,
     process_group: Any = None,
+    reduce_process_group: Any = None,
     example_inputs: Any = None,
     plugins: Iterable[object] = (),
 ) -> Sharded:
@@ -46,6 +47,9 @@ def shard(
         config: What to build; defaults to ``ZeroConfig()`` (chunked ZeRO-3 on the compute device).
         process_group: The data-parallel group; default: the world group, or a single
             process when ``torch.distributed`` is not initialised.
+        reduce_process_group: The group gradient reduce-scatters run on: another group over
+            the same ranks as ``process_group`` (they run concurrently with all-gathers, so
+            they must not share one). Default: a new group made with ``new_group``.
         example_inputs: One batch (a tensor, a tuple of positional args or a dict of keyword
             args) used to record the first-use order when ``config.chunk.param_order == "first_use"``.
         plugins: Plugin objects to register in addition to the installed entry points.
@@ -72,10 +76,11 @@ def shard(
     plugins_ = ZeroPlugins.load(plugins)
     plugins_.manager.hook.zero_configure.call_historic(kwargs={"config": config})
     strategy = plugins_.strategies.get(config.strategy)()
-    comm_cls = plugins_.comm_backends.get(config.comm)
+    comm_cls = plugins_.comm_backends.get(config.comm or strategy.comm)
     timeout = timedelta(seconds=config.collective_timeout_s)
-    comm = comm_cls(group, timeout=timeout)
-    reduce_comm = comm_cls(_new_group_like(group, comm), timeout=timeout)
+    comm = comm_cls.from_config(group, timeout=timeout, config=config)
+    reduce_group = _check_reduce_group(reduce_process_group, group, comm) or _new_group_like(group, comm)
+    reduce_comm = comm_cls.from_config(reduce_group, timeout=timeout, config=config)
     reduce_comm.stats = comm.stats  # one set of counters per engine
     placement = plugins_.placement_policies.get(config.placement)()
     device = resolve_device(config)
@@ -92,7 +97,8 @@ def shard(
     for index, spec in enumerate(plan.chunks):
         chunk = Chunk(index, spec, rank=comm.rank, world_size=comm.world_size, device=device, pool=pool,
                       stage=config.stage, compute_dtype=config.precision.compute,
-                      reduce_dtype=config.precision.reduce)
+                      reduce_dtype=config.precision.reduce,
+                      gradient_predivide_factor=config.precision.gradient_predivide_factor)
         chunk.pack(comm, broadcast_from_rank0=config.sync_module_states)
         chunks.append(chunk)
     with torch.no_grad():
@@ -110,7 +116,7 @@ def shard(
     _repoint_optimizer(optimizer, chunks)
 
     engine = Engine(
-        module=model, optimizer=optimizer, chunks=chunks, comm=comm, reduce_comm=reduce_comm, strategy=strategy,
+        module=model, optimizer=optimizer, chunks=chunks, gather_groups=plan.gather_groups, comm=comm, reduce_comm=reduce_comm, strategy=strategy,
         placement=placement, config=config, hook=plugins_.manager.hook, device=device,
     )
     if engine.scaler is not None:
@@ -119,6 +125,32 @@ def shard(
     model._zero_sharded = True  # type: ignore[attr-defined]
     optimizer._zero_sharded = True  # type: ignore[attr-defined]
     return Sharded(ZeroModule(model, engine), optimizer)
+
+
+def _check_reduce_group(reduce_group: Any, group: Any, comm: Any) -> Any:
+    """The user's reduce-scatter group, checked to span the data-parallel ranks without being that group."""
+    if reduce_group is None or comm.world_size == 1:
+        return None
+    import torch.distributed as dist
+
+    if reduce_group is group:
+        raise ZeroSetupError(
+            "reduce_process_group is the data-parallel group itself; reduce-scatters run concurrently with "
+            "all-gathers and would interleave differently on each rank. Pass another group over the same ranks: "
+            "torch.distributed.new_group(ranks)"
+        )
+    if not isinstance(reduce_group, dist.ProcessGroup):
+        raise ZeroSetupError(
+            f"rank {dist.get_rank()} is not a member of reduce_process_group, but it is in the data-parallel group; "
+            "build the reduce-scatter group over exactly the data-parallel ranks: torch.distributed.new_group(ranks)"
+        )
+    ours, theirs = dist.get_process_group_ranks(group), dist.get_process_group_ranks(reduce_group)
+    if sorted(ours) != sorted(theirs):
+        raise ZeroSetupError(
+            f"reduce_process_group spans ranks {theirs} but the data-parallel group spans {ours}; "
+            "gradients are reduced over the data-parallel ranks, so build it with torch.distributed.new_group(ranks)"
+        )
+    return reduce_group
 
 
 def _new_group_like(group: Any, comm: Any) -> Any:
@@ -148,8 +180,8 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk]) ->
             if state:  # eagerly initialised (Adagrad): each segment takes its piece of the parameter's state
                 lo = chunk.rank * chunk.shard_size + seg.begin - slot.offset
                 optimizer.state[seg.param] = {
-                    key: (value.reshape(-1)[lo : lo + seg.param.numel()].clone() if value.shape == slot.shape
-                          else value.clone()) if isinstance(value, torch.Tensor) else value
+                    key: (value.reshape(-1)[lo : lo + seg.param.numel()].to(seg.param.device, copy=True)
+                          if value.shape == slot.shape else value.clone()) if isinstance(value, torch.Tensor) else value
                     for key, value in state.items()
                 }
 

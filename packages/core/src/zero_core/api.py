@@ -157,15 +157,21 @@ class Precision:
             sum of N half-precision gradients loses bits; ``"bf16"`` halves the traffic).
         loss_scale: Required for fp16 compute, whose gradients underflow without it;
             then call ``model.backward(loss)`` instead of ``loss.backward()``.
+        gradient_predivide_factor: Gradients are divided by this before the reduction and
+            by ``world_size / factor`` after it, so a 16-bit sum over many ranks stays in
+            range. The result is the same mean; a power of two changes no bit.
     """
 
     compute: torch.dtype | str | None = None
     reduce: torch.dtype | str = torch.float32
     loss_scale: LossScale | None = None
+    gradient_predivide_factor: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compute", _as_dtype("Precision", "compute", self.compute, allow_none=True))
         object.__setattr__(self, "reduce", _as_dtype("Precision", "reduce", self.reduce))
+        object.__setattr__(self, "gradient_predivide_factor",
+                           _positive_number("Precision", "gradient_predivide_factor", self.gradient_predivide_factor))
         if self.loss_scale is not None and not isinstance(self.loss_scale, LossScale):
             raise ConfigError(
                 f"Precision.loss_scale must be a LossScale or None, got {type(self.loss_scale).__name__}; "
@@ -192,7 +198,12 @@ class ZeroConfig:
             stages 1 and 2, 1.5x for stage 3.
         precision: Compute and reduction dtypes and loss scaling, see :class:`Precision`.
         strategy: Name of the shard strategy plugin (``"chunk"`` from zero-strategy-chunk).
-        comm: Name of the comm backend plugin (``"torch"`` from zero-comm).
+        comm: Name of the comm backend plugin: ``"torch"`` (zero-comm) runs each collective
+            when asked; ``"bucketed"`` (zero-comm) packs small gradient reduce-scatters into
+            buckets of ``reduce_bucket_mb``. ``None`` takes the strategy's choice
+            (:attr:`zero_core.ShardStrategy.comm`).
+        reduce_bucket_mb: Size of one reduce-scatter bucket in MiB, for backends that
+            bucket (split evenly over the ranks); ``<= 0`` reduces every gradient at once.
         placement: Name of the placement policy plugin (``"device"``, built into zero-core,
             keeps every shard on the compute device).
         chunk: Chunk packing policy, see :class:`ChunkPolicy`.
@@ -213,7 +224,8 @@ class ZeroConfig:
     stage: int = 3
     precision: Precision = field(default_factory=Precision)
     strategy: str = "chunk"
-    comm: str = "torch"
+    comm: str | None = None
+    reduce_bucket_mb: float = 25.0
     placement: str = "device"
     chunk: ChunkPolicy = field(default_factory=ChunkPolicy)
     device: str | None = None
@@ -233,8 +245,15 @@ class ZeroConfig:
                 f"ZeroConfig.precision must be a Precision, got {type(self.precision).__name__}; "
                 "write ZeroConfig(precision=Precision(compute='bf16'))."
             )
-        for name in ("strategy", "comm", "placement"):
+        for name in ("strategy", "placement"):
             _check_name("ZeroConfig", name, getattr(self, name))
+        if self.comm is not None:
+            _check_name("ZeroConfig", "comm", self.comm)
+        bucket = self.reduce_bucket_mb
+        if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not math.isfinite(bucket):
+            raise ConfigError(
+                f"ZeroConfig.reduce_bucket_mb must be a finite number of MiB (<= 0 disables bucketing), got {bucket!r}."
+            )
         if not isinstance(self.chunk, ChunkPolicy):
             raise ConfigError(
                 f"ZeroConfig.chunk must be a ChunkPolicy, got {type(self.chunk).__name__}; "

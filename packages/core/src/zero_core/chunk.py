@@ -162,7 +162,7 @@ class Chunk:
     def __init__(
         self, index: int, spec: ChunkSpec, *, rank: int, world_size: int, device: torch.device,
         pool: BufferPool | None = None, stage: int = 3, compute_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None, gradient_predivide_factor: float = 1.0,
     ) -> None:
         if spec.size % world_size:
             raise ValueError(f"chunk size {spec.size} is not a multiple of the world size {world_size}")
@@ -184,6 +184,7 @@ class Chunk:
         floating = self.master_dtype.is_floating_point
         self.dtype = compute_dtype if (compute_dtype is not None and floating) else self.master_dtype
         self.reduce_dtype = reduce_dtype if (reduce_dtype is not None and floating) else self.master_dtype
+        self.predivide = float(gradient_predivide_factor)
         self.requires_grad = first.param.requires_grad
         self.group = first.group
         self.slots: tuple[ParamSlot, ...] = self._layout(spec.params)
@@ -281,6 +282,14 @@ class Chunk:
         else:
             self._to_gathered()
 
+    def begin_gather(self, pending: Pending) -> None:
+        """SHARDED -> GATHERING for an all-gather someone else issued (a gather group's), which
+        fills the full buffer by the time ``pending.wait()`` returns."""
+        self._assert_state(ChunkState.SHARDED)
+        self.full.untyped_storage().resize_(self.size * self.full.element_size())
+        self._pending_gather = pending
+        self.state = ChunkState.GATHERING
+
     def wait(self) -> None:
         """GATHERING -> GATHERED: wait for the in-flight all-gather (no-op in other states)."""
         if self.state is ChunkState.GATHERING:
@@ -311,8 +320,35 @@ class Chunk:
         comm.all_gather(scratch, self._compute_shard())
 
     def _compute_shard(self) -> torch.Tensor:
-        """This rank's shard in the compute dtype: what an all-gather sends."""
-        return self.shard if self.dtype == self.master_dtype else self.shard.to(self.dtype)
+        """This rank's shard in the compute dtype, on the compute device: what an all-gather sends."""
+        return self.shard.to(self.device, self.dtype, non_blocking=True)
+
+    def refresh_own_slice(self) -> torch.Tensor:
+        """Copy the updated master shard into this rank's slice of a kept full buffer; return the slice."""
+        begin = self.rank * self.shard_size
+        own = self.full[begin : begin + self.shard_size]
+        if not self.shard_is_view:
+            with torch.no_grad():
+                own.copy_(self.shard)
+        return own
+
+    def move_shard(self, device: torch.device) -> None:
+        """Keep the master shard (and so its gradients and optimizer states) on ``device`` from now on.
+
+        Called by placement policies while the engine is being built, before the optimizer
+        sees the segments. Gathers copy the shard to the compute device; reduced gradients
+        are moved to the shard's device, not copied. See [Note: stages and dtypes].
+        """
+        if self.shard.device == device:
+            return
+        pin = device.type == "cpu" and self.device.type == "cuda"
+        with torch.no_grad():
+            shard = torch.empty(self.shard_size, dtype=self.master_dtype, device=device, pin_memory=pin)
+            shard.copy_(self.shard)
+        self.shard = shard
+        self.shard_is_view = False
+        if self.requires_grad:
+            self.segments = self._segments()
 
     def publish_parameters(self, comm: CommBackend, *, async_op: bool = False) -> Pending | None:
         """After an optimizer step, bring a kept full buffer up to date with the updated shards.
@@ -324,11 +360,7 @@ class Chunk:
         if not self.persistent:
             return None
         self._assert_state(ChunkState.GATHERED)
-        begin = self.rank * self.shard_size
-        own = self.full[begin : begin + self.shard_size]
-        if not self.shard_is_view:
-            with torch.no_grad():
-                own.copy_(self.shard)
+        own = self.refresh_own_slice()
         if self.world_size == 1:
             return None
         return comm.all_gather(self.full, own, async_op=async_op)
@@ -388,6 +420,9 @@ class Chunk:
         pooled = flat if flat is not self.grad_full else None
         send = flat if flat.dtype == self.reduce_dtype else flat.to(self.reduce_dtype)
         divisor = self.world_size * loss_scale
+        if self.predivide != 1.0 and self.world_size > 1:
+            send.div_(self.predivide)  # flat is consumed by this reduction: dividing in place is safe
+            divisor /= self.predivide
         if self.world_size == 1:
             if send is not flat and pooled is not None:
                 self.pool.give(pooled)
@@ -456,7 +491,8 @@ class _Reduction:
             self._pending.wait()
             self._pending = None
         if self._reduced is not None:
-            grad = self._reduced.to(self._chunk.master_dtype)
+            # moved to where the master shard lives (the host, when offloaded), never copied and kept twice
+            grad = self._reduced.to(self._chunk.shard.device, self._chunk.master_dtype)
             if self._divisor != 1.0:
                 grad.div_(self._divisor)
             self._chunk.reduced_grad = grad

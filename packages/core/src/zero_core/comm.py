@@ -19,9 +19,12 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from zero_core.api import ZeroConfig
 
 __all__ = ["CollectiveCount", "CollectiveKind", "CommBackend", "CommStats", "Pending", "ring_bytes_sent"]
 
@@ -123,6 +126,22 @@ class CommBackend(ABC):
         self.group = group
         self.timeout = timeout
         self.stats = CommStats()
+
+    @classmethod
+    def from_config(cls, group: Any, *, timeout: timedelta, config: ZeroConfig) -> CommBackend:
+        """How :func:`zero_core.shard` builds the backend; override to read options from ``config``."""
+        return cls(group, timeout=timeout)
+
+    def flush(self) -> None:
+        """Issue every reduce-scatter the backend still holds back, and complete them all.
+
+        The engine calls it on every rank at the end of each backward, before it reads the
+        reduced gradients. Backends that run each collective when asked need nothing here;
+        bucketing backends launch their partial buckets.
+        """
+
+    def free(self) -> None:
+        """Release buffers the backend keeps between steps (they are re-allocated on next use)."""
 
     @property
     @abstractmethod

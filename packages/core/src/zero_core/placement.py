@@ -15,10 +15,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
+import torch
+
 from zero_core._state import MemoryTier
 from zero_core.chunk import Chunk
 
-__all__ = ["DevicePlacementPolicy", "PlacementPolicy"]
+__all__ = ["DevicePlacementPolicy", "HostPlacementPolicy", "PlacementPolicy"]
 
 
 class PlacementPolicy(ABC):
@@ -66,3 +68,29 @@ class DevicePlacementPolicy(PlacementPolicy):
 
     def tier_of(self, chunk: Chunk) -> MemoryTier:
         return MemoryTier.DEVICE
+
+
+class HostPlacementPolicy(PlacementPolicy):
+    """Keeps every master shard, its gradient and its optimizer state in host memory.
+
+    The compute device holds only what a step needs at once: gathered parameters and
+    the gradient buffers of the running backward. Gathers copy shards up (from pinned
+    memory on CUDA), reduced gradients are moved down (not copied and kept twice), and
+    the optimizer steps on the host. This is what ColossalAI's ``offload_config={"device": "cpu"}``
+    did for tensor-wise ZeRO-3, for every strategy. On a machine without CUDA the host
+    is the compute device, so the shards just live apart from the gathered buffers.
+    """
+
+    name = "host"
+
+    def attach(self, chunks: Sequence[Chunk]) -> None:
+        host = torch.device("cpu")
+        for chunk in chunks:
+            chunk.move_shard(host)
+            chunk.tier = MemoryTier.HOST
+
+    def before_gather(self, chunks: Sequence[Chunk]) -> None:
+        """Nothing to move: a gather reads the host shard directly."""
+
+    def tier_of(self, chunk: Chunk) -> MemoryTier:
+        return MemoryTier.HOST

@@ -35,9 +35,16 @@ class ShardPlan:
 
     The order is the order chunks are expected to be first used in forward; the engine
     reduces gradients in the reverse order, the same on every rank.
+
+    Attributes:
+        chunks: The chunks, in order.
+        gather_groups: Runs of consecutive chunk indices whose all-gathers travel as one
+            collective (see [Note: gather groups] in ``zero_core._group``); every chunk in
+            exactly one run, one parameter dtype per run. ``None``: each chunk alone.
     """
 
     chunks: tuple[ChunkSpec, ...]
+    gather_groups: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -69,6 +76,23 @@ class ShardPlan:
             raise ValueError(f"the plan leaves out parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
         if len(seen) != len(params):
             raise ValueError("the plan holds parameters that are not the model's")
+        if self.gather_groups is not None:
+            self._validate_groups()
+
+    def _validate_groups(self) -> None:
+        expected = 0
+        for g, members in enumerate(self.gather_groups or ()):
+            if not members or list(members) != list(range(expected, expected + len(members))):
+                raise ValueError(
+                    f"gather group {g} is {list(members)}, but groups must be non-empty runs of consecutive chunk "
+                    f"indices covering every chunk in order; the next run must start at chunk {expected}"
+                )
+            dtypes = {self.chunks[k].params[0].param.dtype for k in members}
+            if len(dtypes) > 1:
+                raise ValueError(f"gather group {g} mixes parameter dtypes {sorted(map(str, dtypes))}; one all-gather carries one dtype")
+            expected += len(members)
+        if expected != len(self.chunks):
+            raise ValueError(f"the gather groups cover chunks 0..{expected - 1} but the plan has {len(self.chunks)} chunks")
 
 
 class ShardStrategy(ABC):
@@ -76,9 +100,11 @@ class ShardStrategy(ABC):
 
     Attributes:
         name: The name users select it by (``ZeroConfig(strategy=name)``).
+        comm: The comm backend used when ``ZeroConfig.comm`` is ``None``.
     """
 
     name: ClassVar[str]
+    comm: ClassVar[str] = "torch"
 
     @abstractmethod
     def plan(

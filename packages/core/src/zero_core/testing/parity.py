@@ -53,6 +53,8 @@ class RunResult:
     step_stats: list[dict[str, dict[str, int]]] = field(default_factory=list)
     model_state_bytes: dict[str, int] = field(default_factory=dict)
     chunks: list[dict[str, Any]] = field(default_factory=list)
+    #: The gather groups, as lists of chunk indices (one per chunk unless the plan declares groups).
+    groups: list[list[int]] = field(default_factory=list)
     norms: list[float] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
 
@@ -175,13 +177,14 @@ def _train_reference_16bit(case_name: str, *, steps: int, batch_size: int, optim
 
 def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: int = 4, batch_size: int = 8,
                   optimizer: str = "adamw", lr: float = 1e-3, micro_batches: int = 1, clip: float | None = None,
-                  norm_type: float = 2.0, no_sync: bool = True) -> RunResult:
+                  norm_type: float = 2.0, no_sync: bool = True, reduce_process_group: Any = None) -> RunResult:
     """Run on every rank: shard the zoo model, train on this rank's slice of each global batch.
 
     With ``micro_batches > 1`` the slice is split and all but the last micro-batch run
     inside ``model.no_sync()`` (or, with ``no_sync=False``, each reduces its own
     gradients), each loss scaled so the sum equals the slice's mean loss.
     With ``clip`` the gradients are clipped by :func:`zero_core.clip_grad_norm_`.
+    ``reduce_process_group`` is passed to :func:`zero_core.shard`.
     """
     case = get_case(case_name)
     config = config or ZeroConfig(chunk=ChunkPolicy(chunk_size=case.chunk_size))
@@ -192,7 +195,8 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
     local = batch_size // world
     model = _build(case)
     example = case.batch(0, batch_size)[0][:local] if config.chunk.param_order == "first_use" else None
-    model, opt = shard(model, make_optimizer(case, model, optimizer, lr), config=config, example_inputs=example)
+    model, opt = shard(model, make_optimizer(case, model, optimizer, lr), config=config, example_inputs=example,
+                       reduce_process_group=reduce_process_group)
     if local % micro_batches:
         raise ValueError(f"{local} samples per rank do not split into {micro_batches} micro-batches")
     micro = local // micro_batches
@@ -227,6 +231,7 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         model_state_bytes=engine.model_state_bytes(),
         chunks=[{"size": c.size, "used": c.used, "requires_grad": c.requires_grad, "params": len(c.slots)}
                 for c in engine.chunks],
+        groups=[[c.index for c in g.chunks] for g in engine.groups],
         norms=norms,
         scales=scales,
     )
