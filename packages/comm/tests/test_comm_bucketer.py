@@ -607,3 +607,26 @@ def test_backend_reads_the_bucket_size_from_the_config() -> None:
     out = torch.empty(3)
     backend.reduce_scatter(out, torch.arange(3.0))  # one rank: a copy
     assert torch.equal(out, torch.arange(3.0)) and backend.stats.current == {}
+
+
+class _LoopbackComm:
+    """Two 'ranks' that both hold the same input: a reduce-scatter doubles this rank's slice."""
+
+    world_size, timeout = 2, timedelta(seconds=5)
+
+    def reduce_scatter(self, output, input, *, async_op=False):
+        output.copy_(input.view(2, -1)[0] * 2)
+
+
+def test_a_ticket_says_whether_the_input_may_be_reused_at_once():
+    bucketer = ReduceScatterBucketer(bucket_size_mb=64 * 4 * 2 / 2**20)  # 64 fp32 elements per rank
+    comm, got = _LoopbackComm(), {}
+    small = torch.ones(2, 16)
+    large = torch.ones(2, 100)
+    queued = bucketer.reduce_scatter_async(small, comm, lambda r: got.setdefault("small", r.clone()))
+    alone = bucketer.reduce_scatter_async(large, comm, lambda r: got.setdefault("large", r.clone()))
+    assert queued.input_released  # copied into the bucket: the caller's buffer is free again
+    assert not alone.input_released  # sent as it is: it must outlive the collective
+    small.fill_(7.0)  # reusing the released input changes nothing that was queued
+    bucketer.flush()
+    assert torch.equal(got["small"], torch.full((16,), 2.0)) and torch.equal(got["large"], torch.full((100,), 2.0))

@@ -30,6 +30,7 @@ class _QueuedReduceScatter:
 
     def __init__(self, backend: BucketedCommBackend, ticket: Ticket) -> None:
         self._backend, self._ticket, self._thread = backend, ticket, threading.get_ident()
+        self.input_released = ticket.input_released
 
     def wait(self) -> None:
         if not self._ticket.launched and threading.get_ident() == self._thread:

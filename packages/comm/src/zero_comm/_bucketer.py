@@ -275,8 +275,11 @@ class Bucket:
 class Ticket:
     """The handle of one :meth:`ReduceScatterBucketer.reduce_scatter_async` (a :class:`zero_core.comm.Pending`)."""
 
-    def __init__(self, bucketer: ReduceScatterBucketer, collective: _Collective, comm: CommBackend) -> None:
+    def __init__(self, bucketer: ReduceScatterBucketer, collective: _Collective, comm: CommBackend,
+                 *, input_released: bool) -> None:
         self._bucketer, self._collective, self._comm = bucketer, collective, comm
+        #: The input was copied into a bucket (or was empty): the caller may reuse it at once.
+        self.input_released = input_released
 
     @property
     def launched(self) -> bool:
@@ -387,11 +390,12 @@ class ReduceScatterBucketer:
             collective.done = True
             if callback is not None:
                 callback(torch.empty(shape, dtype=dtype, device=device))
-            return Ticket(self, collective, comm)
+            return Ticket(self, collective, comm, input_released=True)
         capacity = self.capacity(dtype, comm.world_size)
         with self._lock:
             if numel > capacity:
-                return Ticket(self, self._launch_alone(inputs, shape, dtype, device, comm, callback), comm)
+                return Ticket(self, self._launch_alone(inputs, shape, dtype, device, comm, callback), comm,
+                              input_released=False)  # sent as it is: it must outlive the collective
             key = (dtype, torch.device(device), comm)
             bucket = self._open_bucket(key, capacity)
             if not bucket.can_take(numel):
@@ -400,7 +404,7 @@ class ReduceScatterBucketer:
             bucket.allocate()
             bucket.append(inputs, callback)
             assert bucket._collective is not None
-            return Ticket(self, bucket._collective, comm)
+            return Ticket(self, bucket._collective, comm, input_released=True)
 
     def flush(self) -> None:
         """Launch every partial bucket and complete every collective; then every callback has run.

@@ -419,13 +419,14 @@ class Chunk:
                 slot.param.grad = None
         pooled = flat if flat is not self.grad_full else None
         send = flat if flat.dtype == self.reduce_dtype else flat.to(self.reduce_dtype)
+        if send is not flat and pooled is not None:  # the cast copy is what travels: the buffer is free again
+            self.pool.give(pooled)
+            pooled = None
         divisor = self.world_size * loss_scale
         if self.predivide != 1.0 and self.world_size > 1:
             send.div_(self.predivide)  # flat is consumed by this reduction: dividing in place is safe
             divisor /= self.predivide
-        if self.world_size == 1:
-            if send is not flat and pooled is not None:
-                self.pool.give(pooled)
+        if self.world_size == 1:  # the buffer itself becomes the gradient: never back to the pool
             return _Reduction(self, None, send, None, divisor)
         begin = self.rank * self.shard_size
         if self.stage == 1 and send is flat:
@@ -433,6 +434,9 @@ class Chunk:
         else:
             reduced = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
         pending = comm.reduce_scatter(reduced, send, async_op=True)
+        if pooled is not None and getattr(pending, "input_released", False):
+            self.pool.give(pooled)  # a bucketing backend copied it: reuse it for the next gradient now
+            pooled = None
         return _Reduction(self, pending, reduced, pooled, divisor)
 
     def publish_gradients(self, present: Sequence[bool]) -> None:

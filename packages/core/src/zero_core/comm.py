@@ -102,7 +102,12 @@ class CommStats:
 
 
 class Pending(Protocol):
-    """An asynchronous collective in flight."""
+    """An asynchronous collective in flight.
+
+    A backend that has already copied a reduce-scatter's input (into a bucket) may set
+    ``input_released = True`` on the pending it returns; the caller may then reuse the
+    input at once instead of keeping it until :meth:`wait`.
+    """
 
     def wait(self) -> None:
         """Block until it completes (raising on timeout or failure)."""
