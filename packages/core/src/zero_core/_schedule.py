@@ -76,8 +76,8 @@ class GatherScheduler:
 
     def gather(self, chunks: Sequence[Chunk]) -> None:
         """Gather ``chunks`` (those not gathered yet), serving other ranks' needs in between."""
-        needed = {id(g): g for c in chunks if not c.is_gathered for g in (self._group_of[c.index],)}
-        todo = sorted(needed.values(), key=lambda g: self._position(g.index))
+        needed = {self._group_of[c.index] for c in chunks if not c.is_gathered}
+        todo = sorted(needed, key=lambda g: self._position(g.index))
         if todo:
             self.placement.before_gather([c for g in todo for c in g.chunks])
         for group in todo:
