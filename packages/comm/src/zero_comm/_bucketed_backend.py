@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zero_comm._bucketer import ReduceScatterBucketer, Ticket
-from zero_comm._torch_backend import TorchCommBackend
+from zero_comm._torch_backend import TorchCommBackend, check_reduce_scatter_sizes
 from zero_core import CommBackend, CommStats
 
 if TYPE_CHECKING:
@@ -79,11 +79,7 @@ class BucketedCommBackend(TorchCommBackend):
             inner.stats = value
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
-        if input.numel() != output.numel() * self.world_size:
-            raise ValueError(
-                f"reduce_scatter input has {input.numel()} elements, expected world_size x output = "
-                f"{self.world_size} x {output.numel()}"
-            )
+        check_reduce_scatter_sizes(output, input, self.world_size)
         if self.world_size == 1:
             output.copy_(input.reshape(output.shape))
             return None

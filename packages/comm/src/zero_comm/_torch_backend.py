@@ -18,6 +18,15 @@ __all__ = ["TorchCommBackend"]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+def check_reduce_scatter_sizes(output: torch.Tensor, input: torch.Tensor, world_size: int) -> None:
+    """A reduce-scatter's input must hold ``world_size`` outputs; say so when it does not."""
+    if input.numel() != output.numel() * world_size:
+        raise ValueError(
+            f"reduce_scatter input has {input.numel()} elements, expected world_size x output = "
+            f"{world_size} x {output.numel()}"
+        )
+
+
 class _Pending:
     """A torch.distributed work handle waited on with the backend's timeout.
 
@@ -113,11 +122,7 @@ class TorchCommBackend(CommBackend):
         return self._finish(work, f"all_gather of {output.numel()} elements", input, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
-        if input.numel() != output.numel() * self._world:
-            raise ValueError(
-                f"reduce_scatter input has {input.numel()} elements, expected world_size x output = "
-                f"{self._world} x {output.numel()}"
-            )
+        check_reduce_scatter_sizes(output, input, self._world)
         if self._world == 1:
             output.copy_(input)
             return None
