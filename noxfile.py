@@ -13,7 +13,7 @@ nox.options.error_on_missing_interpreters = True
 
 # The CPU build of torch 2.13.0 is what CI provides; an unpinned torch would pull CUDA wheels.
 TORCH = "torch==2.13.0"
-PACKAGES = ["packages/core", "packages/comm", "packages/strategies/chunk", "packages/strategies/tensor"]
+PACKAGES = ["packages/core", "packages/comm", "packages/strategies/chunk", "packages/strategies/tensor", "packages/offload"]
 
 
 def install_zero(session: nox.Session, *extra: str) -> None:

@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alphabet", type=int, default=64, help="tokens the synthetic Markov chain uses")
     p.add_argument("--chunk-size", type=int, default=None, help="elements per chunk (default: searched)")
     p.add_argument("--static-graph", action="store_true", help="skip the all-gather agreement rounds")
+    p.add_argument("--placement", default="device", help="placement policy plugin name (device, host, static, gemini, ...)")
+    p.add_argument("--placement-options", default="{}", type=json.loads,
+                   help='the policy\'s options as JSON, e.g. \'{"device_budget_mb": 96, "disk_dir": "/tmp/zero"}\'')
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--json", default=None, help="write the run's figures to this file (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress display")
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                               loss_scale=LossScale() if args.precision == "fp16" else None)
         config = ZeroConfig(strategy=args.strategy, stage=args.stage, precision=precision,
                             chunk=ChunkPolicy(chunk_size=args.chunk_size, search_interval=args.d_model),
-                            static_graph=args.static_graph, comm=args.comm, reduce_bucket_mb=args.bucket_mb)
+                            static_graph=args.static_graph, comm=args.comm, reduce_bucket_mb=args.bucket_mb,
+                            placement=args.placement, placement_options=args.placement_options)
         model, optimizer = shard(model, optimizer, config=config)
         stats = model.comm_stats
     else:
@@ -160,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_mib": [p["peak_rss_mib"] for p in peaks], "setup_peak_rss_mib": [p["setup_peak_rss_mib"] for p in peaks],
         "model_state_bytes": [p["model_state_bytes"] for p in peaks],
         "comm_last_step": stats.summary() if stats is not None else None,
+        "placement": args.placement if args.mode == "zero" else None,
+        "placement_report": getattr(model.engine.placement, "report", dict)() if args.mode == "zero" else None,
         "torch": torch.__version__,
     }
     if rank == 0:

@@ -67,9 +67,12 @@ def test_world_size_above_one_without_a_process_group(monkeypatch):
         shard(model, opt, config=SMALL)
 
 
-def test_unknown_plugin_names_list_the_available_ones():
+def test_unknown_plugin_names_list_the_available_ones(monkeypatch):
     model, opt = model_and_opt()
-    with pytest.raises(PluginNotFoundError, match=r"no placement policy named 'gemini' .*available: device, host.*zero-offload"):
+    with pytest.raises(PluginNotFoundError, match=r"no placement policy named 'gemni' .*available: device, gemini, host.*static"):
+        shard(model, opt, config=ZeroConfig(placement="gemni"))
+    monkeypatch.setenv("ZERO_BLOCKED_PLUGINS", "zero-offload")  # as if it were not installed: the error says what to install
+    with pytest.raises(PluginNotFoundError, match=r"no placement policy named 'gemini' .*available: device, host.*pip install zero-offload"):
         shard(model, opt, config=ZeroConfig(placement="gemini"))
     with pytest.raises(PluginNotFoundError, match=r"no shard strategy named 'tensr' .*available: chunk, tensor"):
         shard(model, opt, config=ZeroConfig(strategy="tensr"))

@@ -24,7 +24,7 @@ from zero_core.errors import (
     ZeroError,
     ZeroSetupError,
 )
-from zero_core.placement import DevicePlacementPolicy, HostPlacementPolicy, PlacementPolicy
+from zero_core.placement import DevicePlacementPolicy, HostPlacementPolicy, PlacementContext, PlacementPolicy
 from zero_core.strategy import ShardPlan, ShardStrategy, round_up
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "MemoryTier",
     "ParamInfo",
     "ParamSlot",
+    "PlacementContext",
     "PlacementPolicy",
     "PluginNotFoundError",
     "Precision",

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from zero_core._accounting import engine_work
 from zero_core._devices import by_device
 from zero_core._group import GatherGroup, build_groups
 from zero_core._scaler import LossScaler
@@ -146,6 +147,10 @@ class Engine:
         self._next_reduce = 0
         self._callback_queued = False
         self.step_count = 0
+        # Segments a placement policy already stepped in this optimizer step (see step_chunks), with their
+        # gradients, which the user's own step must skip and which come back after it.
+        self._stepped: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._in_substep = False
 
         self._install_hooks()
 
@@ -169,17 +174,27 @@ class Engine:
         self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
 
     def close(self) -> None:
-        """Remove every hook and stop the reduction waiter; the engine cannot train afterwards."""
+        """Remove every hook, stop the reduction waiter and let the placement policy free what it holds (disk files).
+
+        The engine cannot train afterwards."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._waiter.close()
+        self.placement.close()
 
     # -- gather / release ----------------------------------------------------------
+    def _set_state(self, state: TrainingState) -> None:
+        self.state = state
+        self.placement.on_transition(state)
+
+    @engine_work
     def _gather(self, chunks: Sequence[Chunk]) -> None:
+        self.placement.before_compute(chunks, backward=self.state is TrainingState.BACKWARD)
         with torch.profiler.record_function("ZeRO::all_gather"):
             self._scheduler.gather(chunks)
 
+    @engine_work
     def _release(self, chunks: Sequence[Chunk]) -> None:
         done = [c for c in chunks if c.is_gathered and not c.persistent]
         for chunk in done:
@@ -195,7 +210,7 @@ class Engine:
                 f"the wrapped model was called while the engine is in {self.state.value}; "
                 "do not call the model from inside its own forward or from a backward hook"
             )
-        self.state = TrainingState.FORWARD
+        self._set_state(TrainingState.FORWARD)
         self._ran = {}
         self._scheduler.begin_pass(reverse=False)
 
@@ -214,14 +229,14 @@ class Engine:
                 ids = {id(s.param) for s in chunk.slots if id(s.param) in reachable}
                 self._expected.setdefault(chunk.index, set()).update(ids)
             torch.autograd.graph.register_multi_grad_hook(tensors, self._enter_backward, mode="any")
-            self.state = TrainingState.BACKWARD_PENDING
+            self._set_state(TrainingState.BACKWARD_PENDING)
         else:
-            self.state = TrainingState.BACKWARD_PENDING if self._expected else TrainingState.IDLE
+            self._set_state(TrainingState.BACKWARD_PENDING if self._expected else TrainingState.IDLE)
 
     def abort_forward(self) -> None:
         """The wrapped model's forward raised: free what it gathered so the next step starts clean."""
         self._release(self.chunks)
-        self.state = TrainingState.BACKWARD_PENDING if self._expected else TrainingState.IDLE
+        self._set_state(TrainingState.BACKWARD_PENDING if self._expected else TrainingState.IDLE)
 
     def _pre_forward(self, chunks: tuple[Chunk, ...], module: nn.Module, args: Any) -> None:
         if self.state is TrainingState.IDLE:
@@ -253,7 +268,7 @@ class Engine:
     def _enter_backward(self, *_: Any) -> None:
         if self.state is TrainingState.BACKWARD:
             return
-        self.state = TrainingState.BACKWARD
+        self._set_state(TrainingState.BACKWARD)
         self._ready = {c.index: not self._expected.get(c.index) for c in self._reduce_order}
         self._reduced = set()
         self._next_reduce = 0
@@ -262,6 +277,7 @@ class Engine:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
+    @engine_work
     def _pre_backward(self, chunks: tuple[Chunk, ...], *_: Any) -> None:
         self._enter_backward()
         self._gather(chunks)
@@ -295,6 +311,7 @@ class Engine:
                 return
             self._reduce(chunk)
 
+    @engine_work
     def _reduce(self, chunk: Chunk) -> None:
         with torch.profiler.record_function("ZeRO::reduce_scatter"):
             scale = self.scaler.scale if self.scaler is not None else 1.0
@@ -315,6 +332,7 @@ class Engine:
             chunk.publish_gradients(flags[offset : offset + len(chunk.slots)])
             offset += len(chunk.slots)
 
+    @engine_work
     def _finish_backward(self) -> None:
         """Queued on the autograd engine: runs once when the outermost backward finishes."""
         try:
@@ -324,16 +342,20 @@ class Engine:
                     self._reduce(self._reduce_order[self._next_reduce])
                 self.reduce_comm.flush()  # a bucketing backend launches what it still holds
                 self._waiter.join()
+                self.placement.after_backward(self.chunks)
                 self._publish_gradients()
             self._release(self.chunks)
         finally:
             self._expected = {}
             self._ready = {}
             self._callback_queued = False
-            self.state = TrainingState.IDLE
+            self._set_state(TrainingState.IDLE)
 
     # -- optimizer step ------------------------------------------------------------
+    @engine_work
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._in_substep:
+            return
         if self.state is TrainingState.BACKWARD:
             raise ZeroError("optimizer.step() was called during backward; call it after loss.backward() returns")
         if not self.sync_gradients:
@@ -372,7 +394,57 @@ class Engine:
                     seg.param.grad = None  # the optimizer skips parameters without a gradient
         self.scaler.update(overflow)
 
+    @engine_work
+    def step_chunks(self, chunks: Sequence[Chunk]) -> None:
+        """Run the optimizer on these chunks' segments only, now (for placement policies, from ``before_step``).
+
+        torch's optimizers skip parameters whose gradient is ``None``, so the other segments'
+        gradients are set aside for the call. The stepped segments' gradients are set aside
+        until the user's ``optimizer.step()`` has run, so it skips them, and then come back.
+        """
+        targets = {id(seg.param) for c in chunks for seg in c.segments}
+        aside = [(seg.param, seg.param.grad) for c in self._reduce_order for seg in c.segments
+                 if seg.param.grad is not None and id(seg.param) not in targets]
+        for param, _ in aside:
+            param.grad = None
+        self._in_substep = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._in_substep = False
+            for param, grad in aside:
+                param.grad = grad
+        for chunk in chunks:
+            for seg in chunk.segments:
+                if seg.param.grad is not None:
+                    self._stepped.append((seg.param, seg.param.grad))
+                    seg.param.grad = None
+
+    def device_bytes(self) -> int:
+        """Bytes the engine holds on the device now: gathered or kept full buffers, gradient buffers, idle pooled buffers.
+
+        Exact, from storage sizes. Master shards, their gradients and optimizer states are not
+        counted here: where they live is the placement policy's to account.
+        """
+        pool = self.chunks[0].pool if self.chunks else None
+        # pooled buffers: idle, or lent to a backward or a reduction in flight (gradient buffers, receive buffers)
+        total = pool.nbytes + pool.lent if pool is not None else 0
+        for chunk in self.chunks:
+            if not chunk.shard_is_view:
+                total += chunk.full.untyped_storage().nbytes()
+            else:  # the kept buffer holds the shard: the shard's part is the policy's
+                total += chunk.full_bytes - chunk.shard_bytes
+            if chunk.grad_full is not None:
+                total += chunk.grad_full.untyped_storage().nbytes()
+        return total
+
+    @engine_work
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._in_substep:
+            return
+        for param, grad in self._stepped:
+            param.grad = grad
+        self._stepped = []
         self.loss_scaled = False
         skipped = self.scaler is not None and self.scaler.last_step_skipped
         if not skipped and self._refresh_after_step:
@@ -427,6 +499,7 @@ class Engine:
         return report
 
     @torch.no_grad()
+    @engine_work
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, as CPU copies of the master values, one chunk at a time.
 
@@ -437,6 +510,7 @@ class Engine:
             raise ZeroError(f"full_parameters() needs an idle engine, but it is in {self.state.value}")
         result: dict[str, torch.Tensor] = {}
         for chunk in self.chunks:
+            self.placement.before_gather([chunk])  # a shard on disk comes back to be read
             if chunk.shard_is_view:
                 full = chunk.full
             else:
@@ -444,4 +518,5 @@ class Engine:
                 self.comm.all_gather(full, chunk.shard.to(chunk.device))
             for slot in chunk.slots:
                 result[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
+            self.placement.after_release([chunk])
         return result

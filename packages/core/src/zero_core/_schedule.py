@@ -123,6 +123,8 @@ class GatherScheduler:
     def _prefetch_next(self) -> None:
         """See [Note: prefetch]. Identical on every rank because the cursor is."""
         n = len(self.groups)
+        if not self.placement.allow_prefetch:
+            return
         if self._cursor < 0 or (self._cursor + 1) % n == 0:
             return  # the walk's lap is over: nothing follows
         group = self._group_at(self._cursor + 1)

@@ -17,6 +17,7 @@ from zero_core._setup import check_ranks_agree, collect_params, first_use_order,
 from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk
 from zero_core.errors import ConfigError, ZeroSetupError
+from zero_core.placement import PlacementContext
 
 __all__ = ["Sharded", "shard"]
 
@@ -82,7 +83,7 @@ def shard(
     reduce_group = _check_reduce_group(reduce_process_group, group, comm) or _new_group_like(group, comm)
     reduce_comm = comm_cls.from_config(reduce_group, timeout=timeout, config=config)
     reduce_comm.stats = comm.stats  # one set of counters per engine
-    placement = plugins_.placement_policies.get(config.placement)()
+    placement = plugins_.placement_policies.get(config.placement).from_config(config)
     device = resolve_device(config)
 
     if config.check_ranks_agree:
@@ -92,13 +93,15 @@ def shard(
     plan = strategy.plan(params, world_size=comm.world_size, config=config, hook=plugins_.manager.hook)
     plan.validate(params, comm.world_size)
 
+    groups = tuple(tuple(g) for g in plan.gather_groups) if plan.gather_groups else tuple((i,) for i in range(len(plan.chunks)))
+    keep = placement.keep_gathered(plan.chunks, groups) if config.stage == 3 else set()
     chunks = []
     pool = BufferPool()
     for index, spec in enumerate(plan.chunks):
         chunk = Chunk(index, spec, rank=comm.rank, world_size=comm.world_size, device=device, pool=pool,
                       stage=config.stage, compute_dtype=config.precision.compute,
                       reduce_dtype=config.precision.reduce,
-                      gradient_predivide_factor=config.precision.gradient_predivide_factor)
+                      gradient_predivide_factor=config.precision.gradient_predivide_factor, keep_gathered=index in keep)
         chunk.pack(comm, broadcast_from_rank0=config.sync_module_states)
         chunks.append(chunk)
     with torch.no_grad():
@@ -112,6 +115,11 @@ def shard(
                 if config.sync_module_states and comm.world_size > 1:
                     comm.broadcast(buf, src=0)
                 module._buffers[name] = buf
+    engines: list[Engine] = []  # the context's callables reach the engine built below
+    placement.setup(PlacementContext(
+        optimizer=optimizer, device=device, comm=comm, config=config, groups=groups,
+        step_chunks=lambda cs: engines[0].step_chunks(cs), device_bytes=lambda: engines[0].device_bytes(),
+    ))
     placement.attach(chunks)
     _repoint_optimizer(optimizer, chunks)
 
@@ -119,6 +127,7 @@ def shard(
         module=model, optimizer=optimizer, chunks=chunks, gather_groups=plan.gather_groups, comm=comm, reduce_comm=reduce_comm, strategy=strategy,
         placement=placement, config=config, hook=plugins_.manager.hook, device=device,
     )
+    engines.append(engine)
     if engine.scaler is not None:
         _attach_scaler_state(optimizer, engine.scaler)
     comm.stats.end_setup()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -204,8 +205,13 @@ class ZeroConfig:
             (:attr:`zero_core.ShardStrategy.comm`).
         reduce_bucket_mb: Size of one reduce-scatter bucket in MiB, for backends that
             bucket (split evenly over the ranks); ``<= 0`` reduces every gradient at once.
-        placement: Name of the placement policy plugin (``"device"``, built into zero-core,
-            keeps every shard on the compute device).
+        placement: Name of the placement policy plugin: ``"device"`` (zero-core) keeps every
+            shard on the compute device, ``"host"`` (zero-core) keeps master shards, gradients
+            and optimizer states in host memory; ``"static"`` and ``"gemini"`` (zero-offload)
+            move them between device, host and disk tiers.
+        placement_options: Options of the placement policy, as a mapping of keyword
+            arguments or the policy's own config object (for example
+            ``zero_offload.GeminiConfig(device_budget_mb=...)``); the policy validates them.
         chunk: Chunk packing policy, see :class:`ChunkPolicy`.
         device: Compute device; ``None`` picks ``cuda`` when available, else ``cpu``.
         collective_timeout_s: Seconds any single collective may wait before it fails
@@ -227,6 +233,7 @@ class ZeroConfig:
     comm: str | None = None
     reduce_bucket_mb: float = 25.0
     placement: str = "device"
+    placement_options: Any = field(default_factory=dict)
     chunk: ChunkPolicy = field(default_factory=ChunkPolicy)
     device: str | None = None
     collective_timeout_s: float = 300.0
@@ -249,6 +256,12 @@ class ZeroConfig:
             _check_name("ZeroConfig", name, getattr(self, name))
         if self.comm is not None:
             _check_name("ZeroConfig", "comm", self.comm)
+        options = self.placement_options
+        if not (isinstance(options, Mapping) or dataclasses.is_dataclass(options)) or isinstance(options, type):
+            raise ConfigError(
+                f"ZeroConfig.placement_options must be a mapping of keyword arguments or the policy's config object, "
+                f"got {type(options).__name__}; write placement_options={{'device_budget_mb': 512}}."
+            )
         bucket = self.reduce_bucket_mb
         if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not math.isfinite(bucket):
             raise ConfigError(

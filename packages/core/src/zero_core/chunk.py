@@ -135,12 +135,15 @@ class BufferPool:
     def __init__(self) -> None:
         self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._lock = threading.Lock()
+        # Bytes of buffers taken and not given back (in use by a backward or a reduction in flight).
+        self.lent = 0
 
     def take(self, size: int, dtype: torch.dtype, device: torch.device, *, zeroed: bool = True) -> torch.Tensor:
         """A buffer of ``size`` elements, zero-filled unless ``zeroed=False`` (a buffer about to be overwritten)."""
         with self._lock:
             free = self._free.get((size, dtype, device))
             buf = free.pop() if free else None
+            self.lent += size * dtype.itemsize
         if buf is None:
             return torch.zeros(size, dtype=dtype, device=device) if zeroed else torch.empty(size, dtype=dtype, device=device)
         return buf.zero_() if zeroed else buf
@@ -148,6 +151,12 @@ class BufferPool:
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
             self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+            self.lent -= buf.numel() * buf.element_size()
+
+    def keep(self, buf: torch.Tensor) -> None:
+        """``buf`` was taken and will never come back (it became a gradient): stop counting it as lent."""
+        with self._lock:
+            self.lent -= buf.numel() * buf.element_size()
 
     @property
     def nbytes(self) -> int:
@@ -162,7 +171,7 @@ class Chunk:
     def __init__(
         self, index: int, spec: ChunkSpec, *, rank: int, world_size: int, device: torch.device,
         pool: BufferPool | None = None, stage: int = 3, compute_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype | None = None, gradient_predivide_factor: float = 1.0,
+        reduce_dtype: torch.dtype | None = None, gradient_predivide_factor: float = 1.0, keep_gathered: bool = False,
     ) -> None:
         if spec.size % world_size:
             raise ValueError(f"chunk size {spec.size} is not a multiple of the world size {world_size}")
@@ -189,8 +198,9 @@ class Chunk:
         self.group = first.group
         self.slots: tuple[ParamSlot, ...] = self._layout(spec.params)
         self.used = spec.used
-        # Stages 1 and 2 keep the full buffer for the whole run, and so does a single rank.
-        self.persistent = stage < 3 or world_size == 1
+        # Stages 1 and 2 keep the full buffer for the whole run, and so does a single rank; at stage 3 a
+        # placement policy may keep some chunks gathered too (zero-offload's shard_param_frac).
+        self.persistent = stage < 3 or world_size == 1 or keep_gathered
         # In one dtype, a kept full buffer holds the shard: the optimizer updates it in place.
         self.shard_is_view = self.persistent and self.dtype == self.master_dtype
         # Runtime state, changed only through the transition methods below.
@@ -212,6 +222,8 @@ class Chunk:
         self._grad_flat: torch.Tensor | None = None
         # Stage 1 keeps one full-size gradient buffer for the whole run (gradients are replicated).
         self.grad_full: torch.Tensor | None = None
+        # Where reduced gradients go; None: where the master shard is. Set by placement policies.
+        self.grad_device: torch.device | None = None
 
     @staticmethod
     def _layout(params: Sequence[ParamInfo]) -> tuple[ParamSlot, ...]:
@@ -335,9 +347,8 @@ class Chunk:
     def move_shard(self, device: torch.device) -> None:
         """Keep the master shard (and so its gradients and optimizer states) on ``device`` from now on.
 
-        Called by placement policies while the engine is being built, before the optimizer
-        sees the segments. Gathers copy the shard to the compute device; reduced gradients
-        are moved to the shard's device, not copied. See [Note: stages and dtypes].
+        Gathers copy the shard to the compute device; reduced gradients are moved to the
+        shard's device, not copied. Host shards are pinned when the compute device is CUDA.
         """
         if self.shard.device == device:
             return
@@ -345,10 +356,40 @@ class Chunk:
         with torch.no_grad():
             shard = torch.empty(self.shard_size, dtype=self.master_dtype, device=device, pin_memory=pin)
             shard.copy_(self.shard)
+        self.replace_shard(shard)
+
+    def replace_shard(self, shard: torch.Tensor) -> None:
+        """Make ``shard`` (same size and dtype, any device) the master shard, keeping the optimizer's segments.
+
+        Each segment's parameter is re-pointed (``param.data = ...``), never replaced, so the
+        optimizer's state keeps its keys. Placement policies call this at any time between
+        uses; the old shard's storage is dropped with its last reference. To take a shard
+        out of memory (to disk), pass :meth:`absent_shard`.
+        """
+        if shard.shape != (self.shard_size,) or shard.dtype != self.master_dtype:
+            raise ValueError(
+                f"chunk {self.index}'s shard must be a {self.master_dtype} tensor of shape ({self.shard_size},), "
+                f"got {shard.dtype} {tuple(shard.shape)}"
+            )
         self.shard = shard
         self.shard_is_view = False
-        if self.requires_grad:
-            self.segments = self._segments()
+        for seg in self.segments:
+            seg.param.data = shard[seg.begin : seg.begin + seg.param.numel()]
+
+    def absent_shard(self) -> torch.Tensor:
+        """A stand-in for a shard that is not in memory: the right shape, one shared element, NaN.
+
+        In-place updates of it fail ("more than one element of the written-to tensor refers to
+        a single memory location") and reads give NaN, so an optimizer or gather that touches a
+        shard the policy did not bring back fails loudly instead of using stale values.
+        """
+        fill = float("nan") if self.master_dtype.is_floating_point else 0
+        return torch.full((1,), fill, dtype=self.master_dtype).expand(self.shard_size)
+
+    @property
+    def shard_in_memory(self) -> bool:
+        """False while the shard is :meth:`absent_shard` (on disk)."""
+        return self.shard_size == 0 or self.shard.stride(0) != 0
 
     def publish_parameters(self, comm: CommBackend, *, async_op: bool = False) -> Pending | None:
         """After an optimizer step, bring a kept full buffer up to date with the updated shards.
@@ -427,6 +468,8 @@ class Chunk:
             send.div_(self.predivide)  # flat is consumed by this reduction: dividing in place is safe
             divisor /= self.predivide
         if self.world_size == 1:  # the buffer itself becomes the gradient: never back to the pool
+            if pooled is not None:
+                self.pool.keep(pooled)
             return _Reduction(self, None, send, None, divisor)
         begin = self.rank * self.shard_size
         if self.stage == 1 and send is flat:
@@ -496,7 +539,8 @@ class _Reduction:
             self._pending = None
         if self._reduced is not None:
             # moved to where the master shard lives (the host, when offloaded), never copied and kept twice
-            grad = self._reduced.to(self._chunk.shard.device, self._chunk.master_dtype)
+            chunk = self._chunk
+            grad = self._reduced.to(chunk.grad_device or chunk.shard.device, chunk.master_dtype)
             if self._divisor != 1.0:
                 grad.div_(self._divisor)
             self._chunk.reduced_grad = grad

@@ -1,26 +1,77 @@
-"""The placement policy interface and the default policy.
+"""The placement policy interface and the built-in ``device`` and ``host`` policies.
 
 A placement policy decides, at every moment, in which :class:`~zero_core.MemoryTier`
-each chunk's shard lives. The engine calls it at fixed points: once after the chunks
-are built (:meth:`PlacementPolicy.attach`), before chunks are gathered for compute
-(:meth:`PlacementPolicy.before_gather`), after they are released
-(:meth:`PlacementPolicy.after_release`) and at each optimizer step boundary.
+each chunk's shard lives. The engine calls it at fixed points, in this order:
+
+1. :meth:`PlacementPolicy.from_config` builds it from ``ZeroConfig.placement_options``;
+2. :meth:`PlacementPolicy.keep_gathered` may ask for some chunks to stay gathered at stage 3;
+3. :meth:`PlacementPolicy.setup` hands it the :class:`PlacementContext` (optimizer, device,
+   process group, and the engine's ``step_chunks``), then :meth:`PlacementPolicy.attach`
+   places every chunk for the first time;
+4. during training: :meth:`PlacementPolicy.on_transition` at each engine state change,
+   :meth:`PlacementPolicy.before_compute` before a module computes with some chunks,
+   :meth:`PlacementPolicy.before_gather` before any all-gather reads chunks' shards
+   (compute, prefetch, or serving another rank), :meth:`PlacementPolicy.after_release`,
+   :meth:`PlacementPolicy.after_backward` once a backward's gradients are reduced, and
+   :meth:`PlacementPolicy.before_step` / :meth:`PlacementPolicy.after_step` around
+   each optimizer step;
+5. :meth:`PlacementPolicy.close` when the engine is closed.
+
+Policies that move shards off the device live in zero-offload; the mechanics every policy
+needs (moving a shard while the optimizer keeps its parameters, routing gradients,
+stepping a subset of chunks) are on :class:`~zero_core.Chunk` and :class:`PlacementContext`.
 
 Subclass :class:`zero_core.testing.PlacementPolicyConformance` to test a policy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from zero_core._state import MemoryTier
-from zero_core.chunk import Chunk
+from zero_core._state import MemoryTier, TrainingState
+from zero_core.chunk import Chunk, ChunkSpec
+from zero_core.errors import ConfigError
 
-__all__ = ["DevicePlacementPolicy", "HostPlacementPolicy", "PlacementPolicy"]
+if TYPE_CHECKING:
+    from zero_core.api import ZeroConfig
+    from zero_core.comm import CommBackend
+
+__all__ = ["DevicePlacementPolicy", "HostPlacementPolicy", "PlacementContext", "PlacementPolicy"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementContext:
+    """What a policy may use besides the chunks, handed over once by :meth:`PlacementPolicy.setup`.
+
+    Attributes:
+        optimizer: The user's optimizer, already re-pointed at the shards' segments
+            (``optimizer.state[segment.param]`` holds a segment's states once it stepped).
+        device: The compute device.
+        comm: The data-parallel comm backend (collective: call only where every rank does).
+        config: The engine's config.
+        groups: The gather groups as tuples of chunk indices (gathered by one all-gather each).
+        step_chunks: ``step_chunks(chunks)`` runs the optimizer on exactly these chunks'
+            segments now; call it from :meth:`PlacementPolicy.before_step` to step chunks
+            one tier (or one chunk) at a time. Chunks stepped this way are skipped by the
+            user's ``optimizer.step()`` that follows.
+        device_bytes: ``device_bytes()`` the bytes the engine itself holds on the device
+            right now: gathered full buffers, gradient buffers of the running backward
+            and the idle ones kept for reuse (not the shards: those are the policy's).
+    """
+
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    comm: CommBackend
+    config: ZeroConfig
+    groups: tuple[tuple[int, ...], ...]
+    step_chunks: Callable[[Sequence[Chunk]], None]
+    device_bytes: Callable[[], int]
 
 
 class PlacementPolicy(ABC):
@@ -28,15 +79,49 @@ class PlacementPolicy(ABC):
 
     Attributes:
         name: The name users select it by (``ZeroConfig(placement=name)``).
-        needs_memory_trace: Whether the policy wants the engine to trace a warm-up step.
     """
 
     name: ClassVar[str]
-    needs_memory_trace: ClassVar[bool] = False
+    #: Whether the engine may all-gather the next group ahead of use. Read before every
+    #: prefetch; it decides which collectives run, so it must be equal on every rank.
+    allow_prefetch: bool = True
+
+    @classmethod
+    def from_config(cls, config: ZeroConfig) -> PlacementPolicy:
+        """Build the policy from ``config.placement_options`` (a policy without options accepts none)."""
+        options = config.placement_options
+        if dataclasses.is_dataclass(options) or (isinstance(options, Mapping) and options):
+            shown = options if isinstance(options, Mapping) else type(options).__name__
+            raise ConfigError(
+                f"placement policy {cls.name!r} takes no options, but ZeroConfig.placement_options is {shown!r}; "
+                "remove them or choose a policy that uses them (zero-offload's 'static' or 'gemini')."
+            )
+        return cls()
+
+    def keep_gathered(self, specs: Sequence[ChunkSpec], groups: Sequence[Sequence[int]]) -> set[int]:
+        """Indices of chunks that stay gathered between uses at stage 3 (default: none).
+
+        Must give the same answer on every rank (it decides which all-gathers run).
+        """
+        return set()
+
+    def setup(self, context: PlacementContext) -> None:
+        """Receive the optimizer, device and process group; called once, right before :meth:`attach`."""
+        self.context = context
 
     @abstractmethod
     def attach(self, chunks: Sequence[Chunk]) -> None:
         """Place every chunk's shard for the first time (called once, after packing)."""
+
+    def on_transition(self, state: TrainingState) -> None:
+        """The engine just entered ``state`` (a forward began, a backward began or ended, ...)."""
+
+    def before_compute(self, chunks: Sequence[Chunk], *, backward: bool) -> None:
+        """A module is about to run its forward (or backward) with these chunks.
+
+        Called in the same sequence every step for a static graph, whatever was prefetched,
+        so it is where a policy records and replays its access trace.
+        """
 
     def before_gather(self, chunks: Sequence[Chunk]) -> None:
         """Make sure these chunks' shards can be gathered on the device (they are about to be)."""
@@ -46,11 +131,21 @@ class PlacementPolicy(ABC):
     def after_release(self, chunks: Sequence[Chunk]) -> None:
         """These chunks were just released; the policy may move their shards away."""
 
+    def after_backward(self, chunks: Sequence[Chunk]) -> None:
+        """Every gradient of this backward is reduced; next, each segment's parameter gets its gradient.
+
+        A segment's gradient must be on the same device as its parameter: a policy that
+        routed gradients elsewhere (``Chunk.grad_device``) brings the shard there now.
+        """
+
     def before_step(self, chunks: Sequence[Chunk]) -> None:
         """The optimizer is about to update the shards."""
 
     def after_step(self, chunks: Sequence[Chunk]) -> None:
         """The optimizer has updated the shards."""
+
+    def close(self) -> None:
+        """The engine is closed: release what the policy holds outside the chunks (files, pinned buffers)."""
 
     @abstractmethod
     def tier_of(self, chunk: Chunk) -> MemoryTier:

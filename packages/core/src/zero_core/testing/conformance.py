@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from zero_core._plugins import hookimpl
 from zero_core._state import ChunkState, MemoryTier
 from zero_core.api import ChunkPolicy, ZeroConfig
 from zero_core.chunk import Chunk, ChunkSpec, ParamInfo
@@ -232,31 +233,97 @@ class ShardStrategyConformance:
 # -- placement policies ----------------------------------------------------------------
 
 
+class _Registers:
+    """A plugin object that registers one placement policy class under its name."""
+
+    def __init__(self, policy_class: type[PlacementPolicy]) -> None:
+        self.policy_class = policy_class
+
+    @hookimpl
+    def zero_register_placement_policies(self, registry: Any) -> None:
+        if self.policy_class.name not in registry:
+            registry.add(self.policy_class.name, self.policy_class)
+
+
+def _policy_worker(policy_class: type[PlacementPolicy], options: dict[str, Any], stage: int) -> dict[str, Any]:
+    from zero_core.testing.parity import train_sharded
+
+    config = ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=300), placement=policy_class.name, placement_options=options)
+    result = train_sharded("gpt", config=config, plugins=[_Registers(policy_class)])
+    return {"losses": result.losses, "params": result.params}
+
+
 class PlacementPolicyConformance:
-    """Tests for a :class:`~zero_core.PlacementPolicy`; set ``policy_class``."""
+    """Tests for a :class:`~zero_core.PlacementPolicy`; set ``policy_class`` (and ``options``, its placement_options).
+
+    The policy must train exactly like the ``device`` policy (single process and 2 ranks,
+    stages 1 and 3), report every chunk's tier consistently, and leave every shard it is
+    asked to gather readable on the compute device's side (not the disk stand-in).
+    """
 
     policy_class: ClassVar[type[PlacementPolicy]]
+    options: ClassVar[dict[str, Any]] = {}
 
     def test_has_a_name(self) -> None:
         """Users select the policy by this name; it must be a non-empty string."""
         assert isinstance(self.policy_class.name, str) and self.policy_class.name
 
-    def test_attach_places_every_chunk(self) -> None:
-        """After attach, every chunk has a tier and tier_of agrees with it."""
-        chunks = _chunks()
-        policy = self.policy_class()
-        policy.attach(chunks)
-        for chunk in chunks:
-            assert isinstance(chunk.tier, MemoryTier)
-            assert policy.tier_of(chunk) is chunk.tier
+    def test_builds_from_its_options(self) -> None:
+        """from_config turns ZeroConfig.placement_options into a policy instance."""
+        config = ZeroConfig(placement=self.policy_class.name, placement_options=self.options)
+        assert isinstance(self.policy_class.from_config(config), self.policy_class)
 
-    def test_chunks_are_on_the_device_when_gathered(self) -> None:
-        """before_gather must leave every chunk it is given on the device tier."""
-        chunks = _chunks()
-        policy = self.policy_class()
-        policy.attach(chunks)
-        policy.before_gather(chunks)
-        assert all(c.tier is MemoryTier.DEVICE for c in chunks)
-        policy.after_release(chunks)
-        policy.before_step(chunks)
-        policy.after_step(chunks)
+    def test_trains_like_the_device_policy(self) -> None:
+        """Losses and parameters equal one-process training, on 1 and 2 ranks, stages 1 and 3 (fp32: 1e-5 relative)."""
+        from zero_core.testing.parity import assert_parity, train_reference
+
+        reference = train_reference("gpt")
+        for stage, world in ((3, 1), (3, 2), (1, 2)):
+            results = run_distributed(_policy_worker, world, self.policy_class, dict(self.options), stage, timeout=300)
+            for result in results:
+                assert_parity(reference, _as_result(result), label=f"{self.policy_class.name} stage {stage} world {world}")
+
+    def test_hooks_keep_the_contract(self) -> None:
+        """Every hook sees chunks whose tier agrees with tier_of; gathered chunks have their shard in memory."""
+        results = run_distributed(_contract_worker, 1, self.policy_class, dict(self.options), timeout=300)
+        violations = results[0]
+        assert not violations, "\n".join(violations[:10])
+
+
+def _as_result(result: dict[str, Any]) -> Any:
+    from zero_core.testing.parity import RunResult
+
+    return RunResult(losses=result["losses"], params=result["params"])
+
+
+def _contract_worker(policy_class: type[PlacementPolicy], options: dict[str, Any]) -> list[str]:
+    from zero_core.testing.parity import train_sharded
+
+    violations: list[str] = []
+
+    class Checked(policy_class):  # type: ignore[misc, valid-type]
+        def _check(self, where: str, chunks: Any) -> None:
+            for chunk in chunks:
+                if self.tier_of(chunk) is not chunk.tier:
+                    violations.append(f"{where}: tier_of(chunk {chunk.index}) is {self.tier_of(chunk)} but chunk.tier is {chunk.tier}")
+
+        def before_gather(self, chunks: Any) -> None:
+            super().before_gather(chunks)
+            self._check("before_gather", chunks)
+            for chunk in chunks:
+                if not chunk.shard_in_memory:
+                    violations.append(f"before_gather left chunk {chunk.index}'s shard out of memory")
+
+        def after_release(self, chunks: Any) -> None:
+            super().after_release(chunks)
+            self._check("after_release", chunks)
+
+        def after_step(self, chunks: Any) -> None:
+            super().after_step(chunks)
+            self._check("after_step", chunks)
+
+    # its own name: the policy itself may be registered too (through its entry point)
+    Checked.name = f"{policy_class.name}-checked"
+    config = ZeroConfig(chunk=ChunkPolicy(chunk_size=300), placement=Checked.name, placement_options=options)
+    train_sharded("gpt", config=config, plugins=[_Registers(Checked)])
+    return violations

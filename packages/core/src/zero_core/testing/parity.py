@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,8 @@ class RunResult:
     groups: list[list[int]] = field(default_factory=list)
     norms: list[float] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
+    #: The placement policy's ``report()`` (tiers, moves, budgets), for policies that have one.
+    placement: dict[str, Any] = field(default_factory=dict)
 
 
 def make_optimizer(case: ZooCase, model: torch.nn.Module, name: str = "adamw", lr: float = 1e-3) -> torch.optim.Optimizer:
@@ -177,14 +180,15 @@ def _train_reference_16bit(case_name: str, *, steps: int, batch_size: int, optim
 
 def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: int = 4, batch_size: int = 8,
                   optimizer: str = "adamw", lr: float = 1e-3, micro_batches: int = 1, clip: float | None = None,
-                  norm_type: float = 2.0, no_sync: bool = True, reduce_process_group: Any = None) -> RunResult:
+                  norm_type: float = 2.0, no_sync: bool = True, reduce_process_group: Any = None,
+                  plugins: Sequence[object] = ()) -> RunResult:
     """Run on every rank: shard the zoo model, train on this rank's slice of each global batch.
 
     With ``micro_batches > 1`` the slice is split and all but the last micro-batch run
     inside ``model.no_sync()`` (or, with ``no_sync=False``, each reduces its own
     gradients), each loss scaled so the sum equals the slice's mean loss.
     With ``clip`` the gradients are clipped by :func:`zero_core.clip_grad_norm_`.
-    ``reduce_process_group`` is passed to :func:`zero_core.shard`.
+    ``reduce_process_group`` and ``plugins`` are passed to :func:`zero_core.shard`.
     """
     case = get_case(case_name)
     config = config or ZeroConfig(chunk=ChunkPolicy(chunk_size=case.chunk_size))
@@ -196,7 +200,7 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
     model = _build(case)
     example = case.batch(0, batch_size)[0][:local] if config.chunk.param_order == "first_use" else None
     model, opt = shard(model, make_optimizer(case, model, optimizer, lr), config=config, example_inputs=example,
-                       reduce_process_group=reduce_process_group)
+                       reduce_process_group=reduce_process_group, plugins=plugins)
     if local % micro_batches:
         raise ValueError(f"{local} samples per rank do not split into {micro_batches} micro-batches")
     micro = local // micro_batches
@@ -224,7 +228,7 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
             reported /= world
         losses.append(reported.item())
     engine = model.engine
-    return RunResult(
+    result = RunResult(
         losses=losses,
         params=model.full_parameters(),
         step_stats=[engine.comm.stats.summary(s) for s in engine.comm.stats.steps],
@@ -234,7 +238,10 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         groups=[[c.index for c in g.chunks] for g in engine.groups],
         norms=norms,
         scales=scales,
+        placement=engine.placement.report() if hasattr(engine.placement, "report") else {},
     )
+    engine.close()
+    return result
 
 
 def train_zoo_sharded(cases: list[str], *, config: ZeroConfig | None = None, **kwargs: Any) -> dict[str, RunResult]:

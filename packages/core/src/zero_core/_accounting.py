@@ -1,0 +1,41 @@
+"""Marks the engine's own work, so a memory tracer can tell model data from activations.
+
+Everything the engine allocates (gathered buffers, gradient buffers, collective copies,
+optimizer states) is model data that placement policies account exactly; everything
+else a step allocates (activations, temporaries of the user's compute) is non-model
+data, which a tracer measures. The engine wraps its hooks in :func:`engine_work`, and
+a tracer skips allocations made while :func:`in_engine_work` is true.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["engine_work", "in_engine_work"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# A plain counter, not thread-local: the engine's hooks run on the thread that runs forward and
+# backward, which is the only thread a tracer's dispatch mode sees.
+_depth = 0
+
+
+def in_engine_work() -> bool:
+    return _depth > 0
+
+
+def engine_work(method: F) -> F:
+    """Decorate an engine method whose allocations are model data."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        global _depth
+        _depth += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _depth -= 1
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,275 @@
+"""The ``gemini`` policy: placement from a traced warm-up step, with Belady eviction and a budgeted prefetch.
+
+[Note: gemini's decisions]
+Step 0 is the warm-up: every master shard, gradient and optimizer state is on the host
+(or on disk past the host budget), nothing is prefetched, and the tracer records, for
+each compute point ``k`` of the step (a module about to compute with some chunks), the
+chunks it uses, the engine's device bytes it needs, and the peak non-model bytes of the
+period that follows (:class:`~zero_offload.MemoryTracer`).
+
+Before the warm-up's optimizer step the policy plans, with one MAX all-reduce so that
+every rank plans from the same peak:
+
+1. ``need`` = the largest ``work[k] + non_model[k]`` of any rank, plus room for two gradient
+   buffers held by reductions in flight. A device budget below it
+   cannot run the step: :class:`~zero_offload.DeviceBudgetError` says how much is needed.
+2. Prefetch is allowed (on every rank alike) if the headroom ``budget - need`` holds one
+   more gather group; that group's bytes are then reserved.
+3. ``margin_ratio`` of the remaining headroom goes to whole chunks (shard, gradients and
+   optimizer states, in plan order): they step on the device.
+
+From step 1 on, at each compute point the policy may keep master shards on the device
+between the forward and the backward (a *cache*): it evicts cached shards, the one used
+furthest in the future first (Belady), until the cache fits in what the budget leaves
+after the period's measured non-model peak, the engine's buffers and this point's
+gather; then it caches this point's shards if they fit. Cached shards go back to the host
+when the backward ends (the optimizer steps there).
+
+Forwards under ``torch.no_grad()`` (evaluation between steps) are not part of a step:
+they are neither traced nor compared, and cache nothing.
+
+If a step's compute points stop matching the warm-up's (a dynamic graph), the trace no
+longer predicts anything: the policy logs it once and from then on caches nothing and
+assumes the largest non-model peak of the warm-up at every point.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from zero_core import Chunk, ConfigError, TrainingState
+from zero_offload._base import TieredPolicy
+from zero_offload._tiers import DEVICE, HOST, Part
+from zero_offload._tracer import MemoryTracer
+from zero_offload.config import GeminiConfig
+from zero_offload.errors import DeviceBudgetError
+
+__all__ = ["GeminiPolicy"]
+
+log = logging.getLogger("zero_offload")
+
+_INF = 1 << 62
+
+
+def _mib(n: int) -> str:
+    return f"{n} bytes, {n / 2**20:.3f} MiB"
+
+
+class GeminiPolicy(TieredPolicy):
+    """Chunks on the device as the budget allows, from the memory trace of a warm-up step. See [Note: gemini's decisions]."""
+
+    name = "gemini"
+    config_class = GeminiConfig
+    options: GeminiConfig
+
+    def __init__(self, options: GeminiConfig | None = None) -> None:
+        super().__init__(options)
+        self.allow_prefetch = False  # decided after the warm-up, identically on every rank
+        self.step_index = 0
+        self.in_step = False
+        self.diverged = False
+        self.divergence: str | None = None
+        # The warm-up's compute points: (backward, chunk indices), engine bytes needed, non-model peak after.
+        self.events: list[tuple[bool, tuple[int, ...]]] = []
+        self.work: list[int] = []
+        self.non_model: list[int] = []
+        self._uses: dict[int, list[int]] = {}
+        self._event = 0
+        self.need = 0
+        self.prefetch_reserve = 0
+        self.pinned: set[int] = set()
+        self.pinned_bytes = 0
+        self.cached: set[int] = set()
+        # Shards cached on the device at a compute point, and cached shards evicted to make room, over the run.
+        self.promotions = 0
+        self.evictions = 0
+        # Largest device total (model data + non-model) seen at any operator, when trace_every_step is on.
+        self.audit_max = 0
+        self.audit_points = 0
+
+    # -- setup ------------------------------------------------------------------------
+    def place(self, chunks: Sequence[Chunk]) -> None:
+        budget = self.tiers.budget[DEVICE]
+        if budget is None:
+            raise ConfigError(
+                "the gemini policy needs a device budget on a machine without CUDA (the CPU is both device and "
+                "host there); set placement_options={'device_budget_mb': ...}"
+            )
+        self.group_bytes = [sum(self._gather_cost(chunks[i], backward=True) for i in g) for g in self.context.groups]
+        # Reductions in flight hold their gradient buffers until the collective completes, and a backward that
+        # outpaces them takes fresh ones: room for two more, whenever they come.
+        self.inflight_reserve = 2 * max((c.full_bytes for c in chunks if c.requires_grad and not c.persistent), default=0)
+        floor = max(self.group_bytes, default=0)
+        if budget < floor:
+            raise DeviceBudgetError(
+                f"the device budget ({_mib(budget)}) is below one gather group's buffers and gradient buffers "
+                f"({_mib(floor)}), before any activation; the device needs at least that plus the non-model peak "
+                "the warm-up step will measure. Raise device_budget_mb or use smaller chunks (ChunkPolicy(chunk_size=...))."
+            )
+        self.place_offloaded(chunks, params=HOST)
+        self.tracer = MemoryTracer(self.context.device, on_op=self._audit if self.options.trace_every_step else None)
+
+    @staticmethod
+    def _gather_cost(chunk: Chunk, *, backward: bool) -> int:
+        """Device bytes gathering ``chunk`` adds: its full buffer, and in backward its gradient buffer."""
+        if chunk.persistent:
+            return 0
+        cost = chunk.full_bytes
+        if backward and chunk.requires_grad:
+            cost += chunk.full_bytes
+        return cost
+
+    # -- the step's phases ---------------------------------------------------------------
+    @property
+    def warming_up(self) -> bool:
+        return self.step_index == 0
+
+    def on_transition(self, state: TrainingState) -> None:
+        super().on_transition(state)
+        if state is TrainingState.FORWARD and not self.in_step and torch.is_grad_enabled():
+            self.in_step = True
+            self._event = 0
+            if self.warming_up or self.options.trace_every_step:
+                self.tracer.start()
+                self.tracer.sample()
+
+    def before_compute(self, chunks: Sequence[Chunk], *, backward: bool) -> None:
+        if not self.in_step:
+            return  # inference (a forward under torch.no_grad()): not part of the training step's trace
+        k, self._event = self._event, self._event + 1
+        key = (backward, tuple(c.index for c in chunks))
+        need = sum(self._gather_cost(c, backward=backward) for c in chunks
+                   if not c.is_gathered or (backward and c.requires_grad and not c.has_unreduced_gradients))
+        if self.warming_up:
+            if k > 0:
+                self.non_model.append(self.tracer.sample(self.device_bytes()))
+            self.events.append(key)
+            self.work.append(self.device_bytes() + need)
+            return
+        if self.options.trace_every_step:
+            self._audit()
+        if not self.diverged and (k >= len(self.events) or self.events[k] != key):
+            expected = self.events[k] if k < len(self.events) else "nothing"
+            self._diverge(f"compute point {k} of step {self.step_index} used {key}, the warm-up trace had {expected}")
+        self._make_room(k, chunks, need)
+
+    def _diverge(self, why: str) -> None:
+        self.diverged = True
+        self.divergence = why
+        log.warning("zero-offload gemini: the step diverged from the warm-up trace (%s); the graph is dynamic, so from "
+                    "now on no shard is cached on the device and every point assumes the warm-up's largest non-model peak",
+                    why)
+
+    def _make_room(self, k: int, chunks: Sequence[Chunk], need: int) -> None:
+        tiers = self.tiers
+        budget = tiers.budget[DEVICE]
+        assert budget is not None
+        non_model = max(self.non_model, default=0) if self.diverged else self.non_model[k]
+        allowed = budget - self.prefetch_reserve - self.inflight_reserve - non_model - self.context.device_bytes() - need
+        # the device holds the pinned chunks' parts and the cached shards (every other part is elsewhere)
+        state = self.pinned_bytes + sum(self.chunks[i].shard_bytes for i in self.cached)
+        using = {c.index for c in chunks}
+        if state > allowed and self.cached:
+            for index in sorted(self.cached - using, key=lambda i: self._next_use(i, k), reverse=True):
+                if state <= allowed:
+                    break
+                chunk = self.chunks[index]
+                tiers.move(chunk, Part.PARAMS, HOST)
+                self.cached.discard(index)
+                self.evictions += 1
+                state -= chunk.shard_bytes
+        if self.diverged:
+            return
+        for chunk in chunks:
+            if chunk.index in self.cached or chunk.index in self.pinned or tiers.tier(chunk, Part.PARAMS) is not HOST:
+                continue
+            if state + chunk.shard_bytes <= allowed:
+                tiers.move(chunk, Part.PARAMS, DEVICE)
+                self.cached.add(chunk.index)
+                self.promotions += 1
+                state += chunk.shard_bytes
+
+    def _next_use(self, index: int, k: int) -> int:
+        uses = self._uses.get(index, [])
+        at = bisect.bisect_right(uses, k)
+        return uses[at] if at < len(uses) else _INF
+
+    def after_backward(self, chunks: Sequence[Chunk]) -> None:
+        for index in sorted(self.cached):
+            self.tiers.move(self.chunks[index], Part.PARAMS, HOST)
+        self.cached.clear()
+        super().after_backward(chunks)
+
+    def before_step(self, chunks: Sequence[Chunk]) -> None:
+        if self.warming_up:
+            self.non_model.append(self.tracer.sample(self.device_bytes()))
+            if not self.options.trace_every_step:
+                self.tracer.stop()
+            self._plan()
+        super().before_step(chunks)
+
+    def after_step(self, chunks: Sequence[Chunk]) -> None:
+        super().after_step(chunks)
+        if self.options.trace_every_step:
+            self._audit()
+            self.tracer.stop()
+        self.step_index += 1
+        self.in_step = False
+
+    # -- planning after the warm-up ------------------------------------------------------
+    def _plan(self) -> None:
+        """See [Note: gemini's decisions], steps 1 to 3."""
+        tiers, comm = self.tiers, self.context.comm
+        for k, (_, indices) in enumerate(self.events):
+            for index in indices:
+                self._uses.setdefault(index, []).append(k)
+        local = max((w + n for w, n in zip(self.work, self.non_model)), default=0) + self.inflight_reserve
+        self.need = -comm.agree_min(-local) if comm.world_size > 1 else local
+        budget = tiers.budget[DEVICE]
+        assert budget is not None
+        if self.need > budget:
+            raise DeviceBudgetError(
+                f"the device budget ({_mib(budget)}) is below what the warm-up step needed at its peak: "
+                f"{_mib(self.need)} (the gathered chunks and gradient buffers of one compute point plus the "
+                f"activations measured there). Set device_budget_mb to at least {self.need / 2**20:.3f}, or lower the "
+                "activations (smaller micro-batch, activation checkpointing)."
+            )
+        headroom = budget - self.need
+        largest = max(self.group_bytes, default=0)
+        self.allow_prefetch = self.options.prefetch and headroom >= largest
+        if self.allow_prefetch:
+            self.prefetch_reserve = largest
+            headroom -= largest
+        margin = int(headroom * self.options.margin_ratio)
+        for chunk in self.chunks:
+            if not chunk.segments:
+                continue
+            cost = tiers.nbytes(chunk)
+            if cost > margin:
+                break
+            for part in (Part.PARAMS, Part.GRADS, Part.OPTIM):  # a gradient may only join its parameter's device
+                tiers.move(chunk, part, DEVICE)
+            self.pinned.add(chunk.index)
+            self.pinned_bytes += cost
+            margin -= cost
+
+    # -- audit ----------------------------------------------------------------------------
+    def _audit(self) -> None:
+        if not self.in_step:
+            return
+        total = self.device_bytes() + self.tracer.live(self.device_bytes())
+        self.audit_points += 1
+        self.audit_max = max(self.audit_max, total)
+
+    def report(self) -> dict[str, Any]:
+        return {**super().report(), "need": self.need, "prefetch": self.allow_prefetch, "pinned": sorted(self.pinned),
+                "diverged": self.diverged, "promotions": self.promotions, "evictions": self.evictions,
+                "audit_max": self.audit_max, "audit_points": self.audit_points,
+                "non_model_peak": max(self.non_model, default=0)}
+
+

@@ -1,0 +1,397 @@
+"""Tiers: where each part of each chunk lives, with byte-exact budgets, and the one call that moves a part.
+
+[Note: chunk parts]
+A chunk's model states come in three parts, each in its own tier at every moment:
+
+- ``PARAMS``: the master shard (what gathers read and the optimizer updates);
+- ``GRADS``: the reduced gradient shard (where the reduce-scatter's result is moved);
+- ``OPTIM``: the optimizer states of the chunk's segments.
+
+:meth:`Tiers.move` moves one part of one chunk to another tier, copying exactly its
+bytes and charging its budget before anything changes, so a move that does not fit
+fails with the state untouched. A part that leaves a tier drops its storage there: a
+shard on the disk tier is the chunk's :meth:`~zero_core.Chunk.absent_shard` (one NaN
+element, expanded) and optimizer states on disk are such stand-ins too, so any access
+that a policy did not prepare fails or shows NaN instead of reading stale values.
+
+On CUDA the host tier keeps a persistent pinned copy of each master shard that has been
+on the host (ColossalAI's even-shard refactor): moving a shard up copies it and keeps the
+copy; moving it down again copies only if the optimizer changed it on the device since
+(the copy is *stale*); otherwise the device storage is just dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from zero_core import Chunk, MemoryTier
+from zero_core.placement import PlacementContext
+from zero_offload._disk import DiskStore
+from zero_offload.config import TierConfig, mib
+from zero_offload.errors import DiskTierError, TierBudgetError
+
+__all__ = ["Part", "Tiers"]
+
+log = logging.getLogger("zero_offload")
+
+DEVICE, HOST, DISK = MemoryTier.DEVICE, MemoryTier.HOST, MemoryTier.DISK
+
+
+class Part(enum.Enum):
+    """The parts of a chunk's model states that move independently. See [Note: chunk parts]."""
+
+    #: The master parameter shard.
+    PARAMS = "params"
+    #: The reduced gradient shard.
+    GRADS = "grads"
+    #: The optimizer states of the chunk's segments.
+    OPTIM = "optim"
+
+
+def _mb(n: int | None) -> str:
+    return "unlimited" if n is None else f"{n} bytes ({n / 2**20:.2f} MiB)"
+
+
+def optimizer_bytes_per_element(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> list[float]:
+    """Bytes of (non-scalar) optimizer state per parameter element, per param group, measured on a probe.
+
+    Runs one step of a fresh optimizer of the same class and hyperparameters on an
+    8-element parameter. Optimizers whose states do not scale with the parameter, or
+    that cannot be probed, are assumed to keep two states per element, like Adam.
+    """
+    result = []
+    accepted = set(inspect.signature(type(optimizer).__init__).parameters)
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k in accepted and k != "params"}
+        try:
+            probe = torch.nn.Parameter(torch.zeros(8, dtype=dtype))
+            opt = type(optimizer)([probe], **hyper)
+            probe.grad = torch.ones_like(probe)
+            opt.step()
+            nbytes = sum(v.numel() * v.element_size() for v in opt.state[probe].values()
+                         if isinstance(v, torch.Tensor) and v.dim() > 0)
+            result.append(nbytes / 8)
+        except Exception as e:  # an optimizer that needs a closure or other arguments
+            log.info("zero-offload: could not probe %s's state size (%s); assuming two states per element",
+                     type(optimizer).__name__, e)
+            result.append(2.0 * torch.empty(0, dtype=dtype).element_size())
+    return result
+
+
+class Tiers:
+    """Budgets, accounting and moves of every chunk's parts. See [Note: chunk parts]."""
+
+    def __init__(self, config: TierConfig, context: PlacementContext) -> None:
+        self.device = context.device
+        self.host = torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self.optimizer = context.optimizer
+        self.budget: dict[MemoryTier, int | None] = {
+            DEVICE: self._device_budget(config),
+            HOST: mib(config.host_budget_mb) if config.host_budget_mb is not None else int(
+                config.host_budget_fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+            DISK: None,
+        }
+        self.disk: DiskStore | None = None
+        if config.disk_dir is not None:
+            self.disk = DiskStore(config.disk_dir, rank=context.comm.rank)
+            free = shutil.disk_usage(self.disk.directory).free
+            self.budget[DISK] = mib(config.disk_budget_mb) if config.disk_budget_mb is not None else free
+        # Bytes placed in each tier (reserved for gradients before they exist), and the most ever placed.
+        self.used: dict[MemoryTier, int] = {t: 0 for t in MemoryTier}
+        self.peak: dict[MemoryTier, int] = {t: 0 for t in MemoryTier}
+        self.where: dict[int, dict[Part, MemoryTier]] = {}
+        self.size: dict[tuple[int, Part], int] = {}
+        # CUDA only: persistent pinned host copies of master shards, and those the device copy has outdated.
+        self.host_copy: dict[int, torch.Tensor] = {}
+        self.host_stale: set[int] = set()
+        # Chunks whose parameter file on disk matches the shard in memory (no write needed to evict).
+        self.disk_fresh: set[int] = set()
+        # Chunks whose parameters live on disk but are in host memory for a while (read for a gather).
+        self.staged: set[int] = set()
+        self.moves = {part: 0 for part in Part}
+        self.bytes_moved = {part: 0 for part in Part}
+        self._bpe: list[float] = []
+
+    def _device_budget(self, config: TierConfig) -> int | None:
+        if config.device_budget_mb is not None:
+            return mib(config.device_budget_mb)
+        if self.cuda:
+            free, total = torch.cuda.mem_get_info(self.device)
+            return max(0, int(free - config.device_margin * total))
+        return None
+
+    # -- registration ----------------------------------------------------------------
+    def register(self, chunks: Sequence[Chunk]) -> None:
+        """Record every chunk's parts where packing left them: on the device."""
+        dtypes = {c.master_dtype for c in chunks}
+        bpe = {d: optimizer_bytes_per_element(self.optimizer, d) for d in dtypes if d.is_floating_point}
+        for chunk in chunks:
+            i = chunk.index
+            self.where[i] = {part: DEVICE for part in Part}
+            self.size[(i, Part.PARAMS)] = chunk.shard_bytes
+            self.size[(i, Part.GRADS)] = chunk.shard_bytes if chunk.requires_grad else 0
+            elements = sum(seg.param.numel() for seg in chunk.segments)
+            per = bpe[chunk.master_dtype][chunk.group] if chunk.master_dtype in bpe and chunk.group is not None else 0.0
+            self.size[(i, Part.OPTIM)] = int(per * elements)
+            for part in Part:
+                self._charge(DEVICE, self.size[(i, part)], check=False)
+            chunk.tier = DEVICE
+
+    def nbytes(self, chunk: Chunk, part: Part | None = None) -> int:
+        if part is None:
+            return sum(self.size[(chunk.index, p)] for p in Part)
+        return self.size[(chunk.index, part)]
+
+    def tier(self, chunk: Chunk, part: Part) -> MemoryTier:
+        return self.where[chunk.index][part]
+
+    def location(self, tier: MemoryTier) -> torch.device:
+        if tier is DISK:
+            raise ValueError("the disk tier has no torch device")
+        return self.device if tier is DEVICE else self.host
+
+    # -- accounting -------------------------------------------------------------------
+    def room(self, tier: MemoryTier) -> int | None:
+        budget = self.budget[tier]
+        return None if budget is None else budget - self.used[tier]
+
+    def fits(self, tier: MemoryTier, nbytes: int) -> bool:
+        room = self.room(tier)
+        return room is None or nbytes <= room
+
+    def _charge(self, tier: MemoryTier, nbytes: int, *, check: bool = True, what: str = "") -> None:
+        if check and tier is not DEVICE and not self.fits(tier, nbytes):
+            hint = {HOST: "raise TierConfig.host_budget_mb, or set disk_dir so the excess goes to disk",
+                    DISK: "raise TierConfig.disk_budget_mb or free space in disk_dir"}[tier]
+            raise TierBudgetError(
+                f"the {tier.value} tier cannot hold {what} ({nbytes} bytes): {self.used[tier]} bytes of its "
+                f"{_mb(self.budget[tier])} budget are in use. {hint[0].upper()}{hint[1:]}."
+            )
+        self.used[tier] += nbytes
+        self.peak[tier] = max(self.peak[tier], self.used[tier])
+
+    def _discharge(self, tier: MemoryTier, nbytes: int) -> None:
+        self.used[tier] -= nbytes
+
+    def resize(self, chunk: Chunk, part: Part, nbytes: int) -> None:
+        """Correct a part's size once it is known (optimizer states exist only after the first step)."""
+        key = (chunk.index, part)
+        tier = self.where[chunk.index][part]
+        self._discharge(tier, self.size[key])
+        self.size[key] = nbytes
+        self._charge(tier, nbytes, check=False)
+
+    def relabel(self, chunk: Chunk, part: Part, tier: MemoryTier) -> None:
+        """Record that ``part`` already is in ``tier`` (something else put it there), moving its accounting."""
+        src = self.where[chunk.index][part]
+        nbytes = self.size[(chunk.index, part)]
+        self._discharge(src, nbytes)
+        self._charge(tier, nbytes, check=False)
+        self.where[chunk.index][part] = tier
+
+    # -- moves ------------------------------------------------------------------------
+    def move(self, chunk: Chunk, part: Part, tier: MemoryTier) -> None:
+        """Move ``part`` of ``chunk`` to ``tier``, bytes exact; a move that does not fit changes nothing."""
+        src = self.where[chunk.index][part]
+        if src is tier:
+            return
+        if part is Part.GRADS and tier is DISK:
+            raise TierBudgetError("gradients stay in memory (clipping and the overflow check read them); "
+                                  "place Part.GRADS on the device or host tier")
+        if tier is DISK and self.disk is None:
+            raise TierBudgetError(
+                f"chunk {chunk.index}'s {part.value} must go to the disk tier, which is not configured; "
+                "set TierConfig(disk_dir=...) or raise the host budget"
+            )
+        nbytes = self.size[(chunk.index, part)]
+        self._charge(tier, nbytes, what=f"chunk {chunk.index}'s {part.value}")
+        try:
+            {Part.PARAMS: self._move_params, Part.GRADS: self._move_grads, Part.OPTIM: self._move_optim}[part](chunk, src, tier)
+        except BaseException:
+            self._discharge(tier, nbytes)
+            raise
+        self._discharge(src, nbytes)
+        self.where[chunk.index][part] = tier
+        self.moves[part] += 1
+        self.bytes_moved[part] += nbytes
+        if part is Part.PARAMS:
+            chunk.tier = tier
+
+    def _host_buffer(self, chunk: Chunk) -> torch.Tensor:
+        return torch.empty(chunk.shard_size, dtype=chunk.master_dtype, device=self.host, pin_memory=self.cuda)
+
+    @torch.no_grad()
+    def _move_params(self, chunk: Chunk, src: MemoryTier, dst: MemoryTier) -> None:
+        i = chunk.index
+        if dst is DISK:
+            if i not in self.disk_fresh:
+                assert self.disk is not None
+                self.disk.write(f"params-{i}", [chunk.shard])
+                self.disk_fresh.add(i)
+            self._drop_host_copy(i)
+            self.staged.discard(i)
+            chunk.replace_shard(chunk.absent_shard())
+            return
+        if src is DISK and i not in self.staged:
+            assert self.disk is not None
+            host = self._host_buffer(chunk)
+            self.disk.read(f"params-{i}", [host])
+        else:
+            host = chunk.shard if src is HOST or src is DISK else None
+        self.staged.discard(i)
+        if dst is HOST:
+            if host is None:  # from the device
+                if self.cuda:
+                    copy = self.host_copy.pop(i, None)
+                    if copy is not None:
+                        self._discharge(HOST, chunk.shard_bytes)  # the kept copy's bytes now count as the shard's
+                    if copy is None:
+                        copy = self._host_buffer(chunk)
+                        copy.copy_(chunk.shard)
+                    elif i in self.host_stale:  # written back only when the device copy changed
+                        copy.copy_(chunk.shard)
+                    self.host_stale.discard(i)
+                    host = copy
+                else:
+                    host = chunk.shard.clone()
+            chunk.replace_shard(host)
+            return
+        # to the device
+        shard = torch.empty(chunk.shard_size, dtype=chunk.master_dtype, device=self.device)
+        shard.copy_(host if host is not None else chunk.shard, non_blocking=True)
+        if self.cuda and host is not None:
+            self.host_copy[i] = host  # kept, pinned: moving back down is free until the optimizer changes the shard
+            self.host_stale.discard(i)
+            self._charge(HOST, chunk.shard_bytes, check=False)
+        chunk.replace_shard(shard)
+
+    def _drop_host_copy(self, index: int) -> None:
+        if self.host_copy.pop(index, None) is not None:
+            self._discharge(HOST, self.size[(index, Part.PARAMS)])
+        self.host_stale.discard(index)
+
+    def _move_grads(self, chunk: Chunk, src: MemoryTier, dst: MemoryTier) -> None:
+        device = self.location(dst)
+        chunk.grad_device = device
+        for seg in chunk.segments:
+            if seg.param.grad is not None and seg.param.grad.device != device:
+                seg.param.grad = seg.param.grad.to(device)
+
+    def _states(self, chunk: Chunk) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+        found = []
+        for seg in chunk.segments:
+            state = self.optimizer.state.get(seg.param)
+            if state:
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        found.append((state, key, value))
+        return found
+
+    def optim_bytes(self, chunk: Chunk) -> int:
+        """The optimizer states' actual bytes (0 before the first step)."""
+        return sum(v.numel() * v.element_size() for _, _, v in self._states(chunk))
+
+    @torch.no_grad()
+    def _move_optim(self, chunk: Chunk, src: MemoryTier, dst: MemoryTier) -> None:
+        states = self._states(chunk)
+        if not states:
+            return  # created by the first step, where the parameters are; the policy settles them then
+        name = f"optim-{chunk.index}"
+        if dst is DISK:
+            assert self.disk is not None
+            self.disk.write(name, [v for _, _, v in states])
+            for state, key, value in states:
+                fill = float("nan") if value.is_floating_point() else 0
+                state[key] = torch.full((1,), fill, dtype=value.dtype).expand(value.shape)
+            return
+        device = self.location(dst)
+        if src is DISK:
+            assert self.disk is not None
+            loaded = [torch.empty(v.shape, dtype=v.dtype, device=self.host, pin_memory=self.cuda and dst is DEVICE)
+                      for _, _, v in states]
+            self.disk.read(name, loaded)
+            for (state, key, _), value in zip(states, loaded):
+                state[key] = value.to(device, non_blocking=True)
+            return
+        old = self.location(src)
+        for seg in chunk.segments:
+            state = self.optimizer.state.get(seg.param)
+            for key, value in (state or {}).items():
+                # scalar states (step counts) follow only where the optimizer keeps them with the parameter (fused)
+                if isinstance(value, torch.Tensor) and (value.dim() > 0 or (value.device == old and old != device)):
+                    # asynchronous only upwards: a host tensor from an asynchronous download is not ready when returned
+                    state[key] = value.to(device, non_blocking=device.type == "cuda")
+
+    # -- disk-resident shards read for a while ----------------------------------------------
+    def stage_in(self, chunk: Chunk) -> None:
+        """Read a disk-resident shard into host memory (for a gather or a checkpoint); it stays on the disk tier."""
+        i = chunk.index
+        if self.where[i][Part.PARAMS] is not DISK or i in self.staged:
+            return
+        assert self.disk is not None
+        self._charge(HOST, chunk.shard_bytes, what=f"chunk {i}'s parameters read from disk")
+        host = self._host_buffer(chunk)
+        try:
+            self.disk.read(f"params-{i}", [host])
+        except DiskTierError:
+            self._discharge(HOST, chunk.shard_bytes)
+            raise
+        chunk.replace_shard(host)
+        self.staged.add(i)
+
+    def stage_out(self, chunk: Chunk) -> None:
+        """Drop a staged shard's host memory (the file on disk is current: gathers do not change shards)."""
+        i = chunk.index
+        if i not in self.staged:
+            return
+        self.staged.discard(i)
+        chunk.replace_shard(chunk.absent_shard())
+        self._discharge(HOST, chunk.shard_bytes)
+
+    def mark_updated(self, chunk: Chunk) -> None:
+        """The optimizer changed the master shard where it is: other copies are stale."""
+        self.disk_fresh.discard(chunk.index)
+        if self.where[chunk.index][Part.PARAMS] is DEVICE:
+            self.host_stale.add(chunk.index)
+
+    # -- inspection ---------------------------------------------------------------------
+    def device_state_bytes(self, chunks: Sequence[Chunk]) -> int:
+        """Actual bytes of master shards, gradients and optimizer states on the device tier now."""
+        total = 0
+        for chunk in chunks:
+            where = self.where[chunk.index]
+            if where[Part.PARAMS] is DEVICE:  # a shard that is a view of a kept full buffer: the engine left it out
+                total += chunk.shard_bytes
+            if where[Part.GRADS] is DEVICE:
+                seen = {}
+                for seg in chunk.segments:
+                    if seg.param.grad is not None:
+                        storage = seg.param.grad.untyped_storage()
+                        seen[storage.data_ptr()] = storage.nbytes()
+                if chunk.reduced_grad is not None:
+                    seen[chunk.reduced_grad.untyped_storage().data_ptr()] = chunk.reduced_grad.untyped_storage().nbytes()
+                total += sum(seen.values())
+            if where[Part.OPTIM] is DEVICE:
+                total += self.optim_bytes(chunk)
+        return total
+
+    def report(self) -> dict[str, Any]:
+        """Bytes placed per tier (and their peaks), budgets, moves and disk traffic."""
+        return {
+            "used": {t.value: self.used[t] for t in MemoryTier},
+            "peak": {t.value: self.peak[t] for t in MemoryTier},
+            "budget": {t.value: self.budget[t] for t in MemoryTier},
+            "moves": {p.value: self.moves[p] for p in Part},
+            "bytes_moved": {p.value: self.bytes_moved[p] for p in Part},
+            "disk_bytes_written": self.disk.bytes_written if self.disk else 0,
+            "disk_bytes_read": self.disk.bytes_read if self.disk else 0,
+        }

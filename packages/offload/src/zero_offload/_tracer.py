@@ -1,0 +1,126 @@
+"""The memory tracer: non-model data (activations, temporaries) per compute phase, on CPU and CUDA.
+
+[Note: what the tracer measures]
+Model data (shards, gathered buffers, gradient buffers, optimizer states) is accounted
+exactly by the engine and the tiers; the tracer measures the rest. A step is cut into
+*periods* at each compute point (a module about to run forward or backward with some
+chunks, :meth:`~zero_core.PlacementPolicy.before_compute`); for each period the tracer
+reports the peak non-model bytes seen in it.
+
+- On CPU it counts tensor storage: a ``TorchDispatchMode`` sees every operator the step
+  runs, forward and backward, and adds the bytes of each new storage an operator
+  returns (not views or in-place results of its inputs), until that storage is freed.
+  Operators run by the engine itself (:func:`zero_core._accounting.in_engine_work`)
+  allocate model data and are skipped.
+- On CUDA it reads the caching allocator: ``memory_allocated`` and its peak since the
+  last sample, minus the model data on the device, and ``memory_reserved`` (what the
+  allocator holds, fragmentation included: the figure a budget must respect).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from zero_core._accounting import in_engine_work
+
+__all__ = ["MemoryTracer"]
+
+
+class _StorageCounter(TorchDispatchMode):
+    """Live bytes of the storages operators created outside the engine's own work."""
+
+    def __init__(self, on_change: Callable[[], None] | None) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+        self._on_change = on_change
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if in_engine_work():
+            return out
+        inputs = None
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in self._sizes:
+                continue
+            if inputs is None:
+                inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            if key in inputs:
+                continue  # a view or an in-place result: no new memory
+            nbytes = storage.nbytes()
+            self._sizes[key] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, key)
+        if self._on_change is not None:
+            self._on_change()
+        return out
+
+    def _freed(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+
+class MemoryTracer:
+    """Measures non-model data between samples. See [Note: what the tracer measures].
+
+    Args:
+        device: The compute device (CUDA: allocator statistics; else storage counting).
+        on_op: Called after every operator while tracing on CPU (an audit hook).
+    """
+
+    def __init__(self, device: torch.device, *, on_op: Callable[[], None] | None = None) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._on_op = on_op
+        self._mode: _StorageCounter | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None or (self.cuda and self._started)
+
+    _started = False
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._started = True
+            return
+        if self._mode is None:
+            self._mode = _StorageCounter(self._on_op)
+            self._mode.__enter__()
+
+    def stop(self) -> None:
+        self._started = False
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def live(self, model_bytes: int = 0) -> int:
+        """Non-model bytes now (CUDA: allocated minus ``model_bytes``, the model data on the device)."""
+        if self.cuda:
+            return max(0, torch.cuda.memory_allocated(self.device) - model_bytes)
+        return self._mode.live if self._mode is not None else 0
+
+    def sample(self, model_bytes: int = 0) -> int:
+        """The peak non-model bytes since the last sample; starts a new period."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            peak = max(torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_reserved(self.device)) - model_bytes
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return max(0, peak)
+        if self._mode is None:
+            return 0
+        peak, self._mode.peak = self._mode.peak, self._mode.live
+        return peak

@@ -1,0 +1,236 @@
+"""zero-offload's parts on their own: options, the disk store, moves between tiers, the tracer."""
+
+import errno
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+
+from zero_core import ChunkPolicy, ConfigError, MemoryTier, PluginNotFoundError, ZeroConfig, ZeroPlugins, shard
+from zero_core.testing import PlacementPolicyConformance
+from zero_offload import DiskStore, DiskTierError, GeminiConfig, GeminiPolicy, MemoryTracer, Part, StaticConfig, StaticPolicy
+
+DEVICE, HOST, DISK = MemoryTier.DEVICE, MemoryTier.HOST, MemoryTier.DISK
+
+
+# -- options ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["shard_param_frac", "offload_optim_frac", "offload_param_frac"])
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan"), "half"])
+def test_fractions_outside_0_1_are_refused(name, value):
+    with pytest.raises(ConfigError, match=rf"StaticConfig\.{name} must be a fraction in \[0, 1\]"):
+        StaticConfig(**{name: value}) if name != "offload_param_frac" else StaticConfig(offload_optim_frac=1.0, **{name: value})
+
+
+def test_param_offload_needs_optimizer_offload():
+    with pytest.raises(ConfigError, match="optimizer states must be offloaded too"):
+        StaticConfig(offload_param_frac=0.5, offload_optim_frac=0.25)
+
+
+def test_budgets_must_be_positive():
+    with pytest.raises(ConfigError, match="device_budget_mb must be a positive number of MiB"):
+        GeminiConfig(device_budget_mb=0)
+    with pytest.raises(ConfigError, match="margin_ratio must be a fraction"):
+        GeminiConfig(margin_ratio=2)
+
+
+def test_unknown_options_are_listed():
+    with pytest.raises(ConfigError, match=r"unknown placement option\(s\) \['device_budget'\].*device_budget_mb"):
+        GeminiConfig.from_options({"device_budget": 5})
+
+
+def test_an_unknown_policy_lists_the_available_ones():
+    registry = ZeroPlugins.load().placement_policies
+    with pytest.raises(PluginNotFoundError, match=r"no placement policy named 'gemni' is registered \(available: .*gemini.*static"):
+        registry.get("gemni")
+
+
+def test_policies_without_options_refuse_some():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match="placement policy 'device' takes no options"):
+        shard(model, torch.optim.SGD(model.parameters(), lr=0.1),
+              config=ZeroConfig(placement="device", placement_options={"device_budget_mb": 1}))
+
+
+def test_gemini_on_cpu_needs_a_device_budget():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match="needs a device budget on a machine without CUDA"):
+        shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=ZeroConfig(placement="gemini", device="cpu"))
+
+
+# -- the disk store ----------------------------------------------------------------------
+def test_disk_store_round_trips_every_dtype(tmp_path):
+    store = DiskStore(str(tmp_path), rank=0)
+    tensors = [torch.randn(1000), torch.randn(7).to(torch.bfloat16), torch.arange(5), torch.empty(0)]
+    store.write("a", tensors)
+    out = [torch.empty_like(t) for t in tensors]
+    store.read("a", out)
+    for t, o in zip(tensors, out):
+        assert torch.equal(t, o)
+    assert store.bytes_written == sum(t.numel() * t.element_size() for t in tensors)
+    directory = store.directory
+    store.close()
+    assert not os.path.exists(directory)
+
+
+def test_an_unwritable_disk_directory_is_refused(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(DiskTierError, match="is not writable.*TierConfig\\(disk_dir=...\\)"):
+        DiskStore(str(blocker / "sub"), rank=0)
+
+
+def test_a_full_disk_keeps_the_previous_file(tmp_path, monkeypatch):
+    store = DiskStore(str(tmp_path), rank=0)
+    old = torch.arange(10, dtype=torch.float32)
+    store.write("p", [old])
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("zero_offload._disk.os.fsync", full)
+    with pytest.raises(DiskTierError, match="disk tier: writing p .* the disk is full.*previous file is intact"):
+        store.write("p", [old + 100])
+    monkeypatch.undo()
+    assert sorted(os.listdir(store.directory)) == ["p"]  # no temporary left behind
+    back = torch.empty(10)
+    store.read("p", [back])
+    assert torch.equal(back, old)
+
+
+def test_a_truncated_file_is_reported(tmp_path):
+    store = DiskStore(str(tmp_path), rank=0)
+    store.write("p", [torch.ones(4)])
+    with pytest.raises(DiskTierError, match="shorter than expected"):
+        store.read("p", [torch.empty(8)])
+
+
+# -- moves ---------------------------------------------------------------------------------
+def _sharded(placement, options, tmp_path=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    config = ZeroConfig(placement=placement, placement_options=options, chunk=ChunkPolicy(chunk_size=128), device="cpu")
+    return shard(model, opt, config=config)
+
+
+def _step(model, opt):
+    opt.zero_grad()
+    model(torch.randn(8, 16)).square().mean().backward()
+    opt.step()
+
+
+def test_moves_keep_bytes_exact_and_account_them(tmp_path):
+    model, opt = _sharded("static", {"offload_optim_frac": 1.0, "disk_dir": str(tmp_path)})
+    policy, tiers = model.engine.placement, model.engine.placement.tiers
+    _step(model, opt)
+    chunk = model.engine.chunks[0]
+    before = chunk.shard.clone()
+    states = {k: v.clone() for seg in chunk.segments for k, v in opt.state[seg.param].items()}
+    used = dict(tiers.used)
+    on_device = weakref.ref(chunk.shard.untyped_storage())
+    tiers.move(chunk, Part.PARAMS, HOST)
+    gc.collect()
+    assert on_device() is None  # the device storage is gone, not kept behind the host copy
+    for tier in (HOST, DISK, DEVICE, DISK, HOST):
+        tiers.move(chunk, Part.PARAMS, tier)
+        tiers.move(chunk, Part.OPTIM, tier)
+        assert chunk.tier is tier and policy.tier_of(chunk) is tier
+        assert chunk.shard_in_memory is (tier is not DISK)
+        if tier is DISK:  # the stand-in: NaN, and writes to it fail
+            assert torch.isnan(chunk.segments[0].param).all()
+            with pytest.raises(RuntimeError, match="more than one element"):
+                chunk.segments[0].param.data.add_(1)
+    tiers.move(chunk, Part.PARAMS, DEVICE)  # where the policy placed it
+    assert torch.equal(chunk.shard, before)
+    after = {k: v for seg in chunk.segments for k, v in opt.state[seg.param].items()}
+    assert all(torch.equal(after[k], v) for k, v in states.items())
+    assert tiers.used == used  # back where it started: every byte accounted in and out
+
+
+def test_gradients_stay_in_memory(tmp_path):
+    model, _ = _sharded("static", {"offload_optim_frac": 1.0, "disk_dir": str(tmp_path)})
+    from zero_offload import TierBudgetError
+
+    with pytest.raises(TierBudgetError, match="gradients stay in memory"):
+        model.engine.placement.tiers.move(model.engine.chunks[0], Part.GRADS, DISK)
+
+
+# -- the tracer ------------------------------------------------------------------------------
+def test_cpu_tracer_counts_new_storages_until_freed():
+    tracer = MemoryTracer(torch.device("cpu"))
+    x = torch.randn(256, 256)
+    tracer.start()
+    try:
+        y = x @ x  # 256 KiB, new
+        z = y.t()  # a view: nothing new
+        y.add_(1)  # in place: nothing new
+        assert tracer.live() == 256 * 256 * 4
+        del y, z
+        assert tracer.live() == 0
+        assert tracer.sample() == 256 * 256 * 4  # the period's peak
+        assert tracer.sample() == 0
+    finally:
+        tracer.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host copies and write-back exist only with CUDA")
+def test_pinned_host_copy_is_written_back_only_when_stale():
+    model, opt = _sharded("static", {"offload_optim_frac": 1.0, "offload_param_frac": 1.0})
+    tiers = model.engine.placement.tiers
+    chunk = model.engine.chunks[0]
+    assert chunk.shard.is_pinned()
+    host = chunk.shard
+    tiers.move(chunk, Part.PARAMS, DEVICE)
+    assert chunk.shard.is_cuda and tiers.host_copy[chunk.index] is host
+    tiers.move(chunk, Part.PARAMS, HOST)
+    assert chunk.shard is host  # fresh: the device storage was dropped, nothing copied
+    tiers.move(chunk, Part.PARAMS, DEVICE)
+    with torch.no_grad():
+        chunk.shard.add_(1)
+    tiers.mark_updated(chunk)
+    expected = chunk.shard.cpu()
+    tiers.move(chunk, Part.PARAMS, HOST)
+    assert chunk.shard is host and torch.equal(host, expected)  # stale: written back into the same pinned copy
+
+
+def test_optimizer_state_dict_reads_states_from_disk_and_loads_them_back(tmp_path):
+    """state_dict() must hold real values (not the disk stand-ins), and load_state_dict() must reach the disk."""
+    plain, plain_opt = _sharded("device", {})
+    offloaded, opt = _sharded("static", {"offload_optim_frac": 1.0, "offload_param_frac": 1.0,
+                                         "host_budget_mb": 0.007, "disk_dir": str(tmp_path)})
+    tiers = offloaded.engine.placement.tiers
+    assert any(tiers.tier(c, Part.OPTIM) is DISK for c in offloaded.engine.chunks)
+    for step in range(2):
+        torch.manual_seed(step)
+        _step(plain, plain_opt)
+        torch.manual_seed(step)
+        _step(offloaded, opt)
+    saved, expected = opt.state_dict(), plain_opt.state_dict()
+    for key, state in expected["state"].items():
+        for name, value in state.items():
+            assert torch.equal(saved["state"][key][name], value), (key, name)
+    # loading zeros into the disk-resident states must change what the next step reads
+    zeroed = {**saved, "state": {k: {n: torch.zeros_like(v) if v.dim() else v for n, v in s.items()} for k, s in saved["state"].items()}}
+    opt.load_state_dict(zeroed)
+    plain_opt.load_state_dict({**expected, "state": {k: {n: torch.zeros_like(v) if v.dim() else v for n, v in s.items()}
+                                                      for k, s in expected["state"].items()}})
+    torch.manual_seed(7)
+    _step(plain, plain_opt)
+    torch.manual_seed(7)
+    _step(offloaded, opt)
+    a, b = plain.full_parameters(), offloaded.full_parameters()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+# -- the conformance kit, as a third-party policy would run it -------------------------------
+class TestStaticConformance(PlacementPolicyConformance):
+    policy_class = StaticPolicy
+    options = {"shard_param_frac": 0.5, "offload_optim_frac": 1.0, "offload_param_frac": 0.5}
+
+
+class TestGeminiConformance(PlacementPolicyConformance):
+    policy_class = GeminiPolicy
+    options = {"device_budget_mb": 1.0, "margin_ratio": 0.5}
