@@ -71,6 +71,14 @@ def test_offloaded_training_equals_plain_training(name, world, reference, tmp_pa
         assert report["pinned"], "the margin space should hold some chunks' optimizer states"
 
 
+@pytest.mark.parametrize("optimizer", ["adamw_fused", "adam_foreach", "sgd", "adagrad"])
+@pytest.mark.parametrize("name", ["static-disk", "gemini-margin"])
+def test_every_optimizer_steps_where_its_states_are(name, optimizer, tmp_path):
+    """torch's fused and foreach kernels, momentum and Adagrad's eagerly created state, on host, device and disk."""
+    results = run_distributed(train_sharded, 2, "gpt", config=_config(name, tmp_path), optimizer=optimizer, timeout=300)
+    assert_parity(train_reference("gpt", optimizer=optimizer), results[0], label=f"{name} {optimizer}")
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("name", ["static-partial", "gemini-disk"])
 def test_lower_stages_offload_too(name, stage, reference, tmp_path):

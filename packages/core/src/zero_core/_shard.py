@@ -120,8 +120,8 @@ def shard(
         optimizer=optimizer, device=device, comm=comm, config=config, groups=groups,
         step_chunks=lambda cs: engines[0].step_chunks(cs), device_bytes=lambda: engines[0].device_bytes(),
     ))
-    placement.attach(chunks)
     _repoint_optimizer(optimizer, chunks)
+    placement.attach(chunks)  # after the optimizer holds the segments: states created eagerly (Adagrad) move too
 
     engine = Engine(
         module=model, optimizer=optimizer, chunks=chunks, gather_groups=plan.gather_groups, comm=comm, reduce_comm=reduce_comm, strategy=strategy,

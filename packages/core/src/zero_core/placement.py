@@ -180,9 +180,14 @@ class HostPlacementPolicy(PlacementPolicy):
 
     def attach(self, chunks: Sequence[Chunk]) -> None:
         host = torch.device("cpu")
+        state = self.context.optimizer.state
         for chunk in chunks:
             chunk.move_shard(host)
             chunk.tier = MemoryTier.HOST
+            for seg in chunk.segments:  # states an optimizer creates eagerly (Adagrad's sums) follow their shard
+                for key, value in state.get(seg.param, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        state[seg.param][key] = value.to(host)
 
     def before_gather(self, chunks: Sequence[Chunk]) -> None:
         """Nothing to move: a gather reads the host shard directly."""
