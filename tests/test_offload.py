@@ -280,3 +280,21 @@ def test_evaluation_between_steps_is_not_a_divergence():
         assert not report["diverged"]
         assert report["evictions"] > 0  # still caching and evicting by the trace
         assert all(torch.isfinite(torch.tensor(evaluated)))
+
+
+@pytest.mark.parametrize("world, stage, options", [
+    (1, 3, {"offload_optim_frac": 1.0, "offload_param_frac": 1.0, "host_budget_mb": 0.09}),
+    (2, 2, {"offload_optim_frac": 1.0, "offload_param_frac": 1.0, "host_budget_mb": SMALL_HOST}),
+    (2, 3, {"shard_param_frac": 0.5, "offload_optim_frac": 1.0, "offload_param_frac": 1.0, "host_budget_mb": 0.035}),
+])
+def test_kept_full_buffers_with_shards_on_disk(world, stage, options, reference, tmp_path):
+    """Chunks that stay gathered (one rank, stages 1-2, shard_param_frac < 1) step their disk shards one at a time,
+    refresh the kept buffer from each, and write it back at once: the host budget holds through every step."""
+    config = ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=300), placement="static",
+                        placement_options={**options, "disk_dir": str(tmp_path)})
+    results = run_distributed(train_sharded, world, "gpt", config=config, timeout=300)
+    for result in results:
+        assert_parity(reference, result, label=f"world {world} stage {stage}")
+        report = result.placement
+        assert report["peak"]["host"] <= report["budget"]["host"], report
+        assert report["used"]["disk"] > 0

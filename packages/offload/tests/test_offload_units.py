@@ -225,6 +225,38 @@ def test_optimizer_state_dict_reads_states_from_disk_and_loads_them_back(tmp_pat
         assert torch.equal(a[name], b[name]), name
 
 
+def test_state_dict_reads_states_that_do_not_fit_the_host(tmp_path):
+    """Optimizer states on disk, more than the host tier has room for: state_dict() still returns them all."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64) for _ in range(8)]
+    plain = torch.nn.Sequential(*layers)
+    offloaded = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    offloaded.load_state_dict(plain.state_dict())
+    runs = []
+    for model, options in ((plain, {}), (offloaded, {"offload_optim_frac": 1.0, "offload_param_frac": 1.0,
+                                                     "host_budget_mb": 0.3, "disk_dir": str(tmp_path)})):
+        config = ZeroConfig(placement="static" if options else "device", placement_options=options,
+                            chunk=ChunkPolicy(chunk_size=4160), device="cpu")
+        model, opt = shard(model, torch.optim.Adam(model.parameters(), lr=1e-2), config=config)
+        for step in range(2):
+            torch.manual_seed(step)
+            opt.zero_grad()
+            model(torch.randn(8, 64)).square().mean().backward()
+            opt.step()
+        runs.append((model, opt))
+    (_, plain_opt), (model, opt) = runs
+    tiers = model.engine.placement.tiers
+    on_disk = sum(tiers.nbytes(c, Part.OPTIM) for c in model.engine.chunks if tiers.tier(c, Part.OPTIM) is DISK)
+    assert on_disk > tiers.room(HOST)  # reading them into the host tier would not fit
+    used = dict(tiers.used)
+    saved, expected = opt.state_dict(), plain_opt.state_dict()
+    for key, state in expected["state"].items():
+        for name, value in state.items():
+            assert torch.equal(saved["state"][key][name], value), (key, name)
+    assert tiers.used == used  # nothing moved: the values were read for the caller only
+    assert torch.isnan(next(v for s in opt.state.values() for v in s.values() if v.dim() > 0 and v.stride(0) == 0)).all()
+
+
 # -- the conformance kit, as a third-party policy would run it -------------------------------
 class TestStaticConformance(PlacementPolicyConformance):
     policy_class = StaticPolicy

@@ -117,6 +117,8 @@ class GatherScheduler:
     def _serve(self, group: GatherGroup) -> None:
         self.placement.before_gather(group.chunks)
         group.gather(self.comm, keep=False)
+        # the shards were read for the peers only: a policy may put those of chunks not gathered here away again
+        self.placement.after_release([c for c in group.chunks if not c.is_gathered])
         self._seen.add(group.index)
         self._prefetch_next()
 
@@ -130,6 +132,8 @@ class GatherScheduler:
         group = self._group_at(self._cursor + 1)
         if group.index in self._seen:
             return  # gathered earlier in this pass (a tied weight): every rank skips it alike
+        if all(c.persistent for c in group.chunks):
+            return  # kept gathered on every rank (decided alike at setup): nothing to fetch
         self._cursor += 1
         self._seen.add(group.index)
         self.placement.before_gather(group.chunks)

@@ -115,12 +115,12 @@ def shard(
                 if config.sync_module_states and comm.world_size > 1:
                     comm.broadcast(buf, src=0)
                 module._buffers[name] = buf
+    _repoint_optimizer(optimizer, chunks)
     engines: list[Engine] = []  # the context's callables reach the engine built below
     placement.setup(PlacementContext(
         optimizer=optimizer, device=device, comm=comm, config=config, groups=groups,
         step_chunks=lambda cs: engines[0].step_chunks(cs), device_bytes=lambda: engines[0].device_bytes(),
     ))
-    _repoint_optimizer(optimizer, chunks)
     placement.attach(chunks)  # after the optimizer holds the segments: states created eagerly (Adagrad) move too
 
     engine = Engine(

@@ -339,7 +339,8 @@ class Chunk:
         """Copy the updated master shard into this rank's slice of a kept full buffer; return the slice."""
         begin = self.rank * self.shard_size
         own = self.full[begin : begin + self.shard_size]
-        if not self.shard_is_view:
+        # a shard out of memory (on disk) was copied here by its placement policy before it left
+        if not self.shard_is_view and self.shard_in_memory:
             with torch.no_grad():
                 own.copy_(self.shard)
         return own

@@ -7,6 +7,8 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import torch
+
 from zero_core import Chunk, MemoryTier, PlacementPolicy, TrainingState, ZeroConfig
 from zero_core.placement import PlacementContext
 from zero_offload._tiers import DEVICE, DISK, HOST, Part, Tiers
@@ -45,30 +47,45 @@ class TieredPolicy(PlacementPolicy):
         super().setup(context)
         self.tiers = Tiers(self.options, context)
         # optimizer.state_dict() and load_state_dict() must see real values, never the disk tier's stand-ins
-        context.optimizer.register_state_dict_pre_hook(self._states_in)
-        context.optimizer.register_state_dict_post_hook(self._states_out)
-        context.optimizer.register_load_state_dict_post_hook(self._states_loaded)
-        self._read_for_state_dict: list[Chunk] = []
+        optimizer = context.optimizer
+        self._hooks = [optimizer.register_state_dict_post_hook(self._states_from_disk),
+                       optimizer.register_load_state_dict_post_hook(self._states_loaded)]
 
-    def _states_in(self, optimizer: object) -> None:
-        self._read_for_state_dict = [c for c in self.chunks if self.tiers.tier(c, Part.OPTIM) is DISK]
-        for chunk in self._read_for_state_dict:
-            self.tiers.move(chunk, Part.OPTIM, HOST)
+    def _states_from_disk(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Put the values of disk-resident states into the returned dict, read into fresh tensors.
 
-    def _states_out(self, optimizer: object, state_dict: dict[str, Any]) -> None:
-        # the returned dict keeps the values read; the optimizer's own entries go back to disk
-        read, self._read_for_state_dict = self._read_for_state_dict, []
-        if read:  # torch's state_dict shares each parameter's state dict with the optimizer: copy them first
-            state_dict["state"] = {key: dict(value) for key, value in state_dict["state"].items()}
-        for chunk in read:
-            self.tiers.move(chunk, Part.OPTIM, DISK)
+        The optimizer's own entries, the tiers and the files stay as they are; the memory the
+        values take is the caller's (saved and dropped chunk by chunk, it need not fit the host budget).
+        """
+        on_disk = [c for c in self.chunks if c.segments and self.tiers.tier(c, Part.OPTIM) is DISK]
+        if not on_disk:
+            return state_dict
+        # torch's state_dict numbers parameters across groups in order, and shares each one's state dict with the optimizer
+        number = {id(p): n for n, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+        packed = dict(state_dict["state"])
+        for chunk in on_disk:
+            for param, key, value in self.tiers.read_optim(chunk):
+                entry = packed[number[id(param)]] = dict(packed[number[id(param)]])
+                entry[key] = value
+        return {**state_dict, "state": packed}
 
-    def _states_loaded(self, optimizer: object) -> None:
-        # loaded values replaced the stand-ins of disk-resident states: they are in memory now; write them out
+    def _states_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """torch put the loaded states on each parameter's device: move each chunk's to its tier."""
+        tiers = self.tiers
         for chunk in self.chunks:
-            if self.tiers.tier(chunk, Part.OPTIM) is DISK and self.tiers.optim_bytes(chunk):
-                self.tiers.relabel(chunk, Part.OPTIM, HOST)
-                self.tiers.move(chunk, Part.OPTIM, DISK)
+            if not chunk.segments or not tiers.optim_bytes(chunk):
+                continue
+            tier = tiers.tier(chunk, Part.OPTIM)
+            if tier is DISK:  # the loaded values replaced the stand-ins: write them out
+                tiers.relabel(chunk, Part.OPTIM, HOST)
+                tiers.move(chunk, Part.OPTIM, DISK)
+                continue
+            device = tiers.location(tier)
+            for seg in chunk.segments:
+                state = optimizer.state.get(seg.param) or {}
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
+                        state[key] = value.to(device)
 
     def attach(self, chunks: Sequence[Chunk]) -> None:
         self.chunks = list(chunks)
@@ -124,7 +141,8 @@ class TieredPolicy(PlacementPolicy):
 
     def after_release(self, chunks: Sequence[Chunk]) -> None:
         for chunk in chunks:
-            self.tiers.stage_out(chunk)
+            if not chunk.is_gathered:
+                self.tiers.stage_out(chunk)
 
     def on_transition(self, state: TrainingState) -> None:
         if state is TrainingState.IDLE or state is TrainingState.FORWARD:
@@ -156,7 +174,9 @@ class TieredPolicy(PlacementPolicy):
         tiers = self.tiers
         trainable = [c for c in chunks if c.segments]
         if all(tiers.tier(c, p) is DEVICE for c in trainable for p in Part):
-            return  # the user's step does it all, in one call
+            for chunk in trainable:  # the user's step does it all, in one call, on the device
+                tiers.mark_updated(chunk)
+            return
         batches: dict[MemoryTier, list[Chunk]] = {DEVICE: [], HOST: [], DISK: []}
         for chunk in trainable:
             batches[tiers.tier(chunk, Part.OPTIM)].append(chunk)
@@ -186,11 +206,15 @@ class TieredPolicy(PlacementPolicy):
         # each file is written beside the old one, then renamed over it: the largest one needs its size free
         largest = max(files, default=0)
         free = shutil.disk_usage(tiers.disk.directory).free
-        if writes and free < largest:
+        full = bool(writes) and free < largest
+        comm = self.context.comm
+        if comm.world_size > 1:  # every rank fails, or none: a rank that stepped alone would leave the others waiting
+            full = comm.agree_any(torch.tensor([full], dtype=torch.uint8))[0].item() > 0
+        if full:
             raise DiskTierError(
-                f"the disk tier ({tiers.disk.directory}) is full: {free} bytes free, but this step writes back "
-                f"{writes} bytes, {largest} at once. Nothing was stepped and every file is intact; free space there "
-                "or point TierConfig(disk_dir=...) at a larger disk, then step again."
+                f"the disk tier ({tiers.disk.directory}) is full on this or another rank: {free} bytes free here, this "
+                f"step writes back {writes} bytes, {largest} at once. No rank stepped and every file is intact; free "
+                "space there or point TierConfig(disk_dir=...) at a larger disk, then step again."
             )
 
     def _params_to(self, chunk: Chunk, tier: MemoryTier) -> None:
@@ -206,7 +230,10 @@ class TieredPolicy(PlacementPolicy):
         if actual != tiers.nbytes(chunk, Part.OPTIM):
             tiers.resize(chunk, Part.OPTIM, actual)
         home = self._home.get(chunk.index)
-        if home is DISK and not chunk.persistent:  # written back at once: at most one chunk in memory
+        if home is DISK:  # written back at once: at most one chunk's shard read in at a time
+            if chunk.persistent:  # a kept full buffer is refreshed from the shard after the step: do it now
+                with torch.no_grad():
+                    chunk.refresh_own_slice()
             del self._home[chunk.index]
             tiers.move(chunk, Part.PARAMS, DISK)
 
@@ -219,7 +246,11 @@ class TieredPolicy(PlacementPolicy):
                 self.tiers.move(chunk, Part.PARAMS, tier)
 
     def close(self) -> None:
-        """Remove the disk tier's files (they are the run's working set, not a checkpoint)."""
+        """Remove the disk tier's files (the run's working set, not a checkpoint: take full_parameters() or
+        optimizer.state_dict() before closing) and the optimizer hooks."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
         if self.tiers.disk is not None:
             self.tiers.disk.close()
 

@@ -228,7 +228,9 @@ class GeminiPolicy(TieredPolicy):
         for k, (_, indices) in enumerate(self.events):
             for index in indices:
                 self._uses.setdefault(index, []).append(k)
+        # on CUDA, memory the allocator holds but has not handed out (fragmentation) counts too
         local = max((w + n for w, n in zip(self.work, self.non_model)), default=0) + self.inflight_reserve
+        local += self.tracer.cached_free
         self.need = -comm.agree_min(-local) if comm.world_size > 1 else local
         budget = tiers.budget[DEVICE]
         assert budget is not None
@@ -254,6 +256,7 @@ class GeminiPolicy(TieredPolicy):
                 break
             for part in (Part.PARAMS, Part.GRADS, Part.OPTIM):  # a gradient may only join its parameter's device
                 tiers.move(chunk, part, DEVICE)
+            tiers.drop_host_copy(chunk.index)  # it steps on the device from now on: no host copy to keep fresh
             self.pinned.add(chunk.index)
             self.pinned_bytes += cost
             margin -= cost

@@ -94,12 +94,19 @@ class Tiers:
         self.host = torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.optimizer = context.optimizer
+        # The host default is a share of RAM per rank: every rank on the machine draws from the same memory.
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         self.budget: dict[MemoryTier, int | None] = {
             DEVICE: self._device_budget(config),
-            HOST: mib(config.host_budget_mb) if config.host_budget_mb is not None else int(
-                config.host_budget_fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+            HOST: mib(config.host_budget_mb) if config.host_budget_mb is not None else int(config.host_budget_fraction * ram / local_ranks),
             DISK: None,
         }
+        device_budget = self.budget[DEVICE]
+        if device_budget is not None and context.comm.world_size > 1:
+            # decisions taken from the budget (prefetch, the minimum check) decide which collectives run: the
+            # smallest rank's budget is every rank's
+            self.budget[DEVICE] = context.comm.agree_min(device_budget)
         self.disk: DiskStore | None = None
         if config.disk_dir is not None:
             self.disk = DiskStore(config.disk_dir, rank=context.comm.rank)
@@ -125,8 +132,9 @@ class Tiers:
         if config.device_budget_mb is not None:
             return mib(config.device_budget_mb)
         if self.cuda:
+            # free memory plus what this process's allocator already holds (its chunks among it), minus the margin
             free, total = torch.cuda.mem_get_info(self.device)
-            return max(0, int(free - config.device_margin * total))
+            return max(0, int(free + torch.cuda.memory_reserved(self.device) - config.device_margin * total))
         return None
 
     # -- registration ----------------------------------------------------------------
@@ -170,8 +178,9 @@ class Tiers:
 
     def _charge(self, tier: MemoryTier, nbytes: int, *, check: bool = True, what: str = "") -> None:
         if check and tier is not DEVICE and not self.fits(tier, nbytes):
-            hint = {HOST: "raise TierConfig.host_budget_mb, or set disk_dir so the excess goes to disk",
-                    DISK: "raise TierConfig.disk_budget_mb or free space in disk_dir"}[tier]
+            host_hint = ("raise TierConfig.host_budget_mb (past it, the policy already spills to disk)" if self.disk is not None
+                         else "raise TierConfig.host_budget_mb, or set disk_dir so the excess goes to disk")
+            hint = {HOST: host_hint, DISK: "raise TierConfig.disk_budget_mb or free space in disk_dir"}[tier]
             raise TierBudgetError(
                 f"the {tier.value} tier cannot hold {what} ({nbytes} bytes): {self.used[tier]} bytes of its "
                 f"{_mb(self.budget[tier])} budget are in use. {hint[0].upper()}{hint[1:]}."
@@ -213,13 +222,19 @@ class Tiers:
                 "set TierConfig(disk_dir=...) or raise the host budget"
             )
         nbytes = self.size[(chunk.index, part)]
-        self._charge(tier, nbytes, what=f"chunk {chunk.index}'s {part.value}")
+        # a shard going down to its kept pinned copy needs no new host memory (the copy is charged already)
+        kept = part is Part.PARAMS and tier is HOST and chunk.index in self.host_copy
+        self._charge(tier, nbytes, check=not kept, what=f"chunk {chunk.index}'s {part.value}")
         try:
             {Part.PARAMS: self._move_params, Part.GRADS: self._move_grads, Part.OPTIM: self._move_optim}[part](chunk, src, tier)
         except BaseException:
             self._discharge(tier, nbytes)
             raise
         self._discharge(src, nbytes)
+        if src is DISK and self.disk is not None:  # the file is out of date from now on: free its space
+            self.disk.delete(f"{'params' if part is Part.PARAMS else 'optim'}-{chunk.index}")
+            if part is Part.PARAMS:
+                self.disk_fresh.discard(chunk.index)
         self.where[chunk.index][part] = tier
         self.moves[part] += 1
         self.bytes_moved[part] += nbytes
@@ -247,7 +262,9 @@ class Tiers:
             self.disk.read(f"params-{i}", [host])
         else:
             host = chunk.shard if src is HOST or src is DISK else None
-        self.staged.discard(i)
+        if i in self.staged:  # the staged copy becomes the shard: its staging charge ends here
+            self.staged.discard(i)
+            self._discharge(HOST, chunk.shard_bytes)
         if dst is HOST:
             if host is None:  # from the device
                 if self.cuda:
@@ -274,6 +291,10 @@ class Tiers:
             self._charge(HOST, chunk.shard_bytes, check=False)
         chunk.replace_shard(shard)
 
+    def drop_host_copy(self, index: int) -> None:
+        """Free the kept pinned host copy of a shard that will live on the device (CUDA only)."""
+        self._drop_host_copy(index)
+
     def _drop_host_copy(self, index: int) -> None:
         if self.host_copy.pop(index, None) is not None:
             self._discharge(HOST, self.size[(index, Part.PARAMS)])
@@ -282,6 +303,8 @@ class Tiers:
     def _move_grads(self, chunk: Chunk, src: MemoryTier, dst: MemoryTier) -> None:
         device = self.location(dst)
         chunk.grad_device = device
+        if chunk.reduced_grad is not None:
+            chunk.reduced_grad = chunk.reduced_grad.to(device)
         for seg in chunk.segments:
             if seg.param.grad is not None and seg.param.grad.device != device:
                 seg.param.grad = seg.param.grad.to(device)
@@ -295,6 +318,20 @@ class Tiers:
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
                         found.append((state, key, value))
         return found
+
+    def read_optim(self, chunk: Chunk) -> list[tuple[Any, str, torch.Tensor]]:
+        """Disk-resident optimizer states read into fresh host tensors, leaving the tier as it is.
+
+        Returns ``(segment parameter, state key, value)`` for each state the file holds.
+        """
+        assert self.disk is not None and self.where[chunk.index][Part.OPTIM] is DISK
+        found = [(seg.param, key, value) for seg in chunk.segments
+                 for key, value in (self.optimizer.state.get(seg.param) or {}).items()
+                 if isinstance(value, torch.Tensor) and value.dim() > 0]
+        fresh = [torch.empty(v.shape, dtype=v.dtype) for _, _, v in found]
+        if found:
+            self.disk.read(f"optim-{chunk.index}", fresh)
+        return [(param, key, value) for (param, key, _), value in zip(found, fresh)]
 
     def optim_bytes(self, chunk: Chunk) -> int:
         """The optimizer states' actual bytes (0 before the first step)."""
@@ -321,15 +358,17 @@ class Tiers:
             self.disk.read(name, loaded)
             for (state, key, _), value in zip(states, loaded):
                 state[key] = value.to(device, non_blocking=True)
-            return
-        old = self.location(src)
-        for seg in chunk.segments:
-            state = self.optimizer.state.get(seg.param)
-            for key, value in (state or {}).items():
-                # scalar states (step counts) follow only where the optimizer keeps them with the parameter (fused)
-                if isinstance(value, torch.Tensor) and (value.dim() > 0 or (value.device == old and old != device)):
-                    # asynchronous only upwards: a host tensor from an asynchronous download is not ready when returned
-                    state[key] = value.to(device, non_blocking=device.type == "cuda")
+        else:
+            for state, key, value in states:
+                # asynchronous only upwards: a host tensor from an asynchronous download is not ready when returned
+                state[key] = value.to(device, non_blocking=device.type == "cuda")
+        group = self.optimizer.param_groups[chunk.group] if chunk.group is not None else {}
+        if group.get("fused") or group.get("capturable"):
+            # fused and capturable kernels keep step counts on the parameter's device; the others on the CPU
+            for seg in chunk.segments:
+                for key, value in (self.optimizer.state.get(seg.param) or {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device != device:
+                        self.optimizer.state[seg.param][key] = value.to(device)
 
     # -- disk-resident shards read for a while ----------------------------------------------
     def stage_in(self, chunk: Chunk) -> None:

@@ -12,9 +12,10 @@ reports the peak non-model bytes seen in it.
   returns (not views or in-place results of its inputs), until that storage is freed.
   Operators run by the engine itself (:func:`zero_core._accounting.in_engine_work`)
   allocate model data and are skipped.
-- On CUDA it reads the caching allocator: ``memory_allocated`` and its peak since the
-  last sample, minus the model data on the device, and ``memory_reserved`` (what the
-  allocator holds, fragmentation included: the figure a budget must respect).
+- On CUDA it reads the caching allocator: the peak of ``memory_allocated`` since the
+  last sample, minus the model data on the device; and, apart, the most the allocator
+  held without handing it out (``memory_reserved - memory_allocated``: cached blocks
+  and fragmentation), which a budget must leave room for once.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class MemoryTracer:
         self.cuda = device.type == "cuda"
         self._on_op = on_op
         self._mode: _StorageCounter | None = None
+        #: CUDA: the most memory the allocator held beyond what was allocated, at any sample (0 on CPU).
+        self.cached_free = 0
 
     @property
     def active(self) -> bool:
@@ -117,7 +120,9 @@ class MemoryTracer:
         """The peak non-model bytes since the last sample; starts a new period."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            peak = max(torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_reserved(self.device)) - model_bytes
+            peak = torch.cuda.max_memory_allocated(self.device) - model_bytes
+            held = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            self.cached_free = max(self.cached_free, held)
             torch.cuda.reset_peak_memory_stats(self.device)
             return max(0, peak)
         if self._mode is None:

@@ -285,8 +285,8 @@ class PlacementPolicyConformance:
 
     def test_hooks_keep_the_contract(self) -> None:
         """Every hook sees chunks whose tier agrees with tier_of; gathered chunks have their shard in memory."""
-        results = run_distributed(_contract_worker, 1, self.policy_class, dict(self.options), timeout=300)
-        violations = results[0]
+        results = run_distributed(_contract_worker, 2, self.policy_class, dict(self.options), timeout=300)  # stage 3: gathers
+        violations = results[0] + results[1]
         assert not violations, "\n".join(violations[:10])
 
 
