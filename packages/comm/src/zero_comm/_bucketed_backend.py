@@ -98,3 +98,7 @@ class BucketedCommBackend(TorchCommBackend):
 
     def free(self) -> None:
         self.bucketer.free()
+
+    def close(self) -> None:
+        super().close()
+        self._inner.close()

@@ -42,6 +42,7 @@ class _Pending:
         if self._keep is not None:
             self._backend._wait(self._work, self._what)
             self._keep = None
+            self._work = None  # a finished work handle must not outlive its process group (it can abort the exit)
             if self._then is not None:
                 self._then()
                 self._then = None
@@ -77,6 +78,9 @@ class TorchCommBackend(CommBackend):
         self._reduce_scatter_by_all_to_all = backend == "gloo"
         self._receive_buffers = BufferPool()  # thread-safe: buffers come back from the reduction waiter's thread
         self._control_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def free(self) -> None:
+        self._receive_buffers = BufferPool()
 
     @property
     def rank(self) -> int:

@@ -24,7 +24,9 @@ a gradient that cannot arrive.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -153,6 +155,11 @@ class Engine:
         self._in_substep = False
 
         self._install_hooks()
+        # A user who never calls close() still gets it before the interpreter tears torch down: process
+        # groups and work handles freed that late can abort the exit ("terminate called without an active exception").
+        self._closed = False
+        ref = weakref.ref(self)
+        atexit.register(lambda: (engine := ref()) is not None and engine.close())
 
     # -- hook installation ---------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -177,11 +184,16 @@ class Engine:
         """Remove every hook, stop the reduction waiter and let the placement policy free what it holds (disk files).
 
         The engine cannot train afterwards."""
+        if self._closed:
+            return
+        self._closed = True
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._waiter.close()
         self.placement.close()
+        self.comm.close()
+        self.reduce_comm.close()
 
     # -- gather / release ----------------------------------------------------------
     def _set_state(self, state: TrainingState) -> None:

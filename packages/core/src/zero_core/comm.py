@@ -113,6 +113,13 @@ class Pending(Protocol):
         """Block until it completes (raising on timeout or failure)."""
 
 
+class _ClosedGroup:
+    """Stands for the process group of a closed backend: any collective given it fails at once."""
+
+    def __repr__(self) -> str:
+        return "<process group of a closed zero engine>"
+
+
 class CommBackend(ABC):
     """Collectives over one process group, with counters and a timeout on every call.
 
@@ -147,6 +154,15 @@ class CommBackend(ABC):
 
     def free(self) -> None:
         """Release buffers the backend keeps between steps (they are re-allocated on next use)."""
+
+    def close(self) -> None:
+        """Release the buffers and the reference to the process group; the backend cannot communicate afterwards.
+
+        The engine calls it from ``close()``, so that ``torch.distributed.destroy_process_group()``
+        frees the group at once instead of at interpreter exit.
+        """
+        self.free()
+        self.group = _ClosedGroup()
 
     @property
     @abstractmethod
