@@ -81,11 +81,9 @@ class TieredPolicy(PlacementPolicy):
                 tiers.move(chunk, Part.OPTIM, DISK)
                 continue
             device = tiers.location(tier)
-            for seg in chunk.segments:
-                state = optimizer.state.get(seg.param) or {}
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != device:
-                        state[key] = value.to(device)
+            for _, state, key, value in tiers.states(chunk):
+                if value.device != device:
+                    state[key] = value.to(device)
 
     def attach(self, chunks: Sequence[Chunk]) -> None:
         self.chunks = list(chunks)

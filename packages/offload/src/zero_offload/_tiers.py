@@ -309,15 +309,14 @@ class Tiers:
             if seg.param.grad is not None and seg.param.grad.device != device:
                 seg.param.grad = seg.param.grad.to(device)
 
-    def _states(self, chunk: Chunk) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
-        found = []
-        for seg in chunk.segments:
-            state = self.optimizer.state.get(seg.param)
-            if state:
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        found.append((state, key, value))
-        return found
+    def states(self, chunk: Chunk) -> list[tuple[torch.nn.Parameter, dict[str, Any], str, torch.Tensor]]:
+        """``(segment parameter, its state dict, key, value)`` for each per-element optimizer state of the chunk.
+
+        Zero-dimensional states (step counts) are left out: they stay in memory in every tier.
+        """
+        return [(seg.param, state, key, value) for seg in chunk.segments
+                for state in (self.optimizer.state.get(seg.param),) if state
+                for key, value in state.items() if isinstance(value, torch.Tensor) and value.dim() > 0]
 
     def read_optim(self, chunk: Chunk) -> list[tuple[Any, str, torch.Tensor]]:
         """Disk-resident optimizer states read into fresh host tensors, leaving the tier as it is.
@@ -325,21 +324,19 @@ class Tiers:
         Returns ``(segment parameter, state key, value)`` for each state the file holds.
         """
         assert self.disk is not None and self.where[chunk.index][Part.OPTIM] is DISK
-        found = [(seg.param, key, value) for seg in chunk.segments
-                 for key, value in (self.optimizer.state.get(seg.param) or {}).items()
-                 if isinstance(value, torch.Tensor) and value.dim() > 0]
-        fresh = [torch.empty(v.shape, dtype=v.dtype) for _, _, v in found]
+        found = self.states(chunk)
+        fresh = [torch.empty(v.shape, dtype=v.dtype) for *_, v in found]
         if found:
             self.disk.read(f"optim-{chunk.index}", fresh)
-        return [(param, key, value) for (param, key, _), value in zip(found, fresh)]
+        return [(param, key, value) for (param, _, key, _), value in zip(found, fresh)]
 
     def optim_bytes(self, chunk: Chunk) -> int:
         """The optimizer states' actual bytes (0 before the first step)."""
-        return sum(v.numel() * v.element_size() for _, _, v in self._states(chunk))
+        return sum(v.numel() * v.element_size() for *_, v in self.states(chunk))
 
     @torch.no_grad()
     def _move_optim(self, chunk: Chunk, src: MemoryTier, dst: MemoryTier) -> None:
-        states = self._states(chunk)
+        states = [(state, key, value) for _, state, key, value in self.states(chunk)]
         if not states:
             return  # created by the first step, where the parameters are; the policy settles them then
         name = f"optim-{chunk.index}"
