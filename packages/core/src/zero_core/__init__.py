@@ -5,7 +5,9 @@ The one verb is :func:`shard`; everything else configures, extends or inspects i
 
 from zero_core._clip import clip_grad_norm_
 from zero_core._engine import Engine
+from zero_core._lazy import lazy_init
 from zero_core._module import ZeroModule
+from zero_core._persist import load_checkpoint, save_checkpoint, save_full_state_dict
 from zero_core._plugins import ENTRY_POINT_GROUP, ZeroPlugins, hookimpl
 from zero_core._registry import Registry
 from zero_core._scaler import LossScaler
@@ -16,6 +18,7 @@ from zero_core.api import ChunkPolicy, LossScale, Precision, ZeroConfig
 from zero_core.chunk import Chunk, ChunkSpec, ParamInfo, ParamSlot
 from zero_core.comm import CollectiveCount, CollectiveKind, CommBackend, CommStats, ring_bytes_sent
 from zero_core.errors import (
+    CheckpointError,
     CollectiveTimeoutError,
     ConfigError,
     GradientLostError,
@@ -29,6 +32,7 @@ from zero_core.strategy import ShardPlan, ShardStrategy, round_up
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "CheckpointError",
     "Chunk",
     "ChunkPolicy",
     "ChunkSpec",
@@ -66,7 +70,11 @@ __all__ = [
     "__version__",
     "clip_grad_norm_",
     "hookimpl",
+    "lazy_init",
+    "load_checkpoint",
     "ring_bytes_sent",
     "round_up",
+    "save_checkpoint",
+    "save_full_state_dict",
     "shard",
 ]

@@ -9,11 +9,12 @@ a tracer skips allocations made while :func:`in_engine_work` is true.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["engine_work", "in_engine_work"]
+__all__ = ["engine_work", "engine_work_context", "in_engine_work"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,3 +40,14 @@ def engine_work(method: F) -> F:
             _depth -= 1
 
     return wrapper  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def engine_work_context() -> Iterator[None]:
+    """The same as :func:`engine_work`, for a block (inside generators, which a decorator cannot cover)."""
+    global _depth
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1

@@ -27,7 +27,7 @@ from __future__ import annotations
 import atexit
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from zero_core._accounting import engine_work
+from zero_core._accounting import engine_work_context as _engine_work
 from zero_core._devices import by_device
 from zero_core._group import GatherGroup, build_groups
 from zero_core._scaler import LossScaler
@@ -510,25 +511,44 @@ class Engine:
         report["grads"] = sum(grad_storages.values())
         return report
 
+    def require_idle(self, what: str) -> None:
+        if self.state is not TrainingState.IDLE:
+            raise ZeroError(f"{what} needs an idle engine (between steps), but it is in {self.state.value}")
+        if self._closed:
+            raise ZeroError(f"{what} was called after model.close(); the engine no longer holds the model")
+
     @torch.no_grad()
-    @engine_work
+    def iter_full_chunks(self) -> Iterator[tuple[Chunk, torch.Tensor]]:
+        """Each chunk with its whole master values (a device tensor), one chunk at a time.
+
+        Collective: every rank iterates to the end. The tensor is only valid until the next
+        item; no rank holds more than one gathered chunk beyond its shards.
+        """
+        self.require_idle("reading the full parameters")
+        for chunk in self.chunks:
+            with _engine_work():
+                self.placement.before_gather([chunk])  # a shard on disk comes back to be read
+                if chunk.shard_is_view:
+                    full = chunk.full
+                else:
+                    full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
+                    self.comm.all_gather(full, chunk.shard.to(chunk.device))
+            try:
+                yield chunk, full
+            finally:
+                del full
+                with _engine_work():
+                    self.placement.after_release([chunk])
+
+    @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, as CPU copies of the master values, one chunk at a time.
 
         Collective: call on every rank. With 16-bit compute these are the fp32 masters
         the optimizer updates, not the 16-bit copies forward uses.
         """
-        if self.state is not TrainingState.IDLE:
-            raise ZeroError(f"full_parameters() needs an idle engine, but it is in {self.state.value}")
         result: dict[str, torch.Tensor] = {}
-        for chunk in self.chunks:
-            self.placement.before_gather([chunk])  # a shard on disk comes back to be read
-            if chunk.shard_is_view:
-                full = chunk.full
-            else:
-                full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-                self.comm.all_gather(full, chunk.shard.to(chunk.device))
+        for chunk, full in self.iter_full_chunks():
             for slot in chunk.slots:
                 result[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
-            self.placement.after_release([chunk])
         return result

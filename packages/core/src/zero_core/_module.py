@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from zero_core._engine import Engine
+from zero_core._full_state import full_state_dict, load_full_state_dict
 from zero_core._scaler import LossScaler
 from zero_core.comm import CommStats
 from zero_core.errors import ZeroError
@@ -105,14 +106,39 @@ class ZeroModule(nn.Module):
         """Every parameter, whole, on the CPU. Collective: call on every rank."""
         return self.engine.full_parameters()
 
+    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The plain model's state dict, whole, on the CPU, in master precision. Collective.
+
+        Keys and shapes are those of the unwrapped model (loadable with
+        ``load_state_dict(strict=True)``; tied parameters appear under each name). Chunks are
+        gathered one at a time; with ``rank0_only`` (default) only rank 0 keeps the values and
+        the other ranks get ``{}``. To write a file without holding the model on rank 0, use
+        :func:`zero_core.save_full_state_dict` with a ``.safetensors`` path.
+        """
+        return full_state_dict(self.engine, rank0_only=rank0_only)
+
+    def load_full_state_dict(self, source: Any, *, strict: bool = True) -> None:
+        """Load a plain (unsharded) state dict into the shards. Collective.
+
+        ``source`` is a mapping of tensors or a path to a ``.safetensors``, ``.pt``/``.bin`` file
+        or ``*.index.json``; each rank reads only the part of each parameter its shards hold.
+        Missing, unexpected and mis-shaped keys raise :class:`~zero_core.CheckpointError` on
+        every rank before anything changes (``strict=False`` allows missing and unexpected).
+        """
+        load_full_state_dict(self.engine, source, strict=strict)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
         raise ZeroError(
-            "ZeroModule.state_dict() would return views of freed parameter storage; call "
-            "model.full_parameters() on every rank to read the whole parameters"
+            "ZeroModule.state_dict() would return views of freed parameter storage; use model.full_state_dict() "
+            "(collective, the plain model's keys), zero_core.save_full_state_dict(model, path) or "
+            "zero_core.save_checkpoint(model, optimizer, directory)"
         )
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
-        raise ZeroError("load a state dict into the plain model before calling zero_core.shard")
+        raise ZeroError(
+            "use model.load_full_state_dict(state_dict_or_path) (collective), zero_core.load_checkpoint(model, optimizer, "
+            "directory), or shard(..., load_from=...)"
+        )
 
 
 def _cast_floating(dtype: torch.dtype, value: Any) -> Any:

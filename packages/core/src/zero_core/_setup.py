@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from zero_core.api import ZeroConfig
 from zero_core.chunk import ParamInfo
@@ -82,20 +83,26 @@ def collect_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[P
             group_of[id(p)] = g
     # Eagerly initialised state (Adagrad's accumulators, with step 0) is carried over to the shards;
     # state of an optimizer that already stepped is not.
+    if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for state in optimizer.state.values()
+           for v in state.values()):
+        raise ZeroSetupError(
+            "the optimizer created its state eagerly on the meta parameters of a lazily built model (Adagrad does), "
+            "and those values cannot be replayed; build such a model eagerly, or use an optimizer that creates "
+            "its state at the first step (SGD, Adam, AdamW, RMSprop, ...)"
+        )
     if any(state and float(state.get("step", 1)) > 0 for state in optimizer.state.values()):
         raise ZeroSetupError(
             "the optimizer already has state (it has stepped); create the optimizer fresh and call "
             "zero_core.shard before the first optimizer.step()"
         )
     for name, p in named:
-        if p.device.type == "meta":
-            raise ZeroSetupError(f"parameter {name!r} is on the meta device; materialise the model before sharding")
         if not p.is_floating_point():
             raise ZeroSetupError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be sharded")
     return [ParamInfo(name, p, group_of.get(id(p))) for name, p in named]
 
 
-def first_use_order(model: nn.Module, params: Sequence[ParamInfo], example_inputs: Any, comm: CommBackend) -> list[ParamInfo]:
+def first_use_order(model: nn.Module, params: Sequence[ParamInfo], example_inputs: Any, comm: CommBackend, *,
+                    meta: bool = False) -> list[ParamInfo]:
     """``params`` reordered by the first forward's use (rank 0's order, so every rank agrees).
 
     Runs one forward on ``example_inputs`` without gradients, recording the order in which
@@ -112,6 +119,8 @@ def first_use_order(model: nn.Module, params: Sequence[ParamInfo], example_input
                 seen.add(id(p))
                 order.append(index[id(p)])
 
+    if meta:  # a lazily built model runs on meta tensors: shapes only, no memory
+        example_inputs = tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, example_inputs)
     handles = [m.register_forward_pre_hook(record) for m in model.modules()]
     try:
         with torch.no_grad():
@@ -121,6 +130,13 @@ def first_use_order(model: nn.Module, params: Sequence[ParamInfo], example_input
                 model(*example_inputs)
             else:
                 model(example_inputs)
+    except Exception as exc:
+        if not meta:
+            raise
+        raise ZeroSetupError(
+            f"ChunkPolicy(param_order='first_use') runs one forward to record the order, which failed on the meta "
+            f"tensors of a lazily built model ({type(exc).__name__}: {exc}); use param_order='registration'"
+        ) from exc
     finally:
         for h in handles:
             h.remove()

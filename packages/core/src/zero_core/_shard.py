@@ -10,13 +10,17 @@ import torch
 from torch import nn
 
 from zero_core._engine import Engine
+from zero_core._layout import ModelLayout, check_names, fill_from_source, publish_kept
+from zero_core._lazy import LazyRecording, find_recording, release_if_unused
+from zero_core._materialize import materialize
 from zero_core._module import ZeroModule
 from zero_core._plugins import ZeroPlugins
 from zero_core._scaler import LossScaler
 from zero_core._setup import check_ranks_agree, collect_params, first_use_order, resolve_device, resolve_group
+from zero_core._sources import open_source
 from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk
-from zero_core.errors import ConfigError, ZeroSetupError
+from zero_core.errors import CheckpointError, ConfigError, ZeroSetupError
 from zero_core.placement import PlacementContext
 
 __all__ = ["Sharded", "shard"]
@@ -38,6 +42,7 @@ def shard(
     reduce_process_group: Any = None,
     example_inputs: Any = None,
     plugins: Iterable[object] = (),
+    load_from: Any = None,
 ) -> Sharded:
     """Shard ``model``'s parameters, gradients and optimizer states over the data-parallel ranks.
 
@@ -54,6 +59,10 @@ def shard(
         example_inputs: One batch (a tensor, a tuple of positional args or a dict of keyword
             args) used to record the first-use order when ``config.chunk.param_order == "first_use"``.
         plugins: Plugin objects to register in addition to the installed entry points.
+        load_from: Initial parameter and buffer values: a plain state dict (a mapping of tensors,
+            or a path to a ``.safetensors``, ``.pt``/``.bin`` file or a ``*.index.json`` of sharded
+            files), loaded strictly; each rank reads only the part its shards hold. With a model
+            built under :func:`zero_core.lazy_init`, its initialisers are not run for the parameters.
 
     Returns:
         ``(model, optimizer)``: use them in an ordinary loop (forward, ``loss.backward()``,
@@ -67,6 +76,17 @@ def shard(
     if getattr(optimizer, "_zero_sharded", False):
         raise ZeroSetupError("this optimizer was already re-pointed by zero_core.shard; create a new optimizer")
     params = collect_params(model, optimizer)
+    # Parameters built under lazy_init() are meta tensors; their values come from replaying the recording.
+    metas = {id(p.param): p.param.data for p in params if p.param.device.type == "meta"}
+    recording = None
+    if metas:
+        if len(metas) != len(params):
+            real = next(p.name for p in params if id(p.param) not in metas)
+            raise ZeroSetupError(
+                f"some parameters are on the meta device and some are not (for example {real!r}); build the whole "
+                "model inside `with zero_core.lazy_init():`, or none of it"
+            )
+        recording = find_recording(list(metas.values()))
     if config.chunk.param_order == "first_use" and example_inputs is None:
         raise ZeroSetupError(
             "ChunkPolicy(param_order='first_use') needs example_inputs=<one batch> in zero_core.shard "
@@ -89,7 +109,7 @@ def shard(
     if config.check_ranks_agree:
         check_ranks_agree(params, config, comm)
     if config.chunk.param_order == "first_use":
-        params = first_use_order(model, params, example_inputs, comm)
+        params = first_use_order(model, params, example_inputs, comm, meta=recording is not None)
     plan = strategy.plan(params, world_size=comm.world_size, config=config, hook=plugins_.manager.hook)
     plan.validate(params, comm.world_size)
 
@@ -102,8 +122,15 @@ def shard(
                       stage=config.stage, compute_dtype=config.precision.compute,
                       reduce_dtype=config.precision.reduce,
                       gradient_predivide_factor=config.precision.gradient_predivide_factor, keep_gathered=index in keep)
-        chunk.pack(comm, broadcast_from_rank0=config.sync_module_states)
+        if recording is None:
+            chunk.pack(comm, broadcast_from_rank0=config.sync_module_states)
+        else:
+            chunk.begin_fill()
         chunks.append(chunk)
+    _initial_values(model, chunks, comm, config, recording, metas, load_from)
+    if recording is not None:
+        metas.clear()
+        release_if_unused(recording)
     with torch.no_grad():
         for module in model.modules():
             for name, buf in module._buffers.items():
@@ -134,6 +161,37 @@ def shard(
     model._zero_sharded = True  # type: ignore[attr-defined]
     optimizer._zero_sharded = True  # type: ignore[attr-defined]
     return Sharded(ZeroModule(model, engine), optimizer)
+
+
+def _initial_values(
+    model: nn.Module, chunks: list[Chunk], comm: Any, config: ZeroConfig, recording: LazyRecording | None,
+    metas: dict[int, torch.Tensor], load_from: Any,
+) -> None:
+    """Values for shards that were not packed from real parameters: replayed initialisers, then ``load_from``."""
+    source = None
+    if load_from is not None:  # checked before any work: a wrong file fails fast, on every rank alike
+        error = None
+        try:
+            source = open_source(load_from)
+            check_names(ModelLayout.of(model, chunks), {k: source.shape(k) for k in source.keys()}, strict=True,
+                        what=source.description)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait for this one
+            error = str(exc) if isinstance(exc, CheckpointError) else f"cannot read {load_from!r} ({exc})"
+        errors = comm.all_gather_object(error) if comm.world_size > 1 else [error]
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            rank, message = failed[0]
+            raise CheckpointError(f"shard(load_from=...) failed{'' if error else f' on rank {rank}'}: {message}")
+    with torch.no_grad():
+        if recording is not None:
+            materialize(recording, model, chunks, metas, comm=comm, from_rank0=config.sync_module_states,
+                        params_loaded=source is not None)
+        if source is not None:
+            fill_from_source(ModelLayout.of(model, chunks), source, chunks, comm=comm)
+            source.close()
+        elif recording is not None:
+            for chunk in chunks:
+                publish_kept(chunk, comm)
 
 
 def _check_reduce_group(reduce_group: Any, group: Any, comm: Any) -> Any:

@@ -206,8 +206,10 @@ class Chunk:
         # Runtime state, changed only through the transition methods below.
         self.state = ChunkState.GATHERED
         self.tier = MemoryTier.DEVICE
-        self.full = torch.zeros(self.size, dtype=self.dtype, device=device)
+        self.full = torch.empty(self.size, dtype=self.dtype, device=device)
         self._views = tuple(self.full[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots)
+        if not self.persistent:  # allocated by pack() (or never, by begin_fill()): building every chunk costs nothing
+            self.full.untyped_storage().resize_(0)
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         self._pending_gather: Pending | None = None
         self.pool = pool or BufferPool()
@@ -243,6 +245,8 @@ class Chunk:
         """
         self._assert_state(ChunkState.GATHERED)
         with torch.no_grad():
+            self.full.untyped_storage().resize_(self.size * self.full.element_size())
+            self.full.zero_()
             staging = self.full if self.dtype == self.master_dtype else torch.zeros(
                 self.size, dtype=self.master_dtype, device=self.device)
             for slot, view in zip(self.slots, self._views):
@@ -262,6 +266,56 @@ class Chunk:
                 self.release()
         if self.requires_grad:
             self.segments = self._segments()
+
+    def begin_fill(self) -> None:
+        """Allocate this rank's shard (and a kept full buffer), zeroed, for values that arrive one parameter at a time.
+
+        The alternative to :meth:`pack` for parameters that hold no values (meta tensors under
+        :func:`zero_core.lazy_init`): the values come through :meth:`fill`, and a stage-3 chunk
+        never allocates its full buffer here.
+        """
+        self._assert_state(ChunkState.GATHERED)
+        begin = self.rank * self.shard_size
+        for slot in self.slots:
+            if slot.param.device.type == "meta":  # a meta tensor cannot take real data: swap in a real one, same object
+                torch.utils.swap_tensors(slot.param, nn.Parameter(
+                    torch.empty(0, dtype=self.master_dtype, device=self.device), requires_grad=slot.param.requires_grad))
+        with torch.no_grad():
+            if self.persistent:
+                self.full.zero_()
+                for slot, view in zip(self.slots, self._views):
+                    slot.param.data = view
+                self.shard = (self.full[begin : begin + self.shard_size] if self.shard_is_view
+                              else torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.device))
+            else:
+                self.shard = torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.device)
+                for slot in self.slots:
+                    slot.param.data = self._empty
+                self.state = ChunkState.SHARDED
+        if self.requires_grad:
+            self.segments = self._segments()
+
+    def own_range(self, slot: int) -> tuple[int, int]:
+        """The elements ``[lo, hi)`` of parameter ``slot`` (flattened) that fall into this rank's shard (``lo == hi``: none)."""
+        s = self.slots[slot]
+        begin = self.rank * self.shard_size
+        lo = min(max(begin, s.offset), s.offset + s.numel)
+        hi = max(min(begin + self.shard_size, s.offset + s.numel), lo)
+        return lo - s.offset, hi - s.offset
+
+    @torch.no_grad()
+    def fill(self, slot: int, values: torch.Tensor, *, lo: int = 0) -> None:
+        """Write parameter ``slot``'s values (flattened, starting at element ``lo``) into this rank's shard.
+
+        ``values`` must cover at least :meth:`own_range`; only that part is read. The shard
+        must be in memory (see ``PlacementPolicy.before_load``). A kept full buffer is brought
+        up to date by :meth:`publish_parameters` once every slot is filled.
+        """
+        s = self.slots[slot]
+        begin = self.rank * self.shard_size
+        a, b = self.own_range(slot)
+        if a < b:
+            self.shard[s.offset + a - begin : s.offset + b - begin].copy_(values[a - lo : b - lo])
 
     def _segments(self) -> tuple[Segment, ...]:
         begin, end = self.rank * self.shard_size, (self.rank + 1) * self.shard_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "CollectiveTimeoutError",
     "ConfigError",
     "GradientLostError",
@@ -42,3 +43,7 @@ class CollectiveTimeoutError(ZeroError, TimeoutError):
 
 class GradientLostError(ZeroError):
     """A gradient arrived after its chunk had already been reduced for this backward."""
+
+
+class CheckpointError(ZeroError):
+    """A checkpoint or state dict cannot be saved or loaded as asked; nothing was changed."""

@@ -12,6 +12,8 @@ each chunk's shard lives. The engine calls it at fixed points, in this order:
    :meth:`PlacementPolicy.before_compute` before a module computes with some chunks,
    :meth:`PlacementPolicy.before_gather` before any all-gather reads chunks' shards
    (compute, prefetch, or serving another rank), :meth:`PlacementPolicy.after_release`,
+   :meth:`PlacementPolicy.before_load` / :meth:`PlacementPolicy.after_load` around writes
+   of loaded values into shards,
    :meth:`PlacementPolicy.after_backward` once a backward's gradients are reduced, and
    :meth:`PlacementPolicy.before_step` / :meth:`PlacementPolicy.after_step` around
    each optimizer step;
@@ -130,6 +132,20 @@ class PlacementPolicy(ABC):
 
     def after_release(self, chunks: Sequence[Chunk]) -> None:
         """These chunks were just released; the policy may move their shards away."""
+
+    def before_load(self, chunks: Sequence[Chunk]) -> None:
+        """Values are about to be written into these chunks' master shards (loading a checkpoint or state dict).
+
+        The shards must be in memory and writable when this returns. Default: :meth:`before_gather`.
+        """
+        self.before_gather(chunks)
+
+    def after_load(self, chunks: Sequence[Chunk]) -> None:
+        """These chunks' master shards were overwritten in place: copies the policy keeps elsewhere are stale.
+
+        Default: :meth:`after_release`.
+        """
+        self.after_release(chunks)
 
     def after_backward(self, chunks: Sequence[Chunk]) -> None:
         """Every gradient of this backward is reduced; next, each segment's parameter gets its gradient.

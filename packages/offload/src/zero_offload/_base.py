@@ -142,6 +142,12 @@ class TieredPolicy(PlacementPolicy):
             if not chunk.is_gathered:
                 self.tiers.stage_out(chunk)
 
+    def after_load(self, chunks: Sequence[Chunk]) -> None:
+        """Loaded values replaced the shards: files and kept host copies are stale; a shard read in from disk goes back."""
+        for chunk in chunks:
+            self.tiers.mark_updated(chunk)
+            self.tiers.write_staged(chunk)
+
     def on_transition(self, state: TrainingState) -> None:
         if state is TrainingState.IDLE or state is TrainingState.FORWARD:
             # shards read only to serve another rank's gather were never gathered here, so never released

@@ -393,6 +393,16 @@ class Tiers:
         chunk.replace_shard(chunk.absent_shard())
         self._discharge(HOST, chunk.shard_bytes)
 
+    def write_staged(self, chunk: Chunk) -> None:
+        """Write a staged (read-in) disk shard that was changed in place back to its file, then drop it from memory."""
+        i = chunk.index
+        if i not in self.staged:
+            return
+        assert self.disk is not None
+        self.disk.write(f"params-{i}", [chunk.shard])
+        self.disk_fresh.add(i)
+        self.stage_out(chunk)
+
     def mark_updated(self, chunk: Chunk) -> None:
         """The optimizer changed the master shard where it is: other copies are stale."""
         self.disk_fresh.discard(chunk.index)

@@ -283,6 +283,28 @@ class PlacementPolicyConformance:
             for result in results:
                 assert_parity(reference, _as_result(result), label=f"{self.policy_class.name} stage {stage} world {world}")
 
+    def test_checkpoints_round_trip(self, tmp_path: Any) -> None:
+        """A checkpoint saved under the policy resumes under it bitwise (2 ranks), and one saved under the
+        ``device`` policy loads into it (loading writes shards through before_load/after_load)."""
+        import torch
+
+        from zero_core.testing.checkpointing import phase
+
+        plugins = [_Registers(self.policy_class)]
+        ours = ZeroConfig(chunk=ChunkPolicy(chunk_size=300), placement=self.policy_class.name,
+                          placement_options=self.options)
+        device = ZeroConfig(chunk=ChunkPolicy(chunk_size=300))
+        for saving, name in ((ours, "ours"), (device, "device")):
+            directory = str(tmp_path / name)
+            reference = run_distributed(phase, 2, "gpt", saving, directory, mode="straight", k=2, j=2,
+                                        plugins=plugins, timeout=300)[0]
+            run_distributed(phase, 2, "gpt", saving, directory, mode="save", k=2, plugins=plugins, timeout=300)
+            resumed = run_distributed(phase, 2, "gpt", ours, directory, mode="load", k=2, j=2, plugins=plugins,
+                                      timeout=300)[0]
+            assert resumed["losses"] == reference["losses"][2:], (name, resumed["losses"], reference["losses"])
+            for param, value in reference["params"].items():
+                assert torch.equal(resumed["params"][param], value), (name, param)
+
     def test_hooks_keep_the_contract(self) -> None:
         """Every hook sees chunks whose tier agrees with tier_of; gathered chunks have their shard in memory."""
         results = run_distributed(_contract_worker, 2, self.policy_class, dict(self.options), timeout=300)  # stage 3: gathers

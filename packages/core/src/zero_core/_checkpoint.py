@@ -1,0 +1,498 @@
+"""Sharded checkpoints: every rank writes its own shards, rank 0 commits them with the metadata, written last.
+
+[Note: sharded checkpoint layout]
+A checkpoint is a directory. Each save writes, under a fresh save id:
+
+- ``<id>.rank<r>-of-<N>.safetensors``, one per rank: for every parameter piece in the
+  rank's shards, ``p/<name>`` (the master values of elements ``[lo, hi)`` of the
+  flattened parameter) and ``o/<name>/<key>`` (each per-element optimizer state of the
+  same range); rank 0 adds ``b/<name>`` for each buffer; ``rng/cpu`` (and ``rng/cuda``)
+  hold the rank's random state;
+- ``<id>.extra.pt`` (rank 0, when the caller passes ``extra``);
+- ``zero_checkpoint.json``, the metadata: for every parameter its shape, dtype and the
+  pieces each rank saved, the files with their sizes and sha256, the optimizer's
+  hyperparameters per group and its scalar states (step counts), the loss scaler, the
+  engine's step.
+
+Pieces are keyed by parameter name and element range, not by chunk, so any strategy,
+chunk size and world size can read them (resharding is reading other ranges). Every
+file is written to a temporary name, fsynced and renamed; the metadata is renamed into
+place only after every rank reported its file complete, and names the save id. A crash
+at any earlier point leaves the previous metadata, which names the previous files,
+which are deleted only after the new metadata is in place: the last complete
+checkpoint in a directory always loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zero_core._atomic import TMP_MARK, atomic_write, file_sha256, fsync_dir
+from zero_core._layout import ModelLayout, check_names, publish_kept
+from zero_core._safetensors_stream import SafetensorsWriter
+from zero_core._version import __version__
+from zero_core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from zero_core._engine import Engine
+    from zero_core.chunk import Chunk
+
+__all__ = ["METADATA", "load_checkpoint", "save_checkpoint"]
+
+METADATA = "zero_checkpoint.json"
+FORMAT = "zero-sharded-checkpoint"
+VERSION = 1
+_OURS = re.compile(r"^[0-9a-f]{16}\.(rank\d{5}-of-\d{5}\.safetensors|extra\.pt)(" + re.escape(TMP_MARK) + r"\d+)?$")
+
+
+def _rank_file(save_id: str, rank: int, world: int) -> str:
+    return f"{save_id}.rank{rank:05d}-of-{world:05d}.safetensors"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"the checkpoint names an unknown dtype {name!r}")
+    return dtype
+
+
+def _agree(engine: Engine, error: str | None, what: str) -> list[Any]:
+    """Gather every rank's error (or None); raise the first on every rank."""
+    try:
+        errors = engine.comm.all_gather_object(error)
+    except RuntimeError as exc:  # a rank died or timed out: the collective itself failed
+        raise CheckpointError(f"{what}: another rank failed or stopped responding ({exc})") from exc
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        where = "" if rank == engine.comm.rank else f" (on rank {rank})"
+        raise CheckpointError(f"{what}{where}: {message}")
+    return errors
+
+
+# -- what a rank holds ------------------------------------------------------------------------
+def _segment_states(engine: Engine) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """Each segment parameter's optimizer state (by id), read through ``optimizer.state_dict()`` so
+    placement policies put disk-resident values in; and the param groups' hyperparameters."""
+    optimizer = engine.optimizer
+    saved = optimizer.state_dict()
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    states = {id(order[i]): state for i, state in saved["state"].items()}
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in saved["param_groups"]]
+    return states, groups
+
+
+def _pieces(chunk: Chunk) -> list[tuple[int, str, int, int]]:
+    """``(slot, name, lo, hi)`` for each parameter range in this rank's shard of ``chunk``."""
+    out = []
+    for i, slot in enumerate(chunk.slots):
+        lo, hi = chunk.own_range(i)
+        if lo < hi:
+            out.append((i, slot.name, lo, hi))
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    raise CheckpointError(f"optimizer hyperparameter value {value!r} ({type(value).__name__}) cannot be saved as JSON")
+
+
+# -- save -----------------------------------------------------------------------------------------
+def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra: Any = None,
+                    with_optimizer: bool = True) -> None:
+    """Write a sharded checkpoint of the model, optimizer, loss scaler and step. Collective.
+
+    See [Note: sharded checkpoint layout]. Needs no gather: each rank writes what it holds.
+    """
+    engine.require_idle("save_checkpoint")
+    directory = Path(directory)
+    comm = engine.comm
+    rank, world = comm.rank, comm.world_size
+    error = None
+    save_id = None
+    if rank == 0:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if not os.access(directory, os.W_OK):
+                raise CheckpointError(f"{directory} is not writable")
+            save_id = uuid.uuid4().hex[:16]
+        except (OSError, CheckpointError) as exc:
+            error = f"cannot use {directory} as a checkpoint directory ({exc})"
+    _agree(engine, error, f"saving a checkpoint to {directory} failed")
+    if world > 1:
+        save_id = comm.all_gather_object(save_id)[0]
+    assert save_id is not None
+    description: dict[str, Any] | None = None
+    try:
+        description = _write_rank_file(engine, directory, save_id, rank, world, with_optimizer)
+        if rank == 0 and extra is not None:
+            name = f"{save_id}.extra.pt"
+            size, digest = atomic_write(directory / name, lambda stream: torch.save(extra, stream))
+            description["extra"] = {"name": name, "bytes": size, "sha256": digest}
+        error = None
+    except Exception as exc:  # noqa: BLE001 - any failure here must reach the other ranks, not leave them waiting
+        error = f"{type(exc).__name__}: {exc}"
+    what = f"saving a checkpoint to {directory} failed; the previous checkpoint there is intact"
+    _agree(engine, error, what)
+    try:
+        descriptions = comm.all_gather_object(description)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{what}: another rank stopped responding ({exc})") from exc
+    error = None
+    if rank == 0:
+        try:
+            metadata = _metadata(engine, save_id, descriptions)
+            atomic_write(directory / METADATA, lambda stream: stream.write(json.dumps(metadata, indent=1).encode()))
+            _remove_stale(directory, save_id)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = f"writing the metadata failed ({type(exc).__name__}: {exc}); the previous checkpoint there is intact"
+    _agree(engine, error, f"saving a checkpoint to {directory} failed")
+
+
+def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, world: int,
+                     with_optimizer: bool) -> dict[str, Any]:
+    states, groups = _segment_states(engine) if with_optimizer else ({}, None)
+    layout = ModelLayout.of(engine.module, engine.chunks)
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    pieces: list[list[Any]] = []
+    scalars: dict[str, dict[str, Any]] = {}
+    state_keys: dict[str, list[str]] = {}
+    segment_of = {(chunk.index, seg.slot): seg for chunk in engine.chunks for seg in chunk.segments}
+    for chunk in engine.chunks:
+        for slot, name, lo, hi in _pieces(chunk):
+            entries.append((f"p/{name}", chunk.master_dtype, (hi - lo,)))
+            pieces.append([name, lo, hi])
+            seg = segment_of.get((chunk.index, slot))
+            state = states.get(id(seg.param), {}) if seg is not None else {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if value.numel() != hi - lo:
+                        raise CheckpointError(
+                            f"optimizer state {key!r} of {name!r} has {value.numel()} elements for a {hi - lo}-element "
+                            "piece: only elementwise optimizer states can be saved sharded"
+                        )
+                    entries.append((f"o/{name}/{key}", value.dtype, (hi - lo,)))
+                    state_keys.setdefault(name, [])
+                    if key not in state_keys[name]:
+                        state_keys[name].append(key)
+                elif isinstance(value, torch.Tensor):
+                    scalars.setdefault(name, {})[key] = {"tensor": _dtype_name(value.dtype), "value": value.item()}
+                else:
+                    scalars.setdefault(name, {})[key] = {"value": _jsonable(value)}
+    if rank == 0:
+        entries += [(f"b/{key}", buf.dtype, tuple(buf.shape)) for key, buf in layout.buffers.items()]
+    rng = torch.random.get_rng_state()
+    entries.append(("rng/cpu", rng.dtype, tuple(rng.shape)))
+    cuda_rng = torch.cuda.get_rng_state() if engine.device.type == "cuda" else None
+    if cuda_rng is not None:
+        entries.append(("rng/cuda", cuda_rng.dtype, tuple(cuda_rng.shape)))
+
+    def write(stream: Any) -> None:
+        writer = SafetensorsWriter(stream, entries, {"format": "pt", "producer": "zero", "save_id": save_id})
+        placement = engine.placement
+        for chunk in engine.chunks:
+            chunk_pieces = _pieces(chunk)
+            if not chunk_pieces:
+                continue
+            placement.before_gather([chunk])  # a shard on disk is read in for the save, and dropped after
+            try:
+                begin = chunk.rank * chunk.shard_size
+                for slot, name, lo, hi in chunk_pieces:
+                    offset = chunk.slots[slot].offset
+                    writer.write(f"p/{name}", chunk.shard[offset + lo - begin : offset + hi - begin])
+                    seg = segment_of.get((chunk.index, slot))
+                    state = states.get(id(seg.param), {}) if seg is not None else {}
+                    for key, value in state.items():
+                        if isinstance(value, torch.Tensor) and value.dim() > 0:
+                            writer.write(f"o/{name}/{key}", value)
+            finally:
+                placement.after_release([chunk])
+        if rank == 0:
+            for key, buf in layout.buffers.items():
+                writer.write(f"b/{key}", buf)
+        writer.write("rng/cpu", rng)
+        if cuda_rng is not None:
+            writer.write("rng/cuda", cuda_rng)
+        writer.close()
+
+    name = _rank_file(save_id, rank, world)
+    with torch.no_grad():
+        size, digest = atomic_write(directory / name, write)
+    return {"file": {"name": name, "bytes": size, "sha256": digest}, "pieces": pieces, "scalars": scalars,
+            "state_keys": state_keys, "groups": groups,
+            "params": {s.name: {"shape": list(s.shape), "dtype": _dtype_name(c.master_dtype), "group": c.group,
+                                "requires_grad": c.requires_grad}
+                       for c in engine.chunks for s in c.slots},
+            "buffers": {k: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)} for k, b in layout.buffers.items()},
+            "tied": {names[0]: names[1:] for names in layout.names.values() if len(names) > 1}}
+
+
+def _metadata(engine: Engine, save_id: str, descriptions: list[dict[str, Any]]) -> dict[str, Any]:
+    first = descriptions[0]
+    params = {name: {**info, "pieces": []} for name, info in first["params"].items()}
+    scalars: dict[str, dict[str, Any]] = {}
+    state_keys: dict[str, list[str]] = {}
+    for rank, description in enumerate(descriptions):
+        for name, lo, hi in description["pieces"]:
+            params[name]["pieces"].append([rank, lo, hi])
+        for name, values in description["scalars"].items():
+            scalars.setdefault(name, values)
+        for name, keys in description["state_keys"].items():
+            state_keys.setdefault(name, keys)
+    scaler = engine.scaler.state_dict() if engine.scaler is not None else None
+    return {
+        "format": FORMAT, "version": VERSION, "save_id": save_id, "world_size": len(descriptions),
+        "step": engine.step_count, "strategy": engine.config.strategy, "stage": engine.config.stage,
+        "placement": engine.config.placement, "zero_version": __version__, "torch_version": torch.__version__,
+        "host": platform.node(),
+        "files": [d["file"] for d in descriptions], "extra": first.get("extra"),
+        "params": params, "buffers": first["buffers"], "tied": first["tied"],
+        "optimizer": None if first["groups"] is None else
+        {"param_groups": first["groups"], "state_keys": state_keys, "scalars": scalars},
+        "loss_scaler": scaler,
+    }
+
+
+def _remove_stale(directory: Path, save_id: str) -> None:
+    """Files of earlier saves (and interrupted ones) in this directory, now that the metadata names the new ones."""
+    for path in directory.iterdir():
+        if _OURS.match(path.name) and not path.name.startswith(save_id + "."):
+            path.unlink(missing_ok=True)
+    fsync_dir(directory)
+
+
+# -- load -----------------------------------------------------------------------------------------
+def read_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checkpoint's metadata, with a clear error for a directory that holds no complete checkpoint."""
+    directory = Path(directory)
+    if not directory.exists():
+        raise CheckpointError(f"no checkpoint at {directory}: the path does not exist")
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is a file, not a checkpoint directory written by zero_core.save_checkpoint"
+                              " (for a plain state dict file use model.load_full_state_dict)")
+    path = directory / METADATA
+    if not path.is_file():
+        ours = sorted(p.name for p in directory.iterdir() if _OURS.match(p.name))
+        if ours:
+            raise CheckpointError(
+                f"{directory} holds an incomplete checkpoint: shard files ({', '.join(ours[:3])}"
+                f"{', ...' if len(ours) > 3 else ''}) but no {METADATA}, which a save writes last. The save was "
+                "interrupted; load an earlier checkpoint"
+            )
+        present = sorted(p.name for p in directory.iterdir())[:5]
+        raise CheckpointError(
+            f"{directory} is not a zero checkpoint: it has no {METADATA} (it holds {present or 'nothing'}); "
+            "pass the directory given to zero_core.save_checkpoint"
+        )
+    try:
+        metadata = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} cannot be read as JSON ({exc}); the metadata file is damaged") from exc
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not the metadata of a zero sharded checkpoint (format {FORMAT!r})")
+    if metadata.get("version") != VERSION:
+        raise CheckpointError(f"{path} has checkpoint format version {metadata.get('version')}; this zero reads {VERSION}")
+    return metadata
+
+
+def _verify(directory: Path, entry: dict[str, Any]) -> None:
+    path = directory / entry["name"]
+    if not path.is_file():
+        raise CheckpointError(f"shard file {path} named by the metadata is missing")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise CheckpointError(f"shard file {path} has {size} bytes but the metadata records {entry['bytes']}: the file is "
+                              "truncated or was replaced; restore it or load an earlier checkpoint")
+    digest = file_sha256(path)
+    if digest != entry["sha256"]:
+        raise CheckpointError(f"shard file {path} fails its checksum (sha256 {digest[:12]}..., the metadata records "
+                              f"{entry['sha256'][:12]}...): the file is corrupt; restore it or load an earlier checkpoint")
+
+
+class _Reader:
+    """Reads flat ranges of parameters and states from whichever rank files hold them."""
+
+    def __init__(self, directory: Path, metadata: dict[str, Any]) -> None:
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.directory = directory
+        self.metadata = metadata
+        self._handles: dict[int, Any] = {}
+
+    def ranks_for(self, name: str, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``(rank, piece_lo, piece_hi)`` of the saved pieces of ``name`` that overlap ``[lo, hi)``."""
+        return [(r, a, b) for r, a, b in self.metadata["params"][name]["pieces"] if a < hi and b > lo]
+
+    def _handle(self, rank: int) -> Any:
+        if rank not in self._handles:
+            path = self.directory / self.metadata["files"][rank]["name"]
+            self._handles[rank] = self._open(str(path), framework="pt", device="cpu")
+        return self._handles[rank]
+
+    def read(self, prefix: str, name: str, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of ``prefix + name`` assembled from the saved pieces."""
+        out = torch.empty(hi - lo, dtype=dtype)
+        covered = 0
+        for rank, a, b in self.ranks_for(name, lo, hi):
+            x, y = max(a, lo), min(b, hi)
+            out[x - lo : y - lo] = self._handle(rank).get_slice(prefix)[x - a : y - a].to(dtype)
+            covered += y - x
+        if covered != hi - lo:
+            raise CheckpointError(f"the checkpoint covers {covered} of elements [{lo}, {hi}) of {name!r}")
+        return out
+
+    def tensor(self, rank: int, name: str) -> torch.Tensor:
+        return self._handle(rank).get_tensor(name)
+
+    def has(self, rank: int, name: str) -> bool:
+        return name in self._handle(rank).keys()
+
+
+def load_checkpoint(
+    engine: Engine, directory: str | os.PathLike[str], *, load_optimizer: bool = True, strict: bool = True,
+    load_rng: bool = True,
+) -> Any:
+    """Load a sharded checkpoint saved at any world size, strategy or chunk size. Collective.
+
+    Every rank first validates what it will read (metadata, names and shapes against the
+    model, each file's size and sha256); if anything is wrong on any rank, every rank
+    raises and nothing is changed. Returns the ``extra`` object saved with it, or ``None``.
+    """
+    engine.require_idle("load_checkpoint")
+    directory = Path(directory)
+    comm = engine.comm
+    layout = ModelLayout.of(engine.module, engine.chunks)
+    error = None
+    metadata: dict[str, Any] = {}
+    reads: list[tuple[Chunk, int, str, int, int]] = []
+    try:
+        metadata = read_metadata(directory)
+        shapes = {**{n: tuple(i["shape"]) for n, i in metadata["params"].items()},
+                  **{n: tuple(i["shape"]) for n, i in metadata["buffers"].items()}}
+        for name, twins in metadata.get("tied", {}).items():
+            for twin in twins:
+                shapes.setdefault(twin, shapes[name])
+        check_names(layout, shapes, strict=strict, what=f"the checkpoint at {directory}")
+        if load_optimizer:
+            if metadata["optimizer"] is None:
+                raise CheckpointError(
+                    f"the checkpoint at {directory} was saved without optimizer states (save_checkpoint(model, None, "
+                    "...)); pass optimizer=None to load_checkpoint to load the parameters only"
+                )
+            saved_groups = len(metadata["optimizer"]["param_groups"])
+            if saved_groups != len(engine.optimizer.param_groups):
+                raise CheckpointError(
+                    f"the checkpoint's optimizer has {saved_groups} param group(s) but this optimizer has "
+                    f"{len(engine.optimizer.param_groups)}; build the optimizer with the same groups, or pass "
+                    "optimizer=None to load_checkpoint to load the parameters only"
+                )
+            for value in metadata["optimizer"]["scalars"].values():
+                for entry in value.values():
+                    if "tensor" in entry:
+                        _dtype(entry["tensor"])
+        reader_meta = metadata["params"]
+        needed = {0} if layout.buffers else set()
+        for chunk in engine.chunks:
+            for i, slot in enumerate(chunk.slots):
+                lo, hi = chunk.own_range(i)
+                name = layout.source_name(slot.name, reader_meta)
+                if lo >= hi or name is None:
+                    continue
+                reads.append((chunk, i, name, lo, hi))
+                pieces = [(r, a, b) for r, a, b in reader_meta[name]["pieces"] if a < hi and b > lo]
+                if sum(min(b, hi) - max(a, lo) for _, a, b in pieces) != hi - lo:
+                    raise CheckpointError(f"the metadata does not cover elements [{lo}, {hi}) of {name!r}: the "
+                                          "checkpoint is damaged")
+                needed |= {r for r, _, _ in pieces}
+        if load_rng and comm.rank < metadata["world_size"]:
+            needed.add(comm.rank)
+        if metadata.get("extra") is not None:
+            _verify(directory, metadata["extra"])
+        for rank in sorted(needed):
+            _verify(directory, metadata["files"][rank])
+    except CheckpointError as exc:
+        error = str(exc)
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        error = f"{directory} holds a damaged checkpoint ({type(exc).__name__}: {exc})"
+    _agree(engine, error, f"loading the checkpoint at {directory} failed; nothing was changed")
+
+    reader = _Reader(directory, metadata)
+    with torch.no_grad():
+        _load_params(engine, reader, reads, layout)
+        if load_optimizer and engine.optimizer is not None:
+            _load_optimizer(engine, reader, reads, metadata)
+    if engine.scaler is not None and metadata.get("loss_scaler") is not None:
+        engine.scaler.load_state_dict(metadata["loss_scaler"])
+    engine.step_count = int(metadata["step"])
+    if load_rng and comm.rank < metadata["world_size"]:  # the same rank's generator, where it was at the save
+        torch.random.set_rng_state(reader.tensor(comm.rank, "rng/cpu"))
+        if engine.device.type == "cuda" and reader.has(comm.rank, "rng/cuda"):
+            torch.cuda.set_rng_state(reader.tensor(comm.rank, "rng/cuda"))
+    extra = None
+    if metadata.get("extra") is not None:
+        extra = torch.load(directory / metadata["extra"]["name"], map_location="cpu", weights_only=False)
+    return extra
+
+
+def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, str, int, int]], layout: ModelLayout) -> None:
+    by_chunk: dict[int, list[tuple[int, str, int, int]]] = {}
+    for chunk, i, name, lo, hi in reads:
+        by_chunk.setdefault(chunk.index, []).append((i, name, lo, hi))
+    placement = engine.placement
+    for chunk in engine.chunks:
+        todo = by_chunk.get(chunk.index, [])
+        placement.before_load([chunk])
+        try:
+            for i, name, lo, hi in todo:
+                chunk.fill(i, reader.read(f"p/{name}", name, lo, hi, chunk.master_dtype), lo=lo)
+            publish_kept(chunk, engine.comm)
+        finally:
+            placement.after_load([chunk])
+    for key, buf in layout.buffers.items():
+        name = layout.source_name(key, reader.metadata["buffers"])
+        if name is not None:
+            buf.copy_(reader.tensor(0, f"b/{name}").view(buf.shape))
+
+
+def _load_optimizer(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, str, int, int]],
+                    metadata: dict[str, Any]) -> None:
+    """Build the optimizer's state dict for this rank's segments from the saved pieces, and load it."""
+    optimizer = engine.optimizer
+    saved = metadata["optimizer"]
+    where = {(chunk.index, i): (name, lo, hi) for chunk, i, name, lo, hi in reads}
+    number = {id(p): n for n, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    state: dict[int, dict[str, Any]] = {}
+    for chunk in engine.chunks:
+        for seg in chunk.segments:
+            found = where.get((chunk.index, seg.slot))
+            if found is None:
+                continue
+            name, lo, hi = found
+            entry: dict[str, Any] = {}
+            for key, value in saved["scalars"].get(name, {}).items():
+                entry[key] = torch.tensor(value["value"], dtype=_dtype(value["tensor"])) if "tensor" in value else value["value"]
+            for key in saved["state_keys"].get(name, []):
+                dtype = seg.param.dtype
+                entry[key] = reader.read(f"o/{name}/{key}", name, lo, hi, dtype)
+            if entry:
+                state[number[id(seg.param)]] = entry
+    groups = []
+    for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
+        groups.append({**hyper, "params": [number[id(p)] for p in group["params"]]})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,149 @@
+"""Full (consolidated) state dicts: the plain model's keys and shapes, fp32 masters, one chunk gathered at a time."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zero_core._atomic import atomic_write
+from zero_core._layout import ModelLayout, check_names, fill_from_source
+from zero_core._safetensors_stream import SafetensorsWriter
+from zero_core._sources import open_source
+from zero_core.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from zero_core._engine import Engine
+
+__all__ = ["full_state_dict", "load_full_state_dict", "save_full_state_dict"]
+
+
+def _layout(engine: Engine) -> ModelLayout:
+    return ModelLayout.of(engine.module, engine.chunks)
+
+
+def _param_values(engine: Engine, layout: ModelLayout, keep: bool):
+    """``(key, CPU tensor)`` for every parameter key, chunk by chunk (tied parameters under each name)."""
+    for chunk, full in engine.iter_full_chunks():
+        for slot in chunk.slots:
+            value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            value = value.to("cpu", copy=True) if keep else value
+            for key in layout.names.get(id(slot.param), []):
+                yield key, value
+            del value
+        del full  # before the next chunk is gathered: one at a time
+
+
+def full_state_dict(engine: Engine, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The plain model's state dict, whole, on the CPU. Collective: call on every rank.
+
+    Keys and shapes are those of the unwrapped model's ``state_dict()`` (tied parameters
+    under each of their names, the same tensor), parameters in master precision. Device
+    memory holds one gathered chunk at a time; with ``rank0_only`` only rank 0 keeps the
+    values (the others return ``{}``), so only rank 0's host memory holds the model.
+    """
+    layout = _layout(engine)
+    keep = not rank0_only or engine.comm.rank == 0
+    values = dict(_param_values(engine, layout, keep))
+    if not keep:
+        return {}
+    for key, buf in layout.buffers.items():
+        values[key] = buf.detach().to("cpu", copy=True)
+    return {key: values[key] for key in layout.keys}
+
+
+def _format(path: Path, format: str | None) -> str:
+    if format is None:
+        format = "safetensors" if path.suffix == ".safetensors" else "torch"
+    if format not in ("safetensors", "torch"):
+        raise CheckpointError(f"format must be 'safetensors' or 'torch', got {format!r}")
+    return format
+
+
+def save_full_state_dict(engine: Engine, path: str | os.PathLike[str], *, format: str | None = None) -> None:
+    """Write the full state dict to one file from rank 0. Collective: call on every rank.
+
+    ``format="safetensors"`` (the default for a ``.safetensors`` path) streams: rank 0
+    writes each chunk's parameters as they are gathered and holds no more than one chunk.
+    ``format="torch"`` writes ``torch.save`` of :func:`full_state_dict`, which rank 0 holds
+    whole. The file appears complete or not at all; a failure on rank 0 raises on every rank.
+    """
+    path = Path(path)
+    fmt = _format(path, format)
+    layout = _layout(engine)
+    rank0 = engine.comm.rank == 0
+    error = None
+    try:
+        if fmt == "torch":
+            state = full_state_dict(engine, rank0_only=True)
+            if rank0:
+                atomic_write(path, lambda stream: torch.save(state, stream))
+        else:
+            _stream_safetensors(engine, layout, path, rank0)
+    except Exception as exc:  # noqa: BLE001 - any failure on rank 0 must reach the other ranks
+        error = f"{type(exc).__name__}: {exc}"
+    errors = engine.comm.all_gather_object(error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(f"saving the full state dict to {path} failed on rank {rank}: {message}; "
+                              "no file was written (an older file at that path is intact)")
+
+
+def _stream_safetensors(engine: Engine, layout: ModelLayout, path: Path, rank0: bool) -> None:
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    for chunk in engine.chunks:
+        for slot in chunk.slots:
+            entries += [(key, chunk.master_dtype, tuple(slot.shape)) for key in layout.names.get(id(slot.param), [])]
+    entries += [(key, buf.dtype, tuple(buf.shape)) for key, buf in layout.buffers.items()]
+    values = _param_values(engine, layout, keep=False)
+    if not rank0:
+        for _ in values:  # join every gather
+            pass
+        return
+
+    def write(stream: Any) -> None:
+        writer = SafetensorsWriter(stream, entries, {"format": "pt", "producer": "zero"})
+        for key, value in values:
+            writer.write(key, value)
+            del value  # a view of the gathered chunk: it must not outlive it into the next gather
+        for key, buf in layout.buffers.items():
+            writer.write(key, buf)
+        writer.close()
+
+    try:
+        atomic_write(path, write)
+    finally:
+        for _ in values:  # an error midway: the other ranks still wait for the remaining gathers
+            pass
+
+
+def load_full_state_dict(engine: Engine, source: Any, *, strict: bool = True) -> None:
+    """Load a plain state dict (mapping or file) into the shards: each rank reads only its part.
+
+    Collective. Every rank checks the keys and shapes first; on any mismatch every rank
+    raises and nothing is changed.
+    """
+    engine.require_idle("load_full_state_dict")
+    layout = _layout(engine)
+    error = None
+    opened = None
+    try:
+        opened = open_source(source)
+        check_names(layout, {k: opened.shape(k) for k in opened.keys()}, strict=strict, what=opened.description)
+    except CheckpointError as exc:
+        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait for this one
+        error = f"cannot read {source!r} ({type(exc).__name__}: {exc})"
+    errors = engine.comm.all_gather_object(error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(message if rank == engine.comm.rank or error else f"rank {rank}: {message}")
+    assert opened is not None
+    with torch.no_grad():
+        fill_from_source(layout, opened, engine.chunks, comm=engine.comm, before=engine.placement.before_load,
+                         after=engine.placement.after_load)
+    opened.close()

@@ -1,0 +1,64 @@
+"""Materialise a lazily built model into its chunks: replay the initialisers, keep this rank's shards."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from zero_core._lazy import LazyRecording
+from zero_core.chunk import Chunk
+from zero_core.comm import CommBackend
+from zero_core.errors import ZeroSetupError
+
+__all__ = ["materialize"]
+
+
+def _view(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=like.dtype).set_(storage, like.storage_offset(), like.size(), like.stride())
+
+
+def materialize(
+    recording: LazyRecording, module: nn.Module, chunks: Sequence[Chunk], metas: dict[int, torch.Tensor], *,
+    comm: CommBackend, from_rank0: bool, params_loaded: bool,
+) -> None:
+    """Give every chunk's shard (after ``Chunk.begin_fill``) and every buffer its initial value.
+
+    ``metas`` maps each parameter (by id) to the meta tensor it was built as.
+    Parameters keep only this rank's part; each buffer is materialised whole on the CPU. With
+    ``from_rank0``, every rank replays from rank 0's random state (what ``sync_module_states``
+    gives eager models). With ``params_loaded`` the parameters' values come from a state dict
+    next, so only the buffers are computed.
+    """
+    finals: dict[int, list] = {}
+    if not params_loaded:
+        for chunk in chunks:
+            for i, slot in enumerate(chunk.slots):
+                meta = metas[id(slot.param)]
+                finals.setdefault(recording.key(meta), []).append(
+                    lambda storage, chunk=chunk, i=i, like=meta: chunk.fill(
+                        i, _view(storage, like).reshape(-1).to(chunk.master_dtype)))
+    for owner in module.modules():
+        for name, buf in owner._buffers.items():
+            if buf is None or buf.device.type != "meta":
+                continue
+            key = recording.key(buf)
+            if key is None:
+                raise ZeroSetupError(
+                    f"buffer {name!r} of {type(owner).__name__} is on the meta device but was not built under "
+                    "zero_core.lazy_init(); build the whole model inside the context"
+                )
+            finals.setdefault(key, []).append(
+                lambda storage, owner=owner, name=name, like=buf: owner._buffers.__setitem__(name, _view(storage, like)))
+    rng_state = recording.rng_state
+    own = True
+    if from_rank0 and comm.world_size > 1:
+        rank0 = comm.all_gather_object(rng_state)[0]
+        own = torch.equal(rank0, rng_state)
+        rng_state = rank0
+    recording.replay(
+        device=torch.device("cpu"),
+        finals={key: (lambda storage, calls=calls: [call(storage) for call in calls]) for key, calls in finals.items()},
+        rng_state=rng_state, run_all=not params_loaded, continue_rng=own,
+    )
