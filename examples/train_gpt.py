@@ -22,7 +22,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig, shard
+from zero_core import (
+    ChunkPolicy,
+    LossScale,
+    Precision,
+    ZeroConfig,
+    lazy_init,
+    load_checkpoint,
+    save_checkpoint,
+    save_full_state_dict,
+    shard,
+)
 from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
 
 
@@ -51,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--placement", default="device", help="placement policy plugin name (device, host, static, gemini, ...)")
     p.add_argument("--placement-options", default="{}", type=json.loads,
                    help='the policy\'s options as JSON, e.g. \'{"device_budget_mb": 96, "disk_dir": "/tmp/zero"}\'')
+    p.add_argument("--lazy", action="store_true", help="build the model under zero_core.lazy_init() (no full copy per rank)")
+    p.add_argument("--checkpoint-dir", default=None, help="save a sharded checkpoint here at the end of the run")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also save it every this many steps (0: at the end only)")
+    p.add_argument("--resume", default=None, help="load this sharded checkpoint first and continue from its step")
+    p.add_argument("--save-full", default=None, help="write the full state dict here at the end (.safetensors streams it)")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--json", default=None, help="write the run's figures to this file (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress display")
@@ -80,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, n_head=args.heads)
     data = SyntheticTokens(vocab_size=args.vocab, seq_len=args.seq_len, alphabet=args.alphabet)
     torch.manual_seed(0)
-    model = GPT(cfg)
+    if args.lazy and args.mode == "zero":
+        with lazy_init():  # parameters are materialised shard by shard by shard(), with the same values
+            model = GPT(cfg)
+    else:
+        model = GPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     stats = None
     if args.mode == "zero":
@@ -99,6 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     setup_peak = rss_mib()[1]
     # An ordinary scheduler: zero re-points the optimizer in place, so schedulers just work.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, args.warmup)))
+    first_step = 0
+    if args.resume and args.mode == "zero":
+        extra = load_checkpoint(model, optimizer, args.resume)  # at any world size, strategy or chunk size
+        scheduler.load_state_dict(extra["scheduler"])
+        first_step = extra["step"]
+        if first_step >= args.steps:
+            raise SystemExit(f"the checkpoint at {args.resume} is at step {first_step}; pass --steps above it to train on")
+        if rank == 0:
+            print(f"resumed from {args.resume} at step {first_step}", flush=True)
+
+    def save(step: int) -> None:
+        if args.checkpoint_dir and args.mode == "zero":
+            save_checkpoint(model, optimizer, args.checkpoint_dir, extra={"step": step, "scheduler": scheduler.state_dict()})
 
     progress = None
     if rank == 0 and not args.no_progress and sys.stdout.isatty():
@@ -116,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
               f"tokens/step={args.batch_size * args.seq_len * world} loss floor={data.floor:.3f}", flush=True)
     losses, step_times = [], []
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         t0 = time.perf_counter()
         tokens = data.batch(step, args.batch_size * world)[rank * args.batch_size:(rank + 1) * args.batch_size].to(device)
         optimizer.zero_grad(set_to_none=True)
@@ -135,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         out_of_time = torch.tensor([elapsed > args.time_budget], dtype=torch.uint8)
         dist.all_reduce(out_of_time, op=dist.ReduceOp.MAX)  # every rank stops at the same step
         last = bool(out_of_time.item()) or step == args.steps - 1
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and not last:
+            save(step + 1)
         if step % args.log_every == 0 or last:
             mem = [None] * world
             dist.all_gather_object(mem, rss_mib())
@@ -149,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             break
     if progress is not None:
         progress.stop()
+    save(step + 1)
+    if args.save_full and args.mode == "zero":
+        save_full_state_dict(model, args.save_full)
 
     steady = step_times[2:] if len(step_times) > 4 else step_times
     step_time = statistics.median(steady)

@@ -94,8 +94,10 @@ def test_calling_a_submodule_outside_the_wrapped_model():
 def test_sharded_state_dict_points_to_the_right_call():
     model, opt = model_and_opt()
     sharded, _ = shard(model, opt, config=SMALL)
-    with pytest.raises(ZeroError, match="full_parameters"):
+    with pytest.raises(ZeroError, match=r"full_state_dict\(\).*save_checkpoint"):
         sharded.state_dict()
+    with pytest.raises(ZeroError, match=r"load_full_state_dict.*load_checkpoint"):
+        sharded.load_state_dict({})
 
 
 def _disagreeing_ranks():

@@ -133,7 +133,7 @@ def _save_and_die(directory, victim, limit):
     return "saved"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_rank_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint(world, tmp_path):
     saved = _save(world, tmp_path, k=2)
     before = json.loads((tmp_path / "zero_checkpoint.json").read_text())
@@ -141,7 +141,8 @@ def test_rank_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint(worl
         run_distributed(_save_and_die, world, str(tmp_path), world - 1, 2000, timeout=60, grace=30)
     report = str(failure.value)
     assert f"rank {world - 1} exited with code {-signal.SIGKILL}" in report
-    assert "another rank failed or stopped responding" in report  # the survivors failed fast, with a reason
+    if world > 1:
+        assert "another rank failed or stopped responding" in report  # the survivors failed fast, with a reason
     assert json.loads((tmp_path / "zero_checkpoint.json").read_text()) == before
     resumed = run_distributed(phase, world, "gpt", CONFIG, str(tmp_path), mode="load", k=2)[0]
     for name, value in saved["params"].items():
@@ -241,7 +242,7 @@ def test_full_state_dict_write_failure_keeps_the_old_file(tmp_path):
     target = tmp_path / "model.safetensors"
     target.write_bytes(b"previous contents")
     for message, rank in run_distributed(_full_save_fails_midway, 2, str(target)):
-        assert "failed on rank 0" in message and "No space left on device" in message, (rank, message)
+        assert "No space left on device" in message and (rank == 0 or "(on rank 0)" in message), (rank, message)
     assert target.read_bytes() == b"previous contents"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
 

@@ -172,8 +172,9 @@ def _setup_peak(lazy, chunk_size):
     return {"peak": peak, "model": numel * 4, "largest_chunk": largest, "shards": shards}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_lazy_setup_peak_memory_is_the_share_plus_one_chunk(world):
+    """At one rank the shards are the whole model (kept gathered); from two ranks on, a share of it."""
     lazy = run_distributed(_setup_peak, world, True, 1 << 20)
     eager = run_distributed(_setup_peak, world, False, 1 << 20)
     for rank in range(world):

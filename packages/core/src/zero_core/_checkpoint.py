@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zero_core._agreement import raise_if_any_failed
 from zero_core._atomic import TMP_MARK, atomic_write, file_sha256, fsync_dir
 from zero_core._layout import ModelLayout, check_names, publish_kept
 from zero_core._safetensors_stream import SafetensorsWriter
@@ -68,20 +69,6 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _agree(engine: Engine, error: str | None, what: str) -> list[Any]:
-    """Gather every rank's error (or None); raise the first on every rank."""
-    try:
-        errors = engine.comm.all_gather_object(error)
-    except RuntimeError as exc:  # a rank died or timed out: the collective itself failed
-        raise CheckpointError(f"{what}: another rank failed or stopped responding ({exc})") from exc
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        where = "" if rank == engine.comm.rank else f" (on rank {rank})"
-        raise CheckpointError(f"{what}{where}: {message}")
-    return errors
-
-
 # -- what a rank holds ------------------------------------------------------------------------
 def _segment_states(engine: Engine) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
     """Each segment parameter's optimizer state (by id), read through ``optimizer.state_dict()`` so
@@ -90,7 +77,7 @@ def _segment_states(engine: Engine) -> tuple[dict[int, dict[str, Any]], list[dic
     saved = optimizer.state_dict()
     order = [p for group in optimizer.param_groups for p in group["params"]]
     states = {id(order[i]): state for i, state in saved["state"].items()}
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in saved["param_groups"]]
+    groups = [{k: _jsonable(v) for k, v in group.items() if k != "params"} for group in saved["param_groups"]]
     return states, groups
 
 
@@ -133,7 +120,7 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra:
             save_id = uuid.uuid4().hex[:16]
         except (OSError, CheckpointError) as exc:
             error = f"cannot use {directory} as a checkpoint directory ({exc})"
-    _agree(engine, error, f"saving a checkpoint to {directory} failed")
+    raise_if_any_failed(engine.comm, error, f"saving a checkpoint to {directory} failed")
     if world > 1:
         save_id = comm.all_gather_object(save_id)[0]
     assert save_id is not None
@@ -148,11 +135,11 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra:
     except Exception as exc:  # noqa: BLE001 - any failure here must reach the other ranks, not leave them waiting
         error = f"{type(exc).__name__}: {exc}"
     what = f"saving a checkpoint to {directory} failed; the previous checkpoint there is intact"
-    _agree(engine, error, what)
+    raise_if_any_failed(engine.comm, error, what)
     try:
         descriptions = comm.all_gather_object(description)
     except RuntimeError as exc:
-        raise CheckpointError(f"{what}: another rank stopped responding ({exc})") from exc
+        raise CheckpointError(f"{what}: another rank failed or stopped responding ({exc})") from exc
     error = None
     if rank == 0:
         try:
@@ -161,13 +148,14 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra:
             _remove_stale(directory, save_id)
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = f"writing the metadata failed ({type(exc).__name__}: {exc}); the previous checkpoint there is intact"
-    _agree(engine, error, f"saving a checkpoint to {directory} failed")
+    raise_if_any_failed(engine.comm, error, f"saving a checkpoint to {directory} failed")
 
 
 def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, world: int,
                      with_optimizer: bool) -> dict[str, Any]:
     states, groups = _segment_states(engine) if with_optimizer else ({}, None)
     layout = ModelLayout.of(engine.module, engine.chunks)
+    directory.mkdir(parents=True, exist_ok=True)  # rank 0 made it; on a slow shared file system it may not show yet
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     pieces: list[list[Any]] = []
     scalars: dict[str, dict[str, Any]] = {}
@@ -430,7 +418,7 @@ def load_checkpoint(
         error = str(exc)
     except (OSError, KeyError, TypeError, ValueError) as exc:
         error = f"{directory} holds a damaged checkpoint ({type(exc).__name__}: {exc})"
-    _agree(engine, error, f"loading the checkpoint at {directory} failed; nothing was changed")
+    raise_if_any_failed(engine.comm, error, f"loading the checkpoint at {directory} failed; nothing was changed")
 
     reader = _Reader(directory, metadata)
     with torch.no_grad():

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zero_core._agreement import raise_if_any_failed
 from zero_core._atomic import atomic_write
 from zero_core._layout import ModelLayout, check_names, fill_from_source
 from zero_core._safetensors_stream import SafetensorsWriter
@@ -84,12 +85,8 @@ def save_full_state_dict(engine: Engine, path: str | os.PathLike[str], *, format
             _stream_safetensors(engine, layout, path, rank0)
     except Exception as exc:  # noqa: BLE001 - any failure on rank 0 must reach the other ranks
         error = f"{type(exc).__name__}: {exc}"
-    errors = engine.comm.all_gather_object(error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(f"saving the full state dict to {path} failed on rank {rank}: {message}; "
-                              "no file was written (an older file at that path is intact)")
+    raise_if_any_failed(engine.comm, error, f"saving the full state dict to {path} failed; no file was written "
+                                             "(an older file at that path is intact)")
 
 
 def _stream_safetensors(engine: Engine, layout: ModelLayout, path: Path, rank0: bool) -> None:
@@ -137,11 +134,7 @@ def load_full_state_dict(engine: Engine, source: Any, *, strict: bool = True) ->
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait for this one
         error = f"cannot read {source!r} ({type(exc).__name__}: {exc})"
-    errors = engine.comm.all_gather_object(error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(message if rank == engine.comm.rank or error else f"rank {rank}: {message}")
+    raise_if_any_failed(engine.comm, error, "load_full_state_dict failed; nothing was changed")
     assert opened is not None
     with torch.no_grad():
         fill_from_source(layout, opened, engine.chunks, comm=engine.comm, before=engine.placement.before_load,

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from zero_core._agreement import raise_if_any_failed
 from zero_core._engine import Engine
 from zero_core._layout import ModelLayout, check_names, fill_from_source, publish_kept
 from zero_core._lazy import LazyRecording, find_recording, release_if_unused
@@ -177,11 +178,7 @@ def _initial_values(
                         what=source.description)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait for this one
             error = str(exc) if isinstance(exc, CheckpointError) else f"cannot read {load_from!r} ({exc})"
-        errors = comm.all_gather_object(error) if comm.world_size > 1 else [error]
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if failed:
-            rank, message = failed[0]
-            raise CheckpointError(f"shard(load_from=...) failed{'' if error else f' on rank {rank}'}: {message}")
+        raise_if_any_failed(comm, error, "shard(load_from=...) failed")
     with torch.no_grad():
         if recording is not None:
             materialize(recording, model, chunks, metas, comm=comm, from_rank0=config.sync_module_states,

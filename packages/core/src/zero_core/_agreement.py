@@ -1,0 +1,27 @@
+"""Every rank learns whether any rank failed, so all raise together instead of some waiting forever."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zero_core.errors import CheckpointError
+
+__all__ = ["raise_if_any_failed"]
+
+
+def raise_if_any_failed(comm: Any, error: str | None, what: str) -> None:
+    """Gather every rank's error message (``None``: fine); if any, raise :class:`CheckpointError` on every rank.
+
+    The message is this rank's own error, or else the first failing rank's, named. A rank that
+    died makes the gather itself fail: that is reported the same way.
+    """
+    try:
+        errors = comm.all_gather_object(error) if comm.world_size > 1 else [error]
+    except RuntimeError as exc:  # a rank died or timed out: the collective itself failed
+        raise CheckpointError(f"{what}: another rank failed or stopped responding ({exc})") from exc
+    if error is not None:
+        raise CheckpointError(f"{what}: {error}")
+    failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(f"{what} (on rank {rank}): {message}")
