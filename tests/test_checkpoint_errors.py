@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -21,6 +22,20 @@ CONFIG = ZeroConfig(chunk=ChunkPolicy(chunk_size=300))
 
 def _save(world, directory, case="gpt", k=2):
     return run_distributed(phase, world, case, CONFIG, str(directory), mode="save", k=k)[0]
+
+
+@pytest.fixture(scope="module")
+def _saved_at_2(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("saved")
+    _save(2, directory)
+    return directory
+
+
+@pytest.fixture
+def saved(_saved_at_2, tmp_path):
+    """A fresh copy of a checkpoint of the zoo GPT saved at 2 ranks after 2 steps (tests may damage it)."""
+    shutil.copytree(_saved_at_2, tmp_path, dirs_exist_ok=True)
+    return tmp_path
 
 
 def _try_load(case, directory, *, full=False, strict=True):
@@ -57,38 +72,34 @@ def _all_raise(results, *fragments):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_checkpoint_of_another_model(world, tmp_path):
-    _save(2, tmp_path)
-    results = run_distributed(_try_load, world, "odd_sizes", str(tmp_path))
+def test_checkpoint_of_another_model(world, saved):
+    results = run_distributed(_try_load, world, "odd_sizes", str(saved))
     _all_raise(results, "does not match this model", "missing", "'a.weight'", "unexpected", "'wte.weight'")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_checkpoint_with_other_shapes(world, tmp_path):
-    _save(2, tmp_path)
-    results = run_distributed(_try_load, world, "gpt-wide", str(tmp_path))
+def test_checkpoint_with_other_shapes(world, saved):
+    results = run_distributed(_try_load, world, "gpt-wide", str(saved))
     _all_raise(results, "shape mismatch", "'wte.weight'", "(37, 18) saved, (80, 18) in the model")
 
 
-def test_strict_false_skips_missing_and_unexpected_keys_but_never_shapes(tmp_path):
-    _save(2, tmp_path)
-    message, _ = run_distributed(_try_load, 2, "gpt-wide", str(tmp_path), strict=False)[0]
+def test_strict_false_skips_missing_and_unexpected_keys_but_never_shapes(saved):
+    message, _ = run_distributed(_try_load, 2, "gpt-wide", str(saved), strict=False)[0]
     assert "shape mismatch" in message
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("damage", ["truncate", "corrupt"])
-def test_damaged_shard_is_detected_by_size_or_checksum(world, damage, tmp_path):
-    _save(2, tmp_path)
-    metadata = json.loads((tmp_path / "zero_checkpoint.json").read_text())
-    target = tmp_path / metadata["files"][1]["name"]
+def test_damaged_shard_is_detected_by_size_or_checksum(world, damage, saved):
+    metadata = json.loads((saved / "zero_checkpoint.json").read_text())
+    target = saved / metadata["files"][1]["name"]
     data = bytearray(target.read_bytes())
     if damage == "truncate":
         target.write_bytes(data[: len(data) // 2])
     else:
         data[len(data) // 2] ^= 0xFF  # one flipped byte in the middle of the values; the size is unchanged
         target.write_bytes(data)
-    results = run_distributed(_try_load, world, "gpt", str(tmp_path))
+    results = run_distributed(_try_load, world, "gpt", str(saved))
     expected = "truncated" if damage == "truncate" else "fails its checksum"
     _all_raise(results, expected, target.name)
 
@@ -112,10 +123,9 @@ def test_incomplete_checkpoint_without_metadata(world, tmp_path):
     _all_raise(run_distributed(_try_load, world, "gpt", str(tmp_path)), "incomplete checkpoint", "interrupted")
 
 
-def test_damaged_metadata(tmp_path):
-    _save(2, tmp_path)
-    (tmp_path / "zero_checkpoint.json").write_text("{not json")
-    _all_raise(run_distributed(_try_load, 2, "gpt", str(tmp_path)), "cannot be read as JSON")
+def test_damaged_metadata(saved):
+    (saved / "zero_checkpoint.json").write_text("{not json")
+    _all_raise(run_distributed(_try_load, 2, "gpt", str(saved)), "cannot be read as JSON")
 
 
 def _save_and_die(directory, victim, limit):

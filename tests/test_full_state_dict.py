@@ -98,11 +98,18 @@ def _load_full(case_name, config, source, lazy):
     return params, buffers, losses
 
 
+@pytest.fixture(scope="module")
+def buffers_saved_at_2(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("full")
+    run_distributed(_save_and_describe, 2, "buffers", ZeroConfig(chunk=ChunkPolicy(chunk_size=64)), str(directory))
+    return directory
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("fmt", ["safetensors", "pt"])
-def test_load_full_state_dict_reshards(world, fmt, tmp_path):
+def test_load_full_state_dict_reshards(world, fmt, buffers_saved_at_2):
     """Saved at 2 ranks with chunks, loaded at 1, 2 and 4 ranks (tensor-wise at 4), eager or lazy."""
-    run_distributed(_save_and_describe, 2, "buffers", ZeroConfig(chunk=ChunkPolicy(chunk_size=64)), str(tmp_path))
+    tmp_path = buffers_saved_at_2
     saved = torch.load(tmp_path / "model.pt", weights_only=True)
     strategy = "tensor" if world == 4 else "chunk"
     config = ZeroConfig(strategy=strategy, stage=2 if world == 1 else 3, chunk=ChunkPolicy(chunk_size=100))

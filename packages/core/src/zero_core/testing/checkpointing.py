@@ -67,9 +67,10 @@ def phase(case_name: str, config: ZeroConfig, directory: str, *, mode: str, k: i
           optimizer: str = "adamw", lazy: bool = False, extra: Any = None, plugins: Sequence[object] = ()) -> dict[str, Any]:
     """One leg of a resume test.
 
-    ``mode="straight"`` trains ``k + j`` steps; ``"save"`` trains ``k`` and saves a sharded
-    checkpoint into ``directory``; ``"load"`` loads it into a freshly built model and trains
-    ``j`` more. Returns the losses, the full parameters, the optimizer's step count states,
+    ``mode="straight"`` trains ``k + j`` steps; ``"save"`` trains ``k``, saves a sharded
+    checkpoint into ``directory`` and trains ``j`` more (saving must not change the run, so
+    this is also the uninterrupted reference); ``"load"`` loads it into a freshly built
+    model and trains ``j`` more. Returns the losses, the full parameters, the optimizer's step count states,
     the engine's step and the loaded extra object.
     """
     case = get_case(case_name)
@@ -78,9 +79,10 @@ def phase(case_name: str, config: ZeroConfig, directory: str, *, mode: str, k: i
     try:
         if mode == "straight":
             losses = train_steps(model, opt, case, 0, k + j)
-        elif mode == "save":
+        elif mode == "save":  # and train on: the run is also the uninterrupted reference for a resume
             losses = train_steps(model, opt, case, 0, k)
             save_checkpoint(model, opt, directory, extra=extra)
+            losses += train_steps(model, opt, case, k, j)
         elif mode == "load":
             loaded = load_checkpoint(model, opt, directory)
             losses = train_steps(model, opt, case, k, j)
