@@ -38,7 +38,7 @@ import torch
 from zero_core._agreement import raise_if_any_failed
 from zero_core._atomic import TMP_MARK, atomic_write, file_sha256, fsync_dir
 from zero_core._layout import ModelLayout, check_names, publish_kept
-from zero_core._safetensors_stream import SafetensorsWriter
+from zero_core._safetensors_stream import SafetensorsRangeReader, SafetensorsWriter
 from zero_core._version import __version__
 from zero_core.errors import CheckpointError
 
@@ -316,40 +316,38 @@ class _Reader:
     """Reads flat ranges of parameters and states from whichever rank files hold them."""
 
     def __init__(self, directory: Path, metadata: dict[str, Any]) -> None:
-        from safetensors import safe_open
-
-        self._open = safe_open
         self.directory = directory
         self.metadata = metadata
-        self._handles: dict[int, Any] = {}
+        self._files: dict[int, SafetensorsRangeReader] = {}
 
-    def ranks_for(self, name: str, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        """``(rank, piece_lo, piece_hi)`` of the saved pieces of ``name`` that overlap ``[lo, hi)``."""
-        return [(r, a, b) for r, a, b in self.metadata["params"][name]["pieces"] if a < hi and b > lo]
+    def _file(self, rank: int) -> SafetensorsRangeReader:
+        if rank not in self._files:
+            self._files[rank] = SafetensorsRangeReader(self.directory / self.metadata["files"][rank]["name"])
+        return self._files[rank]
 
-    def _handle(self, rank: int) -> Any:
-        if rank not in self._handles:
-            path = self.directory / self.metadata["files"][rank]["name"]
-            self._handles[rank] = self._open(str(path), framework="pt", device="cpu")
-        return self._handles[rank]
+    def read_into(self, prefix: str, name: str, lo: int, out: torch.Tensor) -> None:
+        """Elements ``[lo, lo + out.numel())`` of ``prefix + name`` from the saved pieces, into ``out``."""
+        hi = lo + out.numel()
+        for rank, a, b in self.metadata["params"][name]["pieces"]:
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                self._file(rank).read_into(prefix, x - a, out[x - lo : y - lo])
 
     def read(self, prefix: str, name: str, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of ``prefix + name`` assembled from the saved pieces."""
         out = torch.empty(hi - lo, dtype=dtype)
-        covered = 0
-        for rank, a, b in self.ranks_for(name, lo, hi):
-            x, y = max(a, lo), min(b, hi)
-            out[x - lo : y - lo] = self._handle(rank).get_slice(prefix)[x - a : y - a].to(dtype)
-            covered += y - x
-        if covered != hi - lo:
-            raise CheckpointError(f"the checkpoint covers {covered} of elements [{lo}, {hi}) of {name!r}")
+        self.read_into(prefix, name, lo, out)
         return out
 
     def tensor(self, rank: int, name: str) -> torch.Tensor:
-        return self._handle(rank).get_tensor(name)
+        return self._file(rank).tensor(name)
 
     def has(self, rank: int, name: str) -> bool:
-        return name in self._handle(rank).keys()
+        return name in self._file(rank).entries
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files = {}
 
 
 def load_checkpoint(
@@ -432,6 +430,7 @@ def load_checkpoint(
         torch.random.set_rng_state(reader.tensor(comm.rank, "rng/cpu"))
         if engine.device.type == "cuda" and reader.has(comm.rank, "rng/cuda"):
             torch.cuda.set_rng_state(reader.tensor(comm.rank, "rng/cuda"))
+    reader.close()
     extra = None
     if metadata.get("extra") is not None:
         extra = torch.load(directory / metadata["extra"]["name"], map_location="cpu", weights_only=False)
@@ -447,8 +446,10 @@ def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, st
         todo = by_chunk.get(chunk.index, [])
         placement.before_load([chunk])
         try:
-            for i, name, lo, hi in todo:
-                chunk.fill(i, reader.read(f"p/{name}", name, lo, hi, chunk.master_dtype), lo=lo)
+            begin = chunk.rank * chunk.shard_size
+            for i, name, lo, hi in todo:  # straight into the shard: no intermediate copy
+                offset = chunk.slots[i].offset
+                reader.read_into(f"p/{name}", name, lo, chunk.shard[offset + lo - begin : offset + hi - begin])
             publish_kept(chunk, engine.comm)
         finally:
             placement.after_load([chunk])

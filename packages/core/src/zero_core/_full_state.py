@@ -47,9 +47,11 @@ def full_state_dict(engine: Engine, *, rank0_only: bool = True) -> dict[str, tor
     """
     layout = _layout(engine)
     keep = not rank0_only or engine.comm.rank == 0
-    values = dict(_param_values(engine, layout, keep))
     if not keep:
+        for _ in _param_values(engine, layout, keep=False):  # join every gather, hold nothing
+            pass
         return {}
+    values = dict(_param_values(engine, layout, keep=True))
     for key, buf in layout.buffers.items():
         values[key] = buf.detach().to("cpu", copy=True)
     return {key: values[key] for key in layout.keys}

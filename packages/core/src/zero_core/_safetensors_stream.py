@@ -1,11 +1,13 @@
-"""Write a safetensors file one tensor at a time, so a writer never holds more than the tensor it writes.
+"""Write a safetensors file one tensor at a time, and read element ranges of it with plain file reads.
 
 The safetensors library writes from a complete dict only. The format is simple enough to
 stream: an 8-byte little-endian header size, a JSON header naming each tensor's dtype,
 shape and byte range, padded with spaces to a multiple of 8, then the raw bytes in
 order. Every shape and dtype is known before the first value is, so the header goes
-first and each tensor follows as it becomes available. Files are read back with the
-safetensors library itself.
+first and each tensor follows as it becomes available. Any safetensors reader reads the
+files; :class:`SafetensorsRangeReader` reads element ranges straight into their
+destination with ``readinto`` (no memory map, whose pages would count as this process's
+memory, and no intermediate copy).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["SafetensorsWriter"]
+__all__ = ["SafetensorsRangeReader", "SafetensorsWriter"]
 
+_DTYPES_BY_NAME: dict[str, torch.dtype] = {}
 _DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -65,3 +68,52 @@ class SafetensorsWriter:
         if self._next != len(self._expected):
             raise ValueError(f"{len(self._expected) - self._next} tensor(s) were never written, from "
                              f"{self._expected[self._next][0]!r}")
+
+
+_DTYPES_BY_NAME.update({name: dtype for dtype, name in _DTYPE_NAMES.items()})
+
+
+class SafetensorsRangeReader:
+    """Reads element ranges of the tensors of one safetensors file; validates the header on opening."""
+
+    def __init__(self, path: Any) -> None:
+        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
+        size = self._file.seek(0, 2)
+        self._file.seek(0)
+        head = self._file.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path} is too short to be a safetensors file")
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8:
+            raise ValueError(f"{path} has a header of {length} bytes but only {size - 8} bytes follow")
+        header = json.loads(self._file.read(length))
+        header.pop("__metadata__", None)
+        self._start = 8 + length
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            begin, end = info["data_offsets"]
+            dtype = _DTYPES_BY_NAME[info["dtype"]]
+            if end > size - self._start or end - begin != math.prod(info["shape"]) * dtype.itemsize:
+                raise ValueError(f"{path}: tensor {name!r} does not fit the file")
+            self.entries[name] = (dtype, tuple(info["shape"]), begin, end)
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Elements ``[start, start + out.numel())`` of ``name``, flattened, into ``out`` (contiguous, CPU)."""
+        dtype, _, begin, _ = self.entries[name]
+        direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
+        target = out if direct else torch.empty(out.numel(), dtype=dtype)
+        self._file.seek(self._start + begin + start * dtype.itemsize)
+        view = memoryview(target.view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
+        if view.nbytes and self._file.readinto(view) != view.nbytes:
+            raise ValueError(f"tensor {name!r} ends early")
+        if target is not out:
+            out.copy_(target)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        dtype, shape, _, _ = self.entries[name]
+        out = torch.empty(shape, dtype=dtype)
+        self.read_into(name, 0, out.view(-1) if out.dim() else out.view(1))
+        return out
+
+    def close(self) -> None:
+        self._file.close()
