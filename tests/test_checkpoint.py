@@ -81,7 +81,7 @@ def test_resharding_across_strategies_stages_and_chunk_sizes(before, after, worl
     _assert_close(_run(world_after, "gpt", after, tmp_path, "load"), reference, bitwise=False)
 
 
-@pytest.mark.parametrize("case", ["frozen", "unused", "buffers", "twice"])
+@pytest.mark.parametrize("case", ["frozen", "unused", "buffers"])
 def test_zoo_models_resume_bitwise(case, tmp_path):
     """Frozen parameters and param groups, parameters without gradients, buffers, reused layers."""
     config = _config(chunk_size=64)
@@ -89,7 +89,7 @@ def test_zoo_models_resume_bitwise(case, tmp_path):
     _assert_close(_run(2, case, config, tmp_path, "load"), reference, bitwise=True)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam_foreach", "adamw_fused"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adamw_fused"])
 def test_optimizers_resume_bitwise(optimizer, tmp_path):
     config = _config()
     reference = _run(2, "gpt", config, tmp_path, "save", optimizer=optimizer)
@@ -150,12 +150,30 @@ def test_resume_across_placement_policies(before, after, tmp_path):
     _assert_close(_run(2, "gpt", config(after), ckpt, "load"), reference, bitwise=True)
 
 
+def _rng_worker(directory, mode):
+    import torch.distributed as dist
+
+    from zero_core import load_checkpoint, save_checkpoint
+    from zero_core.testing.checkpointing import build
+
+    rank = dist.get_rank()
+    model, opt = build("gpt", _config(), seed=100 + rank if mode == "save" else 7)
+    if mode == "save":
+        torch.rand(5 + 3 * rank)  # each rank's generator somewhere else
+        save_checkpoint(model, opt, directory)
+    else:
+        load_checkpoint(model, opt, directory)
+    state = torch.random.get_rng_state()
+    model.close()
+    return state
+
+
 def test_random_state_is_restored_per_rank(tmp_path):
-    config = _config()
-    saved = run_distributed(phase, 2, "gpt", config, str(tmp_path), mode="save", k=K)
-    resumed = run_distributed(phase, 2, "gpt", config, str(tmp_path), mode="load", k=K, j=0)
-    for rank in range(2):  # the generator is where it was when the checkpoint was saved
-        assert torch.equal(saved[rank]["rng"], resumed[rank]["rng"])
+    saved = run_distributed(_rng_worker, 2, str(tmp_path), "save")
+    resumed = run_distributed(_rng_worker, 2, str(tmp_path), "load")
+    assert not torch.equal(saved[0], saved[1])
+    for rank in range(2):  # each rank's generator is where that rank's was when the checkpoint was saved
+        assert torch.equal(saved[rank], resumed[rank])
 
 
 def test_saving_again_replaces_the_checkpoint_and_removes_the_old_files(tmp_path):
@@ -201,3 +219,56 @@ def test_parameters_only_checkpoint(tmp_path):
     assert states == 0  # the optimizer was left as it was
     for name, value in saved.items():
         assert torch.equal(params[name], value), name
+
+
+def _tied_into_untied(directory):
+    from zero_core import load_checkpoint
+    from zero_core.testing.checkpointing import build
+    from zero_core.testing.zoo import ZooCase, get_case
+
+    tied = get_case("gpt")
+
+    def untied():
+        model = tied.build()
+        model.head.weight = torch.nn.Parameter(model.wte.weight.detach().clone())
+        return model
+
+    model, opt = build(ZooCase("gpt-untied", untied, tied.batch, tied.loss, chunk_size=300), _config(), seed=9)
+    load_checkpoint(model, opt, directory)
+    params = model.full_parameters()
+    model.close()
+    return params
+
+
+def test_a_tied_checkpoint_loads_into_an_untied_model(tmp_path):
+    # tied: stored once, under wte.weight
+    saved = run_distributed(phase, 2, "gpt", _config(), str(tmp_path), mode="save", k=K)[0]
+    params = run_distributed(_tied_into_untied, 2, str(tmp_path))[0]
+    assert torch.equal(params["head.weight"], params["wte.weight"])
+    assert torch.equal(params["wte.weight"], saved["params"]["wte.weight"])
+
+
+def _disk_tier_after_save(directory, tier_dir):
+    from zero_core import save_checkpoint
+    from zero_core.testing.checkpointing import build, train_steps
+    from zero_core.testing.zoo import get_case
+    from zero_offload._tiers import Part
+
+    config = _config(placement="static", placement_options={
+        "offload_optim_frac": 1.0, "offload_param_frac": 1.0, "host_budget_mb": 0.07, "disk_dir": tier_dir})
+    model, opt = build("gpt", config)
+    train_steps(model, opt, get_case("gpt"), 0, 1)
+    tiers = model.engine.placement.tiers
+    before = (dict(tiers.used), set(tiers.staged))
+    save_checkpoint(model, opt, directory)
+    after = (dict(tiers.used), set(tiers.staged))
+    on_disk = sum(1 for c in model.engine.chunks if tiers.tier(c, Part.PARAMS).value == "disk")
+    model.close()
+    return before, after, on_disk
+
+
+def test_saving_reads_disk_resident_shards_one_chunk_at_a_time_and_drops_them(tmp_path):
+    """At one rank every chunk is kept gathered; their disk-resident shards must not stay in host memory."""
+    before, after, on_disk = run_distributed(_disk_tier_after_save, 1, str(tmp_path / "ckpt"), str(tmp_path / "tier"))[0]
+    assert on_disk > 0
+    assert after == before  # nothing left staged, host accounting unchanged

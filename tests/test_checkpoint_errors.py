@@ -77,7 +77,7 @@ def test_checkpoint_of_another_model(world, saved):
     _all_raise(results, "does not match this model", "missing", "'a.weight'", "unexpected", "'wte.weight'")
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [2])
 def test_checkpoint_with_other_shapes(world, saved):
     results = run_distributed(_try_load, world, "gpt-wide", str(saved))
     _all_raise(results, "shape mismatch", "'wte.weight'", "(37, 18) saved, (80, 18) in the model")
@@ -88,7 +88,7 @@ def test_strict_false_skips_missing_and_unexpected_keys_but_never_shapes(saved):
     assert "shape mismatch" in message
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 4])
 @pytest.mark.parametrize("damage", ["truncate", "corrupt"])
 def test_damaged_shard_is_detected_by_size_or_checksum(world, damage, saved):
     metadata = json.loads((saved / "zero_checkpoint.json").read_text())
@@ -104,7 +104,7 @@ def test_damaged_shard_is_detected_by_size_or_checksum(world, damage, saved):
     _all_raise(results, expected, target.name)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [2])
 def test_not_a_checkpoint(world, tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "other").mkdir()
@@ -116,7 +116,7 @@ def test_not_a_checkpoint(world, tmp_path):
         _all_raise(run_distributed(_try_load, world, "gpt", str(path)), fragment)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 4])
 def test_incomplete_checkpoint_without_metadata(world, tmp_path):
     _save(world, tmp_path)
     (tmp_path / "zero_checkpoint.json").unlink()
@@ -213,7 +213,7 @@ def _save_into(path):
     return errors
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [2])
 def test_saving_where_nothing_can_be_written(world, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -257,7 +257,7 @@ def test_full_state_dict_write_failure_keeps_the_old_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 4])
 def test_full_state_dict_of_another_model(world, tmp_path):
     torch.save(get_case("odd_sizes").build().state_dict(), tmp_path / "other.pt")
     _all_raise(run_distributed(_try_load, world, "gpt", str(tmp_path / "other.pt"), full=True),

@@ -105,8 +105,7 @@ def buffers_saved_at_2(tmp_path_factory):
     return directory
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+@pytest.mark.parametrize(("fmt", "world"), [("safetensors", 1), ("pt", 2), ("safetensors", 4)])
 def test_load_full_state_dict_reshards(world, fmt, buffers_saved_at_2):
     """Saved at 2 ranks with chunks, loaded at 1, 2 and 4 ranks (tensor-wise at 4), eager or lazy."""
     tmp_path = buffers_saved_at_2
@@ -205,3 +204,91 @@ def test_directory_of_several_safetensors_files(tmp_path):
     params = run_distributed(_pretrained, 2, "gpt", ZeroConfig(chunk=ChunkPolicy(chunk_size=300)), str(tmp_path))[0]
     for name, value in plain.named_parameters():
         assert torch.equal(params[name], value.detach()), name
+
+
+def _load_from_twice(good, bad):
+    """A wrong file fails before anything is built, naming load_strict; the same model then loads the right one."""
+    from zero_core import CheckpointError, shard
+    from zero_core.testing.parity import make_optimizer
+
+    case = get_case("gpt")
+    torch.manual_seed(1)
+    model = case.build()
+    opt = make_optimizer(case, model)
+    try:
+        shard(model, opt, config=ZeroConfig(chunk=ChunkPolicy(chunk_size=300)), load_from=bad)
+        message = None
+    except CheckpointError as exc:
+        message = str(exc)
+    sharded, _ = shard(model, opt, config=ZeroConfig(chunk=ChunkPolicy(chunk_size=300)), load_from=good)
+    params = sharded.full_parameters()
+    sharded.close()
+    return message, params
+
+
+def test_load_from_is_checked_before_anything_is_built(tmp_path):
+    torch.manual_seed(3)
+    plain = get_case("gpt").build()
+    torch.save(plain.state_dict(), tmp_path / "good.pt")
+    torch.save({**plain.state_dict(), "extra.bias": torch.zeros(3)}, tmp_path / "bad.pt")
+    for message, params in run_distributed(_load_from_twice, 2, str(tmp_path / "good.pt"), str(tmp_path / "bad.pt")):
+        assert "nothing was built" in message and "'extra.bias'" in message and "load_strict=False" in message
+        for name, value in plain.named_parameters():
+            assert torch.equal(params[name], value.detach()), name
+
+
+def _partial_pretrained(path, lazy):
+    from zero_core.testing.checkpointing import build
+
+    case = get_case("gpt")
+    config = ZeroConfig(chunk=ChunkPolicy(chunk_size=300))
+    init, _ = build(case, config, lazy=lazy)
+    expected = init.full_parameters()
+    init.close()
+    from zero_core import lazy_init, shard
+    from zero_core.testing.parity import SEED, make_optimizer
+
+    torch.manual_seed(SEED)
+    if lazy:
+        with lazy_init():
+            model = case.build()
+    else:
+        model = case.build()
+    sharded, _ = shard(model, make_optimizer(case, model), config=config, load_from=path, load_strict=False)
+    params = sharded.full_parameters()
+    sharded.close()
+    return expected, params
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_load_strict_false_keeps_the_initial_values_of_what_the_file_lacks(lazy, tmp_path):
+    torch.manual_seed(3)
+    plain = get_case("gpt").build()
+    state = {k: v for k, v in plain.state_dict().items() if not k.startswith("blocks.1.")}
+    state["unrelated"] = torch.zeros(2)
+    torch.save(state, tmp_path / "partial.pt")
+    expected, params = run_distributed(_partial_pretrained, 2, str(tmp_path / "partial.pt"), lazy)[0]
+    for name, value in params.items():
+        want = expected[name] if name.startswith("blocks.1.") else dict(plain.named_parameters())[name].detach()
+        assert torch.equal(value, want), name
+
+
+def _full_load_of_a_checkpoint_dir(directory):
+    from zero_core import CheckpointError
+
+    model, _ = build(get_case("gpt"), ZeroConfig(chunk=ChunkPolicy(chunk_size=300)))
+    try:
+        model.load_full_state_dict(directory, strict=False)
+        return None
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        model.close()
+
+
+def test_a_sharded_checkpoint_is_not_taken_for_a_state_dict(tmp_path):
+    from zero_core.testing.checkpointing import phase
+
+    run_distributed(phase, 2, "gpt", ZeroConfig(chunk=ChunkPolicy(chunk_size=300)), str(tmp_path), mode="save", k=1)
+    for message in run_distributed(_full_load_of_a_checkpoint_dir, 2, str(tmp_path)):
+        assert "zero_core.load_checkpoint" in message

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from zero_core.errors import CheckpointError
 
-__all__ = ["raise_if_any_failed"]
+__all__ = ["agree_ok", "raise_if_any_failed"]
 
 
 def raise_if_any_failed(comm: Any, error: str | None, what: str) -> None:
@@ -25,3 +27,16 @@ def raise_if_any_failed(comm: Any, error: str | None, what: str) -> None:
     if failed:
         rank, message = failed[0]
         raise CheckpointError(f"{what} (on rank {rank}): {message}")
+
+
+def agree_ok(comm: Any, error: str | None, what: str) -> None:
+    """A cheap check for loops (one flag all-reduce): if any rank has an error, every rank raises.
+
+    The messages are gathered only when something failed.
+    """
+    if comm.world_size > 1:
+        failed = bool(comm.agree_any(torch.tensor([error is not None], dtype=torch.uint8))[0].item())
+        if failed:
+            raise_if_any_failed(comm, error, what)
+    elif error is not None:
+        raise CheckpointError(f"{what}: {error}")

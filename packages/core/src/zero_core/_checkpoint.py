@@ -30,12 +30,13 @@ import os
 import platform
 import re
 import uuid
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zero_core._agreement import raise_if_any_failed
+from zero_core._agreement import agree_ok, raise_if_any_failed
 from zero_core._atomic import TMP_MARK, atomic_write, file_sha256, fsync_dir
 from zero_core._layout import ModelLayout, check_names, publish_kept
 from zero_core._safetensors_stream import SafetensorsRangeReader, SafetensorsWriter
@@ -52,6 +53,7 @@ METADATA = "zero_checkpoint.json"
 FORMAT = "zero-sharded-checkpoint"
 VERSION = 1
 _OURS = re.compile(r"^[0-9a-f]{16}\.(rank\d{5}-of-\d{5}\.safetensors|extra\.pt)(" + re.escape(TMP_MARK) + r"\d+)?$")
+_METADATA_TMP = re.compile("^" + re.escape(METADATA + TMP_MARK) + r"\d+$")
 
 
 def _rank_file(save_id: str, rank: int, world: int) -> str:
@@ -71,13 +73,12 @@ def _dtype(name: str) -> torch.dtype:
 
 # -- what a rank holds ------------------------------------------------------------------------
 def _segment_states(engine: Engine) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
-    """Each segment parameter's optimizer state (by id), read through ``optimizer.state_dict()`` so
-    placement policies put disk-resident values in; and the param groups' hyperparameters."""
+    """Each segment parameter's optimizer state as the optimizer holds it (by id: disk-resident values are
+    stand-ins of the right shape and dtype, read chunk by chunk while writing); and each param group's
+    hyperparameters."""
     optimizer = engine.optimizer
-    saved = optimizer.state_dict()
-    order = [p for group in optimizer.param_groups for p in group["params"]]
-    states = {id(order[i]): state for i, state in saved["state"].items()}
-    groups = [{k: _jsonable(v) for k, v in group.items() if k != "params"} for group in saved["param_groups"]]
+    states = {id(seg.param): optimizer.state.get(seg.param, {}) for chunk in engine.chunks for seg in chunk.segments}
+    groups = [{k: _jsonable(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     return states, groups
 
 
@@ -145,9 +146,14 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra:
         try:
             metadata = _metadata(engine, save_id, descriptions)
             atomic_write(directory / METADATA, lambda stream: stream.write(json.dumps(metadata, indent=1).encode()))
-            _remove_stale(directory, save_id)
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = f"writing the metadata failed ({type(exc).__name__}: {exc}); the previous checkpoint there is intact"
+        else:
+            try:  # the new checkpoint is complete; what is left is housekeeping
+                _remove_stale(directory, save_id)
+            except OSError as exc:
+                warnings.warn(f"the checkpoint in {directory} is complete, but files of earlier saves could not be "
+                              f"removed ({exc}); the next save tries again", stacklevel=2)
     raise_if_any_failed(engine.comm, error, f"saving a checkpoint to {directory} failed")
 
 
@@ -186,7 +192,7 @@ def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, w
         entries += [(f"b/{key}", buf.dtype, tuple(buf.shape)) for key, buf in layout.buffers.items()]
     rng = torch.random.get_rng_state()
     entries.append(("rng/cpu", rng.dtype, tuple(rng.shape)))
-    cuda_rng = torch.cuda.get_rng_state() if engine.device.type == "cuda" else None
+    cuda_rng = torch.cuda.get_rng_state(engine.device) if engine.device.type == "cuda" else None
     if cuda_rng is not None:
         entries.append(("rng/cuda", cuda_rng.dtype, tuple(cuda_rng.shape)))
 
@@ -199,15 +205,18 @@ def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, w
                 continue
             placement.before_gather([chunk])  # a shard on disk is read in for the save, and dropped after
             try:
+                # states kept out of memory are read back one chunk at a time, and dropped after it
+                readable = placement.optimizer_states(chunk) if with_optimizer else {}
                 begin = chunk.rank * chunk.shard_size
                 for slot, name, lo, hi in chunk_pieces:
                     offset = chunk.slots[slot].offset
                     writer.write(f"p/{name}", chunk.shard[offset + lo - begin : offset + hi - begin])
                     seg = segment_of.get((chunk.index, slot))
-                    state = states.get(id(seg.param), {}) if seg is not None else {}
+                    state = readable.get(id(seg.param), {}) if seg is not None else {}
                     for key, value in state.items():
                         if isinstance(value, torch.Tensor) and value.dim() > 0:
                             writer.write(f"o/{name}/{key}", value)
+                del readable
             finally:
                 placement.after_release([chunk])
         if rank == 0:
@@ -259,7 +268,7 @@ def _metadata(engine: Engine, save_id: str, descriptions: list[dict[str, Any]]) 
 def _remove_stale(directory: Path, save_id: str) -> None:
     """Files of earlier saves (and interrupted ones) in this directory, now that the metadata names the new ones."""
     for path in directory.iterdir():
-        if _OURS.match(path.name) and not path.name.startswith(save_id + "."):
+        if (_OURS.match(path.name) and not path.name.startswith(save_id + ".")) or _METADATA_TMP.match(path.name):
             path.unlink(missing_ok=True)
     fsync_dir(directory)
 
@@ -365,16 +374,16 @@ def load_checkpoint(
     comm = engine.comm
     layout = ModelLayout.of(engine.module, engine.chunks)
     error = None
+    extra = None
     metadata: dict[str, Any] = {}
     reads: list[tuple[Chunk, int, str, int, int]] = []
     try:
         metadata = read_metadata(directory)
         shapes = {**{n: tuple(i["shape"]) for n, i in metadata["params"].items()},
                   **{n: tuple(i["shape"]) for n, i in metadata["buffers"].items()}}
-        for name, twins in metadata.get("tied", {}).items():
-            for twin in twins:
-                shapes.setdefault(twin, shapes[name])
-        check_names(layout, shapes, strict=strict, what=f"the checkpoint at {directory}")
+        # the saved model's ties: a twin's values are stored under its first name only
+        aliases = {twin: name for name, twins in metadata.get("tied", {}).items() for twin in twins}
+        check_names(layout, shapes, strict=strict, what=f"the checkpoint at {directory}", aliases=aliases)
         if load_optimizer:
             if metadata["optimizer"] is None:
                 raise CheckpointError(
@@ -397,7 +406,7 @@ def load_checkpoint(
         for chunk in engine.chunks:
             for i, slot in enumerate(chunk.slots):
                 lo, hi = chunk.own_range(i)
-                name = layout.source_name(slot.name, reader_meta)
+                name = layout.param_source(slot.param, reader_meta, aliases)
                 if lo >= hi or name is None:
                     continue
                 reads.append((chunk, i, name, lo, hi))
@@ -410,34 +419,34 @@ def load_checkpoint(
             needed.add(comm.rank)
         if metadata.get("extra") is not None:
             _verify(directory, metadata["extra"])
+            # unpickled now: an object that cannot be unpickled must fail the load before anything changes
+            extra = torch.load(directory / metadata["extra"]["name"], map_location="cpu", weights_only=False)
         for rank in sorted(needed):
             _verify(directory, metadata["files"][rank])
     except CheckpointError as exc:
         error = str(exc)
-    except (OSError, KeyError, TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - a damaged file or an extra object that cannot be unpickled
         error = f"{directory} holds a damaged checkpoint ({type(exc).__name__}: {exc})"
     raise_if_any_failed(engine.comm, error, f"loading the checkpoint at {directory} failed; nothing was changed")
 
     reader = _Reader(directory, metadata)
     with torch.no_grad():
-        _load_params(engine, reader, reads, layout)
-        if load_optimizer and engine.optimizer is not None:
-            _load_optimizer(engine, reader, reads, metadata)
+        _load_params(engine, reader, reads, layout, metadata, load_optimizer)
     if engine.scaler is not None and metadata.get("loss_scaler") is not None:
         engine.scaler.load_state_dict(metadata["loss_scaler"])
     engine.step_count = int(metadata["step"])
     if load_rng and comm.rank < metadata["world_size"]:  # the same rank's generator, where it was at the save
         torch.random.set_rng_state(reader.tensor(comm.rank, "rng/cpu"))
         if engine.device.type == "cuda" and reader.has(comm.rank, "rng/cuda"):
-            torch.cuda.set_rng_state(reader.tensor(comm.rank, "rng/cuda"))
+            torch.cuda.set_rng_state(reader.tensor(comm.rank, "rng/cuda"), engine.device)
     reader.close()
-    extra = None
-    if metadata.get("extra") is not None:
-        extra = torch.load(directory / metadata["extra"]["name"], map_location="cpu", weights_only=False)
     return extra
 
 
-def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, str, int, int]], layout: ModelLayout) -> None:
+def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, str, int, int]], layout: ModelLayout,
+                 metadata: dict[str, Any], load_optimizer: bool) -> None:
+    """Parameters (and optimizer states) chunk by chunk: read straight into the shard, states beside it,
+    then the placement policy takes both where it keeps them before the next chunk is read."""
     by_chunk: dict[int, list[tuple[int, str, int, int]]] = {}
     for chunk, i, name, lo, hi in reads:
         by_chunk.setdefault(chunk.index, []).append((i, name, lo, hi))
@@ -446,10 +455,17 @@ def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, st
         todo = by_chunk.get(chunk.index, [])
         placement.before_load([chunk])
         try:
-            begin = chunk.rank * chunk.shard_size
-            for i, name, lo, hi in todo:  # straight into the shard: no intermediate copy
-                offset = chunk.slots[i].offset
-                reader.read_into(f"p/{name}", name, lo, chunk.shard[offset + lo - begin : offset + hi - begin])
+            error = None
+            try:
+                begin = chunk.rank * chunk.shard_size
+                for i, name, lo, hi in todo:  # straight into the shard: no intermediate copy
+                    offset = chunk.slots[i].offset
+                    reader.read_into(f"p/{name}", name, lo, chunk.shard[offset + lo - begin : offset + hi - begin])
+                if load_optimizer:
+                    _load_states(engine, chunk, reader, {i: (name, lo, hi) for i, name, lo, hi in todo}, metadata)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the next collective
+                error = f"{type(exc).__name__}: {exc}"
+            agree_ok(engine.comm, error, "loading the checkpoint stopped partway; the model is partly loaded, load it again")
             publish_kept(chunk, engine.comm)
         finally:
             placement.after_load([chunk])
@@ -457,31 +473,36 @@ def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, st
         name = layout.source_name(key, reader.metadata["buffers"])
         if name is not None:
             buf.copy_(reader.tensor(0, f"b/{name}").view(buf.shape))
+    if load_optimizer:
+        for group, hyper in zip(engine.optimizer.param_groups, metadata["optimizer"]["param_groups"]):
+            group.update({k: v for k, v in hyper.items() if k != "params"})
 
 
-def _load_optimizer(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, str, int, int]],
-                    metadata: dict[str, Any]) -> None:
-    """Build the optimizer's state dict for this rank's segments from the saved pieces, and load it."""
+def _load_states(engine: Engine, chunk: Chunk, reader: _Reader, where: dict[int, tuple[str, int, int]],
+                 metadata: dict[str, Any]) -> None:
+    """Replace the optimizer states of ``chunk``'s segments by the saved ones, as torch's
+    ``load_state_dict`` places them: per-element states on the segment's device and dtype, step counts
+    on the CPU (on the device for fused and capturable groups)."""
     optimizer = engine.optimizer
     saved = metadata["optimizer"]
-    where = {(chunk.index, i): (name, lo, hi) for chunk, i, name, lo, hi in reads}
-    number = {id(p): n for n, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
-    state: dict[int, dict[str, Any]] = {}
-    for chunk in engine.chunks:
-        for seg in chunk.segments:
-            found = where.get((chunk.index, seg.slot))
-            if found is None:
-                continue
-            name, lo, hi = found
-            entry: dict[str, Any] = {}
-            for key, value in saved["scalars"].get(name, {}).items():
-                entry[key] = torch.tensor(value["value"], dtype=_dtype(value["tensor"])) if "tensor" in value else value["value"]
-            for key in saved["state_keys"].get(name, []):
-                dtype = seg.param.dtype
-                entry[key] = reader.read(f"o/{name}/{key}", name, lo, hi, dtype)
-            if entry:
-                state[number[id(seg.param)]] = entry
-    groups = []
-    for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
-        groups.append({**hyper, "params": [number[id(p)] for p in group["params"]]})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    group = optimizer.param_groups[chunk.group] if chunk.group is not None else {}
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    for seg in chunk.segments:
+        found = where.get(seg.slot)
+        if found is None:
+            continue
+        name, lo, hi = found
+        entry: dict[str, Any] = {}
+        for key, value in saved["scalars"].get(name, {}).items():
+            if "tensor" in value:
+                scalar = torch.tensor(value["value"], dtype=_dtype(value["tensor"]))
+                entry[key] = scalar.to(seg.param.device) if on_device else scalar
+            else:
+                entry[key] = value["value"]
+        for key in saved["state_keys"].get(name, []):
+            values = reader.read(f"o/{name}/{key}", name, lo, hi, seg.param.dtype)
+            entry[key] = values.to(seg.param.device)
+        if entry:
+            optimizer.state[seg.param] = entry
+        else:
+            optimizer.state.pop(seg.param, None)

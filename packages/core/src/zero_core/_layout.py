@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zero_core._agreement import agree_ok
 from zero_core.chunk import Chunk
 from zero_core.comm import CommBackend
 from zero_core.errors import CheckpointError
@@ -23,22 +24,25 @@ class ModelLayout:
 
     Attributes:
         keys: Every key of ``module.state_dict()`` in its order (tied parameters under each of their names).
-        params: Parameter keys -> ``(chunk, slot)``.
         names: ``id(param)`` -> its keys, in state dict order (more than one when tied).
+        twins: Every parameter key -> all keys of the same parameter (itself included).
+        slots: ``id(param)`` -> ``(chunk, slot)``, once sharded.
         buffers: Persistent buffer keys -> the buffer tensor itself (written in place when loading).
         shapes: Every key -> its shape.
     """
 
     keys: list[str]
-    params: dict[str, tuple[Chunk, int]]
     names: dict[int, list[str]]
+    twins: dict[str, list[str]]
+    slots: dict[int, tuple[Chunk, int]]
     buffers: dict[str, torch.Tensor]
     shapes: dict[str, tuple[int, ...]]
 
     @classmethod
-    def of(cls, module: nn.Module, chunks: Sequence[Chunk]) -> ModelLayout:
-        where = {id(slot.param): (chunk, i) for chunk in chunks for i, slot in enumerate(chunk.slots)}
-        params: dict[str, tuple[Chunk, int]] = {}
+    def of(cls, module: nn.Module, chunks: Sequence[Chunk] = ()) -> ModelLayout:
+        """The layout of ``module``, sharded into ``chunks`` (or not yet: then shapes are the parameters' own)."""
+        slots = {id(slot.param): (chunk, i) for chunk in chunks for i, slot in enumerate(chunk.slots)}
+        params = {id(p): p for p in module.parameters()}
         names: dict[int, list[str]] = {}
         buffers: dict[str, torch.Tensor] = {}
         shapes: dict[str, tuple[int, ...]] = {}
@@ -47,26 +51,33 @@ class ModelLayout:
             if not isinstance(value, torch.Tensor):
                 continue  # extra state objects are the model's own business
             keys.append(key)
-            if id(value) in where:
-                chunk, i = where[id(value)]
-                params[key] = (chunk, i)
+            if id(value) in params:
                 names.setdefault(id(value), []).append(key)
-                shapes[key] = tuple(chunk.slots[i].shape)
+                slot = slots.get(id(value))
+                shapes[key] = tuple(slot[0].slots[slot[1]].shape) if slot else tuple(value.shape)
             else:
                 buffers[key] = value
                 shapes[key] = tuple(value.shape)
-        return cls(keys, params, names, buffers, shapes)
+        twins = {key: group for group in names.values() for key in group}
+        return cls(keys, names, twins, slots, buffers, shapes)
 
-    def source_name(self, key: str, available: Mapping[str, object] | set[str]) -> str | None:
-        """The name under which ``key``'s values are found: itself, or a tied twin's name."""
-        if key in available:
-            return key
-        if key in self.params:
-            chunk, i = self.params[key]
-            for other in self.names[id(chunk.slots[i].param)]:
-                if other in available:
-                    return other
+    def source_name(self, key: str, available: Mapping[str, object] | set[str],
+                    aliases: Mapping[str, str] | None = None) -> str | None:
+        """The name under which ``key``'s values are found: itself or a tied twin, or a name that
+        ``aliases`` (the source's own ties: twin -> stored name) maps one of them to."""
+        for name in self.twins.get(key, [key]):
+            if name in available:
+                return name
+        for name in self.twins.get(key, [key]):
+            if aliases and aliases.get(name) in available:
+                return aliases[name]
         return None
+
+    def param_source(self, param: torch.Tensor, available: Mapping[str, object] | set[str],
+                     aliases: Mapping[str, str] | None = None) -> str | None:
+        """The stored name a parameter's values are read from, or ``None`` when the source lacks it."""
+        names = self.names.get(id(param))
+        return self.source_name(names[0], available, aliases) if names else None
 
 
 def _listed(names: Sequence[str]) -> str:
@@ -74,17 +85,19 @@ def _listed(names: Sequence[str]) -> str:
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
-def check_names(layout: ModelLayout, shapes: Mapping[str, tuple[int, ...]], *, strict: bool, what: str) -> None:
+def check_names(layout: ModelLayout, shapes: Mapping[str, tuple[int, ...]], *, strict: bool, what: str,
+                aliases: Mapping[str, str] | None = None, lenient: str = "pass strict=False") -> None:
     """Raise :class:`CheckpointError` naming every missing key, unexpected key and shape mismatch.
 
     A tied parameter is present when any of its names is. ``strict=False`` allows missing
     and unexpected keys (those parameters keep their values), never a shape mismatch.
+    ``lenient`` says how the caller relaxes strictness, for the message.
     """
-    missing = [k for k in layout.keys if layout.source_name(k, shapes) is None]
+    missing = [k for k in layout.keys if layout.source_name(k, shapes, aliases) is None]
     unexpected = [k for k in shapes if k not in layout.shapes]
     mismatched = []
     for key in layout.keys:
-        name = layout.source_name(key, shapes)
+        name = layout.source_name(key, shapes, aliases)
         if name is not None and tuple(shapes[name]) != layout.shapes[key]:
             mismatched.append(f"{key!r}: {tuple(shapes[name])} saved, {layout.shapes[key]} in the model")
     problems = []
@@ -97,7 +110,7 @@ def check_names(layout: ModelLayout, shapes: Mapping[str, tuple[int, ...]], *, s
     if problems:
         raise CheckpointError(
             f"{what} does not match this model: " + "; ".join(problems) +
-            ". Nothing was loaded. Check that it was saved from the same model (or pass strict=False to skip "
+            f". Nothing was loaded. Check that it was saved from the same model (or {lenient} to skip "
             "missing and unexpected keys)."
         )
 
@@ -109,24 +122,28 @@ def fill_from_source(layout: ModelLayout, source: object, chunks: Sequence[Chunk
 
     Each rank reads only the elements of each parameter its shard holds; kept full buffers
     are then all-gathered from the shards (collective). ``before(chunks)`` and ``after(chunks)``
-    bracket each chunk's writes (a placement policy's ``before_load`` and ``after_load``).
+    bracket each chunk's writes (a placement policy's ``before_load`` and ``after_load``). A
+    read that fails on any rank makes every rank raise, before the next collective.
     """
     available = set(source.keys())  # type: ignore[attr-defined]
     for chunk in chunks:
         if before is not None:
             before([chunk])  # type: ignore[operator]
-        for i, slot in enumerate(chunk.slots):
-            name = next((layout.source_name(k, available) for k in layout.names.get(id(slot.param), [slot.name])
-                         if layout.source_name(k, available) is not None), None)
-            if name is None:
-                continue
-            lo, hi = chunk.own_range(i)
-            if lo < hi:
-                values = source.read(name, lo, hi)  # type: ignore[attr-defined]
-                chunk.fill(i, values.to(chunk.master_dtype), lo=lo)
-        publish_kept(chunk, comm)
-        if after is not None:
-            after([chunk])  # type: ignore[operator]
+        try:
+            error = None
+            try:
+                for i, slot in enumerate(chunk.slots):
+                    name = layout.param_source(slot.param, available)
+                    lo, hi = chunk.own_range(i)
+                    if name is not None and lo < hi:
+                        chunk.fill(i, source.read(name, lo, hi).to(chunk.master_dtype), lo=lo)  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the next collective
+                error = f"reading {source.description} failed ({type(exc).__name__}: {exc})"  # type: ignore[attr-defined]
+            agree_ok(comm, error, "loading stopped partway; the model is partly loaded, so load again")
+            publish_kept(chunk, comm)
+        finally:
+            if after is not None:
+                after([chunk])  # type: ignore[operator]
     for key, buf in layout.buffers.items():
         name = layout.source_name(key, available)
         if name is not None:

@@ -8,7 +8,10 @@ operator that touches a meta tensor is recorded, in order, with its arguments: t
 ``copy_`` of a constant. :func:`zero_core.shard` then replays the log on real tensors
 with the random generator as it was when the context was entered, so every random
 draw happens in the same order as in eager construction and the values are the same,
-bit for bit.
+bit for bit. When the context closes, the generator is advanced past the draws eager
+construction would have made (the log's random operators run once on scratch
+tensors), so whatever draws next (data, dropout, another lazily built model) sees the
+generator where an eager run would.
 
 Replaying does not hold the model: each storage is allocated when the log first
 writes it and freed after the last operator that touches it. An operator that
@@ -46,6 +49,12 @@ _META = torch.device("meta")
 _OVERWRITES = {
     "uniform_", "normal_", "fill_", "zero_", "random_", "exponential_", "log_normal_", "cauchy_", "geometric_",
     "copy_", "bernoulli_",
+}
+# Operators that draw from a random generator (names without overload).
+_RANDOM = {
+    "uniform_", "normal_", "random_", "exponential_", "log_normal_", "cauchy_", "geometric_", "bernoulli_",
+    "bernoulli", "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "normal",
+    "multinomial", "poisson", "native_dropout", "rrelu_with_noise", "rrelu_with_noise_",
 }
 # Data constructors keep their values: they are made on the CPU and copied into the recorded meta tensor.
 _DATA_CONSTRUCTORS = {torch.tensor, torch.as_tensor, torch.asarray}
@@ -148,15 +157,14 @@ class LazyRecording:
     # -- replay ---------------------------------------------------------------------------
     def replay(
         self, *, device: torch.device, finals: dict[int, Callable[[torch.UntypedStorage], None]],
-        rng_state: torch.Tensor, run_all: bool = True, continue_rng: bool = True,
+        rng_state: torch.Tensor, run_all: bool = True,
     ) -> None:
         """Run the log on ``device``; call ``finals[key](storage)`` when storage ``key`` holds its final value.
 
         ``run_all=False`` runs only the operators the storages in ``finals`` depend on (their
         values are then the same, but the random generator does not advance as in eager
-        construction: for values that are about to be overwritten by a load). With
-        ``continue_rng``, the generator is left where eager construction would have left it,
-        if nothing drew from it since the context was entered.
+        construction: for values that are about to be overwritten by a load). The random
+        generator is left as it was (see :meth:`advance_generator`).
         """
         ops = self.ops
         needed = self._needed(set(finals)) if not run_all else None
@@ -244,18 +252,48 @@ class LazyRecording:
                         run(op)
                     for key, e in ends.get(i, ()):
                         release(key, e)
-            after = torch.random.get_rng_state()
         finally:
             torch.random.set_rng_state(previous)
-        if run_all and continue_rng and torch.equal(previous, self.rng_state):
-            # nothing drew from the generator since the context was entered: go on where eager construction would
-            torch.random.set_rng_state(after)
         untouched = set(finals) - {key for key, _ in last}
         if untouched:
             raise ZeroSetupError(
                 f"lazy initialisation has no record of {len(untouched)} parameter or buffer storage(s); "
                 "build the model eagerly or entirely inside zero_core.lazy_init()"
             )
+
+    @torch.no_grad()
+    def advance_generator(self) -> bool:
+        """Draw from the random generator what eager construction would have drawn, into scratch memory.
+
+        Run when the context closes: the values are computed later by :meth:`replay` (from
+        the state saved at entry), but the generator must already be where eager construction
+        leaves it, so that later draws (data, dropout, the next model built lazily) match eager
+        runs. Only random operators run, each on a fresh tensor freed at once. Returns False
+        (and warns) if one cannot run this way.
+        """
+        for op in self.ops:
+            name = op.func.__name__ if not isinstance(op.func, torch._ops.OpOverload) else \
+                op.func._schema.name.split("::")[-1]
+            if name not in _RANDOM and not name.startswith("_no_grad_trunc_normal_") and name not in _SKIP_META:
+                continue
+
+            def scratch(value: Any) -> Any:
+                if isinstance(value, _Ref):
+                    return torch.zeros(value.size, dtype=value.dtype) if value.size else torch.zeros((), dtype=value.dtype)
+                return torch.device("cpu") if value is _DEVICE else value
+
+            try:
+                args, kwargs = tree_map(scratch, (op.args, op.kwargs))
+                op.func(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the values are unaffected; only later draws would differ
+                warnings.warn(
+                    f"lazy_init could not advance the random generator past {name} ({exc}); the model's values are "
+                    "still those of eager construction, but random draws after the model was built differ from an "
+                    "eager run", stacklevel=3,
+                )
+                return False
+            del args, kwargs
+        return True
 
     def _needed(self, wanted: set[int]) -> set[int]:
         """Indices of the operators that contribute to the storages in ``wanted`` (walked backwards)."""
@@ -355,6 +393,7 @@ def lazy_init() -> Iterator[LazyRecording]:
     _RECORDINGS.append(recording)
     with torch.device(_META), _Constants(), _Recorder(recording), _record_skipping_initialisers(recording):
         yield recording
+    recording.advance_generator()
 
 
 def find_recording(tensors: list[torch.Tensor]) -> LazyRecording:

@@ -52,13 +52,10 @@ def materialize(
             finals.setdefault(key, []).append(
                 lambda storage, owner=owner, name=name, like=buf: owner._buffers.__setitem__(name, _view(storage, like)))
     rng_state = recording.rng_state
-    own = True
     if from_rank0 and comm.world_size > 1:
-        rank0 = comm.all_gather_object(rng_state)[0]
-        own = torch.equal(rank0, rng_state)
-        rng_state = rank0
+        rng_state = comm.all_gather_object(rng_state)[0]
     recording.replay(
         device=torch.device("cpu"),
         finals={key: (lambda storage, calls=calls: [call(storage) for call in calls]) for key, calls in finals.items()},
-        rng_state=rng_state, run_all=not params_loaded, continue_rng=own,
+        rng_state=rng_state, run_all=not params_loaded,
     )

@@ -44,6 +44,7 @@ def shard(
     example_inputs: Any = None,
     plugins: Iterable[object] = (),
     load_from: Any = None,
+    load_strict: bool = True,
 ) -> Sharded:
     """Shard ``model``'s parameters, gradients and optimizer states over the data-parallel ranks.
 
@@ -63,7 +64,10 @@ def shard(
         load_from: Initial parameter and buffer values: a plain state dict (a mapping of tensors,
             or a path to a ``.safetensors``, ``.pt``/``.bin`` file or a ``*.index.json`` of sharded
             files), loaded strictly; each rank reads only the part its shards hold. With a model
-            built under :func:`zero_core.lazy_init`, its initialisers are not run for the parameters.
+            built under :func:`zero_core.lazy_init`, its initialisers are not run for the parameters
+            the source holds. Checked against the model before anything is built.
+        load_strict: ``False`` lets ``load_from`` lack some of the model's keys (those keep their
+            initial values) or hold keys the model lacks; shapes must always match.
 
     Returns:
         ``(model, optimizer)``: use them in an ordinary loop (forward, ``loss.backward()``,
@@ -109,6 +113,7 @@ def shard(
 
     if config.check_ranks_agree:
         check_ranks_agree(params, config, comm)
+    source, complete = _open_load_source(model, load_from, load_strict, comm) if load_from is not None else (None, False)
     if config.chunk.param_order == "first_use":
         params = first_use_order(model, params, example_inputs, comm, meta=recording is not None)
     plan = strategy.plan(params, world_size=comm.world_size, config=config, hook=plugins_.manager.hook)
@@ -128,7 +133,7 @@ def shard(
         else:
             chunk.begin_fill()
         chunks.append(chunk)
-    _initial_values(model, chunks, comm, config, recording, metas, load_from)
+    _initial_values(model, chunks, comm, config, recording, metas, source, complete)
     if recording is not None:
         metas.clear()
         release_if_unused(recording)
@@ -164,25 +169,32 @@ def shard(
     return Sharded(ZeroModule(model, engine), optimizer)
 
 
+def _open_load_source(model: nn.Module, load_from: Any, strict: bool, comm: Any) -> tuple[Any, bool]:
+    """The opened ``load_from``, checked against the model before anything is built; and whether it holds
+    every parameter (then a lazily built model's initialisers need not run for them)."""
+    layout = ModelLayout.of(model)  # not sharded yet: names and shapes are the plain model's
+    error, source, complete = None, None, False
+    try:
+        source = open_source(load_from)
+        available = set(source.keys())
+        check_names(layout, {k: source.shape(k) for k in available}, strict=strict, what=source.description,
+                    lenient="pass load_strict=False to shard")
+        complete = all(layout.source_name(names[0], available) is not None for names in layout.names.values())
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait for this one
+        error = str(exc) if isinstance(exc, CheckpointError) else f"cannot read {load_from!r} ({exc})"
+    raise_if_any_failed(comm, error, "shard(load_from=...) failed; nothing was built")
+    return source, complete
+
+
 def _initial_values(
     model: nn.Module, chunks: list[Chunk], comm: Any, config: ZeroConfig, recording: LazyRecording | None,
-    metas: dict[int, torch.Tensor], load_from: Any,
+    metas: dict[int, torch.Tensor], source: Any, complete: bool,
 ) -> None:
-    """Values for shards that were not packed from real parameters: replayed initialisers, then ``load_from``."""
-    source = None
-    if load_from is not None:  # checked before any work: a wrong file fails fast, on every rank alike
-        error = None
-        try:
-            source = open_source(load_from)
-            check_names(ModelLayout.of(model, chunks), {k: source.shape(k) for k in source.keys()}, strict=True,
-                        what=source.description)
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait for this one
-            error = str(exc) if isinstance(exc, CheckpointError) else f"cannot read {load_from!r} ({exc})"
-        raise_if_any_failed(comm, error, "shard(load_from=...) failed")
+    """Values for shards that were not packed from real parameters: replayed initialisers, then ``source``."""
     with torch.no_grad():
         if recording is not None:
             materialize(recording, model, chunks, metas, comm=comm, from_rank0=config.sync_module_states,
-                        params_loaded=source is not None)
+                        params_loaded=complete)
         if source is not None:
             fill_from_source(ModelLayout.of(model, chunks), source, chunks, comm=comm)
             source.close()

@@ -121,6 +121,11 @@ def open_source(source: Any) -> StateDictSource:
         )
     path = Path(source)
     if path.is_dir():
+        if (path / "zero_checkpoint.json").is_file():
+            raise CheckpointError(
+                f"{path} is a sharded checkpoint written by zero_core.save_checkpoint, not a state dict; load it "
+                "with zero_core.load_checkpoint(model, optimizer, path)"
+            )
         indexes = sorted(path.glob("*.index.json"))
         safetensors = sorted(path.glob("*.safetensors"))
         torch_files = sorted(p for ext in ("*.pt", "*.pth", "*.bin") for p in path.glob(ext))

@@ -278,8 +278,10 @@ class Chunk:
         begin = self.rank * self.shard_size
         for slot in self.slots:
             if slot.param.device.type == "meta":  # a meta tensor cannot take real data: swap in a real one, same object
-                torch.utils.swap_tensors(slot.param, nn.Parameter(
-                    torch.empty(0, dtype=self.master_dtype, device=self.device), requires_grad=slot.param.requires_grad))
+                real = torch.Tensor._make_subclass(type(slot.param), torch.empty(0, dtype=self.master_dtype, device=self.device),
+                                                   slot.param.requires_grad)
+                real.__dict__.update(slot.param.__dict__)  # attributes set on the parameter (no_decay, ...) stay on it
+                torch.utils.swap_tensors(slot.param, real)
         with torch.no_grad():
             if self.persistent:
                 self.full.zero_()

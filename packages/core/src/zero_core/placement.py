@@ -133,6 +133,15 @@ class PlacementPolicy(ABC):
     def after_release(self, chunks: Sequence[Chunk]) -> None:
         """These chunks were just released; the policy may move their shards away."""
 
+    def optimizer_states(self, chunk: Chunk) -> dict[int, dict[str, object]]:
+        """The optimizer states of ``chunk``'s segments with readable values, by ``id(segment.param)``.
+
+        Used to save a checkpoint one chunk at a time. Default: the optimizer's own states; a
+        policy that keeps states out of memory returns fresh copies read back in.
+        """
+        state = self.context.optimizer.state
+        return {id(seg.param): state.get(seg.param, {}) for seg in chunk.segments}
+
     def before_load(self, chunks: Sequence[Chunk]) -> None:
         """Values are about to be written into these chunks' master shards (loading a checkpoint or state dict).
 
@@ -141,9 +150,9 @@ class PlacementPolicy(ABC):
         self.before_gather(chunks)
 
     def after_load(self, chunks: Sequence[Chunk]) -> None:
-        """These chunks' master shards were overwritten in place: copies the policy keeps elsewhere are stale.
-
-        Default: :meth:`after_release`.
+        """These chunks' master shards were overwritten in place, and their segments' optimizer states
+        replaced (on each segment's device): copies the policy keeps elsewhere are stale, and loaded
+        states go where the policy keeps them. Default: :meth:`after_release`.
         """
         self.after_release(chunks)
 

@@ -71,19 +71,34 @@ class TieredPolicy(PlacementPolicy):
 
     def _states_loaded(self, optimizer: torch.optim.Optimizer) -> None:
         """torch put the loaded states on each parameter's device: move each chunk's to its tier."""
-        tiers = self.tiers
         for chunk in self.chunks:
-            if not chunk.segments or not tiers.optim_bytes(chunk):
-                continue
-            tier = tiers.tier(chunk, Part.OPTIM)
-            if tier is DISK:  # the loaded values replaced the stand-ins: write them out
-                tiers.relabel(chunk, Part.OPTIM, HOST)
-                tiers.move(chunk, Part.OPTIM, DISK)
-                continue
-            device = tiers.location(tier)
-            for _, state, key, value in tiers.states(chunk):
-                if value.device != device:
-                    state[key] = value.to(device)
+            self._settle_states(chunk)
+
+    def _settle_states(self, chunk: Chunk) -> None:
+        """Freshly loaded states of ``chunk`` (in memory, on its segments' device) go to their tier."""
+        tiers = self.tiers
+        if not chunk.segments or not tiers.optim_bytes(chunk):
+            return
+        tier = tiers.tier(chunk, Part.OPTIM)
+        if tier is DISK:  # the loaded values replaced the stand-ins: write them out
+            if any(value.numel() > 1 and value.stride(0) == 0 for *_, value in tiers.states(chunk)):
+                return  # still the stand-ins (only the parameters were loaded): the files are current
+            tiers.relabel(chunk, Part.OPTIM, HOST)
+            tiers.move(chunk, Part.OPTIM, DISK)
+            return
+        device = tiers.location(tier)
+        for _, state, key, value in tiers.states(chunk):
+            if value.device != device:
+                state[key] = value.to(device)
+
+    def optimizer_states(self, chunk: Chunk) -> dict[int, dict[str, Any]]:
+        """The chunk's states, disk-resident ones read into fresh host tensors (the tier stays as it is)."""
+        states = super().optimizer_states(chunk)
+        if self.tiers.tier(chunk, Part.OPTIM) is DISK and chunk.segments:
+            states = {key: dict(value) for key, value in states.items()}
+            for param, key, value in self.tiers.read_optim(chunk):
+                states[id(param)][key] = value
+        return states
 
     def attach(self, chunks: Sequence[Chunk]) -> None:
         self.chunks = list(chunks)
@@ -139,14 +154,17 @@ class TieredPolicy(PlacementPolicy):
 
     def after_release(self, chunks: Sequence[Chunk]) -> None:
         for chunk in chunks:
-            if not chunk.is_gathered:
+            # a kept-gathered chunk is never gathered again: its shard was read in for a save or a full read
+            if not chunk.is_gathered or chunk.persistent:
                 self.tiers.stage_out(chunk)
 
     def after_load(self, chunks: Sequence[Chunk]) -> None:
-        """Loaded values replaced the shards: files and kept host copies are stale; a shard read in from disk goes back."""
+        """Loaded values replaced the shards and states: files and kept host copies are stale; a shard read in
+        from disk goes back, and loaded states go to their tier."""
         for chunk in chunks:
             self.tiers.mark_updated(chunk)
             self.tiers.write_staged(chunk)
+            self._settle_states(chunk)
 
     def on_transition(self, state: TrainingState) -> None:
         if state is TrainingState.IDLE or state is TrainingState.FORWARD:
