@@ -37,15 +37,14 @@ def _lazy_vs_eager(case_name, config, steps=2, optimizer="adamw"):
     }
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize(("world", "stage"), [(1, 3), (2, 3), (4, 3), (2, 1)])
 def test_lazy_equals_eager_bitwise(world, stage):
     config = ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=300))
     for rank_result in run_distributed(_lazy_vs_eager, world, "gpt", config):
         assert rank_result == {"params": True, "buffers": True, "losses": True, "trained": True, "rng": True}
 
 
-@pytest.mark.parametrize("case", ["frozen", "unused", "twice", "buffers", "odd_sizes", "gpt_checkpointed"])
+@pytest.mark.parametrize("case", ["frozen", "unused", "buffers", "gpt_checkpointed"])
 def test_lazy_equals_eager_for_the_zoo(case):
     chunk = get_case(case).chunk_size or 64
     config = ZeroConfig(stage=2 if case == "buffers" else 3, chunk=ChunkPolicy(chunk_size=chunk))
