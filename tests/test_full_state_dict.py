@@ -244,16 +244,7 @@ def _partial_pretrained(path, lazy):
     init, _ = build(case, config, lazy=lazy)
     expected = init.full_parameters()
     init.close()
-    from zero_core import lazy_init, shard
-    from zero_core.testing.parity import SEED, make_optimizer
-
-    torch.manual_seed(SEED)
-    if lazy:
-        with lazy_init():
-            model = case.build()
-    else:
-        model = case.build()
-    sharded, _ = shard(model, make_optimizer(case, model), config=config, load_from=path, load_strict=False)
+    sharded, _ = build(case, config, lazy=lazy, load_from=path, load_strict=False)
     params = sharded.full_parameters()
     sharded.close()
     return expected, params

@@ -30,7 +30,8 @@ def _world() -> tuple[int, int]:
 
 
 def build(case: ZooCase | str, config: ZeroConfig, *, lazy: bool = False, load_from: Any = None,
-          optimizer: str = "adamw", seed: int = SEED, plugins: Sequence[object] = ()) -> tuple[Any, torch.optim.Optimizer]:
+          load_strict: bool = True, optimizer: str = "adamw", seed: int = SEED,
+          plugins: Sequence[object] = ()) -> tuple[Any, torch.optim.Optimizer]:
     """The zoo model built under ``seed`` (eagerly, or lazily), sharded with ``config`` (and ``plugins``)."""
     case = get_case(case) if isinstance(case, str) else case
     torch.manual_seed(seed)
@@ -39,7 +40,8 @@ def build(case: ZooCase | str, config: ZeroConfig, *, lazy: bool = False, load_f
             model = case.build()
     else:
         model = case.build()
-    return shard(model, make_optimizer(case, model, optimizer), config=config, load_from=load_from, plugins=plugins)
+    return shard(model, make_optimizer(case, model, optimizer), config=config, load_from=load_from,
+                 load_strict=load_strict, plugins=plugins)
 
 
 def train_steps(model: Any, opt: torch.optim.Optimizer, case: ZooCase, start: int, count: int,
