@@ -1,5 +1,5 @@
 """Sessions: ``nox -s tests`` (the test suite), ``nox -s demo`` (2-rank GPT training),
-``nox -s docs`` (strict docs build), ``nox -s bench`` (zero vs torch DDP, side by side),
+``nox -s docs`` (strict docs build), ``nox -s bench`` (every strategy and policy against DDP and FSDP2),
 ``nox -s microbench`` (pytest-benchmark micro-benchmarks of the collectives on 2 gloo ranks;
 pass pytest-benchmark options after ``--``, e.g. ``--benchmark-compare``)."""
 
@@ -39,15 +39,19 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the documentation site; warnings are errors."""
-    session.install("mkdocs-material>=9.5")
+    session.install("mkdocs-material>=9.5", "mkdocstrings-python>=1.10")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
 
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """zero against torch DDP on the demo model, in one run. Options after -- go to the script."""
-    install_zero(session, "rich>=13")
-    session.run("python", "benchmarks/compare_ddp.py", *session.posargs)
+    """Every registered strategy, stage, comm backend and placement policy against DDP and FSDP2.
+
+    Writes benchmarks/results/latest.{json,md,png}. Options after -- go to the bench, e.g.
+    ``nox -s bench -- --quick`` (under 5 minutes on 2 CPU cores), ``-- --help`` for the rest.
+    """
+    install_zero(session, "rich>=13", "matplotlib>=3.8")
+    session.run("python", "benchmarks/bench.py", *session.posargs)
 
 
 @nox.session(default=False)

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from zero_comm import BucketedCommBackend, TorchCommBackend
-from zero_core import Chunk, ChunkPolicy, CollectiveKind, CommBackend, ParamInfo, ZeroConfig, round_up
+from zero_core import Chunk, ChunkPolicy, CollectiveKind, CommBackend, MemoryTier, ParamInfo, ZeroConfig, round_up
 from zero_core._group import build_groups
 from zero_core.chunk import BufferPool
 from zero_core.testing.gpt import GPT, GPTConfig
@@ -242,7 +242,118 @@ class GatherScenario(Scenario):
         return out
 
 
-SCENARIOS: dict[str, type[Scenario]] = {"reduce_scatter": ReduceScatterScenario, "gather": GatherScenario}
+class PackScenario(Scenario):
+    """Pack the demo GPT's parameters into its stage-3 chunks: copy in, keep this rank's shard, release.
+
+    What :func:`zero_core.shard` does per chunk at setup (without the broadcast from rank 0,
+    so no collective runs); ``setup`` restores every parameter's own storage first.
+    """
+
+    kind = CollectiveKind.BROADCAST  # none is issued: the round must count zero collectives
+
+    def __init__(self) -> None:
+        self.infos = demo_params("cpu")
+        self.values = [p.param.detach().clone() for p in self.infos]
+        self.specs = demo_chunk_specs(self.infos)
+        self.comm = make_comm("torch")
+        self.chunks: list[Chunk] = []
+
+    def setup(self) -> None:
+        super().setup()
+        for info, value in zip(self.infos, self.values):
+            info.param.data = value.clone()
+        self.chunks = []
+
+    def run(self) -> None:
+        pool = BufferPool()
+        for index, spec in enumerate(self.specs):
+            chunk = Chunk(index, spec, rank=self.comm.rank, world_size=WORLD_SIZE, device=torch.device("cpu"), pool=pool, stage=3)
+            chunk.pack(self.comm, broadcast_from_rank0=False)
+            self.chunks.append(chunk)
+
+    def check(self) -> str | None:
+        self.setup()
+        self.run()
+        flat = torch.cat([v.reshape(-1) for v in self.values])
+        offset, wrong = 0, []
+        for chunk in self.chunks:
+            begin = offset + chunk.rank * chunk.shard_size
+            real = max(0, min(chunk.shard_size, chunk.used - chunk.rank * chunk.shard_size))
+            if not torch.equal(chunk.shard[:real], flat[begin : begin + real]):
+                wrong.append(chunk.index)
+            offset += chunk.used
+        return f"chunks {wrong} hold other values than the parameters' slices" if wrong else None
+
+    def info(self) -> dict[str, Any]:
+        return {"chunks": len(self.specs), "elements": sum(s.size for s in self.specs)}
+
+
+class PlacementScenario(Scenario):
+    """Move every chunk's master shard and optimizer states of the demo GPT to another tier and back.
+
+    The model is sharded with the ``static`` policy (everything on the device tier, a disk
+    tier configured) and trained one step so that Adam's states exist. ``route``
+    ``device-host`` moves shards and states down to host memory and up again (pinned copies
+    on CUDA; plain copies on a CPU machine); ``host-disk`` moves them from host memory to
+    the disk tier's files and back. No collective runs during a round.
+    """
+
+    kind = CollectiveKind.BROADCAST  # none is issued
+
+    def __init__(self, route: str) -> None:
+        import tempfile
+
+        from zero_core import shard
+        from zero_core.testing.gpt import SyntheticTokens, lm_loss
+        from zero_offload._tiers import Part
+
+        cfg, policy = demo_config()
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        # one path on both ranks (the configs must agree); the tier makes a private directory per rank in it
+        self.dir = os.path.join(tempfile.gettempdir(), "zero-micro-disk")
+        options = {"offload_optim_frac": 0.0, "offload_param_frac": 0.0, "disk_dir": self.dir}
+        config = ZeroConfig(chunk=policy, placement="static", placement_options=options,
+                            collective_timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
+        self.model, optimizer = shard(model, optimizer, config=config)
+        tokens = SyntheticTokens(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len).batch(0, 2)
+        lm_loss(self.model(tokens), tokens).backward()
+        optimizer.step()
+        self.comm = self.model.engine.comm
+        self.tiers = self.model.engine.placement.tiers
+        self.chunks = self.model.engine.chunks
+        self.parts = (Part.PARAMS, Part.OPTIM)
+        self.path = {"device-host": (MemoryTier.HOST, MemoryTier.DEVICE), "host-disk": (MemoryTier.DISK, MemoryTier.HOST)}[route]
+        if route == "host-disk":
+            for chunk in self.chunks:
+                for part in self.parts:
+                    self.tiers.move(chunk, part, MemoryTier.HOST)
+        self.before = [chunk.shard.clone() for chunk in self.chunks]
+        self.route = route
+
+    def run(self) -> None:
+        away, back = self.path
+        for chunk in self.chunks:
+            for part in self.parts:
+                self.tiers.move(chunk, part, away)
+        for chunk in self.chunks:
+            for part in self.parts:
+                self.tiers.move(chunk, part, back)
+
+    def check(self) -> str | None:
+        self.run()
+        wrong = [c.index for c, b in zip(self.chunks, self.before) if not torch.equal(c.shard, b)]
+        self.model.close()
+        return f"chunks {wrong} came back with other values" if wrong else None
+
+    def info(self) -> dict[str, Any]:
+        moved = sum(self.tiers.nbytes(c, p) for c in self.chunks for p in self.parts)
+        return {"chunks": len(self.chunks), "bytes_moved_each_way": moved, "route": self.route}
+
+
+SCENARIOS: dict[str, type[Scenario]] = {"reduce_scatter": ReduceScatterScenario, "gather": GatherScenario, "pack": PackScenario,
+                                        "placement": PlacementScenario}
 
 
 def control(value: int) -> int:
@@ -430,7 +541,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     tr.section("micro-benchmark counters (per round, per rank)")
     tr.write_line(f"{'group':<44} {'benchmark':<54} {'median ms':>10} {'calls':>6} {'MiB sent':>9}")
     for r in _RECORDS:
-        calls = r.get("reduce_scatter_calls", r.get("all_gather_calls"))
+        calls = r.get("reduce_scatter_calls", r.get("all_gather_calls", r.get("broadcast_calls", 0)))
         median = f"{r['median_s'] * 1e3:10.2f}" if r["median_s"] is not None else f"{'-':>10}"
         tr.write_line(f"{r['group'] or '':<44} {r['name']:<54} {median} {calls:>6} {r['bytes_sent'] / 2**20:>9.2f}")
 

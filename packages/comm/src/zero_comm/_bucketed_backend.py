@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +67,26 @@ class BucketedCommBackend(TorchCommBackend):
     @classmethod
     def from_config(cls, group: Any, *, timeout: timedelta, config: ZeroConfig) -> CommBackend:
         return cls(group, timeout=timeout, bucket_size_mb=config.reduce_bucket_mb)
+
+    @classmethod
+    def estimate_reduce_scatter_calls(cls, shard_numels: Sequence[int], *, element_size: int, world_size: int,
+                                      config: ZeroConfig) -> int:
+        """The bucket rule: a bucket that cannot take the next input launches first, an input
+        larger than a bucket goes alone, and the last partial bucket goes at the flush."""
+        if config.reduce_bucket_mb <= 0:
+            return len(shard_numels)
+        capacity = max(1, int(config.reduce_bucket_mb * 2**20) // element_size // world_size)
+        calls, filled = 0, 0
+        for numel in shard_numels:
+            if numel == 0:
+                continue
+            if numel > capacity:
+                calls += 1
+                continue
+            if filled + numel > capacity:
+                calls, filled = calls + 1, 0
+            filled += numel
+        return calls + (filled > 0)
 
     @property  # type: ignore[override]
     def stats(self) -> CommStats:

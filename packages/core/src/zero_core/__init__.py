@@ -5,6 +5,7 @@ The one verb is :func:`shard`; everything else configures, extends or inspects i
 
 from zero_core._clip import clip_grad_norm_
 from zero_core._engine import Engine
+from zero_core._estimate import Estimate, estimate
 from zero_core._lazy import lazy_init
 from zero_core._module import ZeroModule
 from zero_core._persist import load_checkpoint, save_checkpoint, save_full_state_dict
@@ -27,13 +28,14 @@ from zero_core.errors import (
     ZeroError,
     ZeroSetupError,
 )
-from zero_core.placement import DevicePlacementPolicy, HostPlacementPolicy, PlacementContext, PlacementPolicy
+from zero_core.placement import ChunkParts, DevicePlacementPolicy, HostPlacementPolicy, PlacementContext, PlacementPolicy
 from zero_core.strategy import ShardPlan, ShardStrategy, round_up
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "CheckpointError",
     "Chunk",
+    "ChunkParts",
     "ChunkPolicy",
     "ChunkSpec",
     "ChunkState",
@@ -45,6 +47,7 @@ __all__ = [
     "ConfigError",
     "DevicePlacementPolicy",
     "Engine",
+    "Estimate",
     "GradientLostError",
     "HostPlacementPolicy",
     "LossScale",
@@ -69,6 +72,7 @@ __all__ = [
     "ZeroSetupError",
     "__version__",
     "clip_grad_norm_",
+    "estimate",
     "hookimpl",
     "lazy_init",
     "load_checkpoint",

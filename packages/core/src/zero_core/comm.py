@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -143,6 +144,16 @@ class CommBackend(ABC):
     def from_config(cls, group: Any, *, timeout: timedelta, config: ZeroConfig) -> CommBackend:
         """How :func:`zero_core.shard` builds the backend; override to read options from ``config``."""
         return cls(group, timeout=timeout)
+
+    @classmethod
+    def estimate_reduce_scatter_calls(cls, shard_numels: Sequence[int], *, element_size: int, world_size: int,
+                                      config: ZeroConfig) -> int:
+        """Reduce-scatter calls one step makes for gradients of these shard sizes (in reduction order).
+
+        For :func:`zero_core.estimate`; a backend that merges or splits reduce-scatters
+        overrides it. The default: one call per chunk.
+        """
+        return len(shard_numels)
 
     def flush(self) -> None:
         """Issue every reduce-scatter the backend still holds back, and complete them all.

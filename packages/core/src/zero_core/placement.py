@@ -44,7 +44,25 @@ if TYPE_CHECKING:
     from zero_core.api import ZeroConfig
     from zero_core.comm import CommBackend
 
-__all__ = ["DevicePlacementPolicy", "HostPlacementPolicy", "PlacementContext", "PlacementPolicy"]
+__all__ = ["ChunkParts", "DevicePlacementPolicy", "HostPlacementPolicy", "PlacementContext", "PlacementPolicy"]
+
+#: Where each shard-sized part of one chunk lives: ``{"params": tier, "grads": tier, "optimizer_states": tier}``.
+PartTiers = dict[str, MemoryTier]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkParts:
+    """Bytes of one chunk's shard-sized parts on one rank, as :func:`zero_core.estimate` counts them.
+
+    Attributes:
+        params: The master shard.
+        grads: The master shard's gradient (0 for a frozen chunk).
+        optimizer_states: The optimizer's per-element states of the shard's real elements.
+    """
+
+    params: int
+    grads: int
+    optimizer_states: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +194,15 @@ class PlacementPolicy(ABC):
     def tier_of(self, chunk: Chunk) -> MemoryTier:
         """The tier this policy wants ``chunk``'s shard in between uses."""
 
+    def estimate_tiers(self, parts: Sequence[ChunkParts]) -> list[PartTiers] | None:
+        """Where this policy would put each chunk's parts after setup, for :func:`zero_core.estimate`.
+
+        ``parts`` are the chunks of one rank in plan order. Return one mapping per chunk,
+        or ``None`` (the default) when the answer depends on what the policy measures
+        at run time; the estimate then reports no split by tier.
+        """
+        return None
+
 
 class DevicePlacementPolicy(PlacementPolicy):
     """Keeps every shard, gradient and optimizer state on the compute device."""
@@ -188,6 +215,9 @@ class DevicePlacementPolicy(PlacementPolicy):
 
     def tier_of(self, chunk: Chunk) -> MemoryTier:
         return MemoryTier.DEVICE
+
+    def estimate_tiers(self, parts: Sequence[ChunkParts]) -> list[PartTiers]:
+        return [dict.fromkeys(("params", "grads", "optimizer_states"), MemoryTier.DEVICE) for _ in parts]
 
 
 class HostPlacementPolicy(PlacementPolicy):
@@ -219,3 +249,6 @@ class HostPlacementPolicy(PlacementPolicy):
 
     def tier_of(self, chunk: Chunk) -> MemoryTier:
         return MemoryTier.HOST
+
+    def estimate_tiers(self, parts: Sequence[ChunkParts]) -> list[PartTiers]:
+        return [dict.fromkeys(("params", "grads", "optimizer_states"), MemoryTier.HOST) for _ in parts]

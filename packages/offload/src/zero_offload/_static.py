@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from zero_core import Chunk, ChunkSpec
+from zero_core.placement import ChunkParts, PartTiers
 from zero_offload._base import TieredPolicy
 from zero_offload._tiers import DEVICE, HOST
 from zero_offload.config import StaticConfig
@@ -40,6 +41,16 @@ class StaticPolicy(TieredPolicy):
         sizes = [sum(specs[i].size for i in group) for group in groups]
         kept = _first_share(sizes, 1.0 - self.options.shard_param_frac)
         return {i for group in groups[:kept] for i in group}
+
+    def estimate_tiers(self, parts: Sequence[ChunkParts]) -> list[PartTiers] | None:
+        """The split :meth:`place` makes, when no disk tier can take what the host budget refuses."""
+        if self.options.disk_dir is not None:
+            return None  # what spills to disk depends on the host budget measured at setup
+        sizes = [p.params for p in parts]
+        optim_n = _first_share(sizes, self.options.offload_optim_frac)
+        param_n = _first_share(sizes, self.options.offload_param_frac)
+        return [{"params": HOST if n < min(param_n, optim_n) else DEVICE, "grads": HOST if n < optim_n else DEVICE,
+                 "optimizer_states": HOST if n < optim_n else DEVICE} for n in range(len(parts))]
 
     def place(self, chunks: Sequence[Chunk]) -> None:
         sizes = [c.shard_bytes for c in chunks]

@@ -1,4 +1,5 @@
-"""Micro-benchmarks of zero's collectives on 2 gloo ranks (how the ranks are set up: conftest.py).
+"""Micro-benchmarks of zero's hot paths on 2 gloo ranks: collectives, chunk gather and release, reduce-scatter
+bucketing, shard packing and placement moves (how the ranks are set up: conftest.py).
 
 Each benchmark times one round of a workload with ``benchmark.pedantic`` (conftest's
 ``ROUNDS`` rounds after ``WARMUP`` warm-up rounds) and records, in ``extra_info``, the
@@ -70,3 +71,18 @@ def test_demo_gather(benchmark: Any, mirror: Any, plan: str) -> None:
     benchmark.group = "demo gather: all-gather + release per round"
     counts = mirror.bench(benchmark, "gather", plan=plan)
     assert counts["calls"] == benchmark.extra_info["groups"]
+
+
+def test_shard_packing(benchmark: Any, mirror: Any) -> None:
+    """Pack the demo GPT into its stage-3 chunks (setup's per-chunk work); no collective."""
+    benchmark.group = "shard packing: demo GPT into chunks"
+    counts = mirror.bench(benchmark, "pack")
+    assert counts["calls"] == 0
+
+
+@pytest.mark.parametrize("route", ["device-host", "host-disk"])
+def test_placement_moves(benchmark: Any, mirror: Any, route: str) -> None:
+    """Every chunk's master shard and Adam states to another tier and back (the offload policies' moves)."""
+    benchmark.group = "placement moves: demo shards + Adam states"
+    counts = mirror.bench(benchmark, "placement", route=route)
+    assert counts["calls"] == 0

@@ -1,0 +1,104 @@
+"""What the bench runs: model presets and the configurations, discovered from the plugin registries.
+
+Every registered strategy runs at every stage (with the strategy's own comm backend and the
+``device`` placement); every other registered comm backend and placement policy runs once with
+the ``chunk`` strategy at stage 3 (or the first strategy registered, when ``chunk`` is not
+installed); DDP and FSDP2 are the references. A plugin that registers a strategy, backend or
+policy is picked up with no change here. Policies whose defaults cannot run on this machine get
+options with ``--placement-options NAME=JSON``; the built-in offloading policies have presets
+that offload everything (``static``) or keep half the model states on the device (``gemini``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from zero_core import ZeroPlugins
+
+__all__ = ["MODELS", "BenchConfig", "ModelSize", "discover"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSize:
+    """A GPT-style model and the per-rank batch it trains on."""
+
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    seq_len: int
+    batch_size: int
+
+    def options(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+MODELS = {
+    # finishes every configuration of the quick run in well under 5 minutes on 2 CPU cores
+    "tiny": ModelSize(vocab=2048, d_model=128, layers=2, heads=4, seq_len=64, batch_size=4),
+    # the demo model of examples/train_gpt.py (23.2M parameters)
+    "demo": ModelSize(vocab=8192, d_model=512, layers=6, heads=8, seq_len=128, batch_size=4),
+    # GPT-2 small's shape (124M parameters), on a sequence short enough for a CPU
+    "gpt2-small": ModelSize(vocab=50304, d_model=768, layers=12, heads=12, seq_len=256, batch_size=2),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """One row of the table. ``kind`` is ``zero``, ``ddp`` or ``fsdp2``; the rest applies to ``zero``."""
+
+    name: str
+    kind: str
+    strategy: str | None = None
+    stage: int | None = None
+    comm: str | None = None
+    placement: str = "device"
+    placement_options: dict[str, Any] = field(default_factory=dict)
+    precision: str = "fp32"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _preset(policy: str, state_mib: float) -> dict[str, Any]:
+    """Options for the built-in offloading policies on this run's model (``state_mib``: stage-3 states per rank)."""
+    if policy == "static":
+        return {"offload_optim_frac": 1.0, "offload_param_frac": 1.0}
+    if policy == "gemini":  # half the model states, plus room for activations the tracer will measure
+        return {"device_budget_mb": round(state_mib / 2 + 64, 1)}
+    return {}
+
+
+def discover(*, plugins: ZeroPlugins, strategies: list[str] | None, stages: list[int], policies: list[str] | None,
+             comms: list[str] | None, references: list[str], precision: str, state_mib: float,
+             placement_options: dict[str, dict[str, Any]]) -> list[BenchConfig]:
+    """The configurations to run, in table order: references first, then each strategy's stages, then variants."""
+    configs = [BenchConfig(name=ref, kind=ref) for ref in references]
+    strategy_names = plugins.strategies.names() if strategies is None else strategies
+    for name in strategy_names:
+        plugins.strategies.get(name)  # an unknown name fails here, listing what is registered
+    base = "chunk" if "chunk" in strategy_names else (strategy_names[0] if strategy_names else None)
+    tag = "" if precision == "fp32" else f"-{precision}"
+    for strategy in strategy_names:
+        for stage in stages:
+            configs.append(BenchConfig(name=f"{strategy}-s{stage}{tag}", kind="zero", strategy=strategy, stage=stage,
+                                       precision=precision))
+    if base is None:
+        return configs
+    base_comm = plugins.strategies.get(base).comm
+    for comm in plugins.comm_backends.names() if comms is None else comms:
+        plugins.comm_backends.get(comm)
+        if comm != base_comm:
+            configs.append(BenchConfig(name=f"{base}-s3-{comm}{tag}", kind="zero", strategy=base, stage=3, comm=comm,
+                                       precision=precision))
+    for policy in plugins.placement_policies.names() if policies is None else policies:
+        plugins.placement_policies.get(policy)
+        if policy == "device":
+            continue
+        options = placement_options.get(policy, _preset(policy, state_mib))
+        configs.append(BenchConfig(name=f"{base}-s3-{policy}{tag}", kind="zero", strategy=base, stage=3, placement=policy,
+                                   placement_options=json.loads(json.dumps(options)), precision=precision))
+    return configs

@@ -1,0 +1,252 @@
+"""The command line of ``nox -s bench`` (options after ``--``).
+
+    nox -s bench -- --quick                     # the tiny model, 6 steps: under 5 minutes on 2 CPU cores
+    nox -s bench                                # GPT-2 small's shape, 10 steps
+    nox -s bench -- --model demo --world-size 4 --strategies chunk --stages 3 --policies device,gemini
+    nox -s bench -- --quick --compare benchmarks/results/baseline.json --threshold 0.15
+    nox -s bench -- --compare-only benchmarks/results/baseline.json   # no run: latest.json against it
+
+Each configuration trains in its own torchrun launch (so peak memory is its own), for the same steps
+on the same data. Results go to ``benchmarks/results/latest.json`` (schema in docs/benchmarks.md), a
+Markdown table to stdout and ``latest.md``, and the plot to ``latest.png``. The exit status is 1 when
+any configuration failed, trained a different model (losses disagree), or regressed against
+``--compare``; 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zero_bench import compare as compare_mod
+from zero_bench.configs import MODELS, BenchConfig, ModelSize, discover
+from zero_bench.plot import plot
+from zero_bench.report import add_ratios, check_losses, table
+from zero_core import ZeroPlugins, __version__, estimate
+from zero_core.testing.gpt import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+SCHEMA_VERSION = 1
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="nox -s bench --", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
+    p.add_argument("--quick", action="store_true", help="the tiny model for 6 steps (under 5 minutes on 2 CPU cores)")
+    p.add_argument("--model", choices=sorted(MODELS), default=None, help="model preset (default gpt2-small; tiny with --quick)")
+    for name in ("vocab", "d-model", "layers", "heads", "seq-len", "batch-size"):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name.replace('-', ' ')}")
+    p.add_argument("--world-size", type=int, default=2, help="ranks (processes) per configuration")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per configuration (default 10; 6 with --quick)")
+    p.add_argument("--warmup", type=int, default=2, help="leading steps left out of the median step time")
+    p.add_argument("--strategies", default=None, help="comma-separated strategy names (default: every registered one)")
+    p.add_argument("--stages", default="1,2,3", help="comma-separated ZeRO stages for every strategy")
+    p.add_argument("--policies", default=None, help="comma-separated placement policies (default: every registered one)")
+    p.add_argument("--comms", default=None, help="comma-separated comm backends (default: every registered one)")
+    p.add_argument("--references", default="ddp,fsdp2", help="comma-separated references among ddp, fsdp2 ('' for none)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="compute dtype of the zero runs")
+    p.add_argument("--placement-options", action="append", default=[], metavar="NAME=JSON",
+                   help='options of one placement policy, e.g. lru=\'{"device_chunks": 2}\' (repeatable)')
+    p.add_argument("--loss-rtol", type=float, default=1e-4, help="relative loss tolerance of fp32 runs against DDP")
+    p.add_argument("--loss-rtol-16", type=float, default=3e-2, help="the same for bf16/fp16 runs")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may take")
+    p.add_argument("--out", type=Path, default=RESULTS / "latest.json", help="results JSON (the .md and .png go beside it)")
+    p.add_argument("--compare", type=Path, default=None, help="after the run, compare with this saved results file")
+    p.add_argument("--compare-only", type=Path, default=None, metavar="BASELINE", help="compare --out with BASELINE; run nothing")
+    p.add_argument("--threshold", type=float, default=0.10, help="step-time and memory regression threshold (fraction)")
+    p.add_argument("--save-baseline", type=Path, default=None, help="also copy the results to this path")
+    p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress display")
+    args = p.parse_args(argv)
+    if args.world_size < 1:
+        p.error(f"--world-size must be at least 1, got {args.world_size}")
+    args.model = args.model or ("tiny" if args.quick else "gpt2-small")
+    args.steps = args.steps or (6 if args.quick else 10)
+    if args.steps <= args.warmup:
+        p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) so that some steps are timed")
+    try:
+        args.stages = [int(s) for s in args.stages.split(",") if s]
+    except ValueError:
+        p.error(f"--stages takes comma-separated integers among 1, 2, 3, got {args.stages!r}")
+    if not args.stages or any(s not in (1, 2, 3) for s in args.stages):
+        p.error(f"--stages takes stages among 1, 2, 3, got {args.stages}")
+    args.references = [r for r in args.references.split(",") if r]
+    bad = [r for r in args.references if r not in ("ddp", "fsdp2")]
+    if bad:
+        p.error(f"--references takes ddp and/or fsdp2, got {bad}")
+    if args.precision != "fp32" and args.references:
+        print("note: the references train in fp32; 16-bit zero runs are checked against them with --loss-rtol-16")
+    options = {}
+    for item in args.placement_options:
+        name, sep, text = item.partition("=")
+        try:
+            options[name] = json.loads(text) if sep else None
+        except json.JSONDecodeError as exc:
+            p.error(f"--placement-options {item!r}: the part after '=' must be JSON ({exc})")
+        if not isinstance(options[name], dict):
+            p.error(f"--placement-options {item!r}: give NAME=JSON with a JSON object, e.g. gemini='{{\"device_budget_mb\": 512}}'")
+    args.placement_options = options
+    return args
+
+
+def model_size(args: argparse.Namespace) -> ModelSize:
+    base = MODELS[args.model].options()
+    for key in base:
+        override = getattr(args, key)
+        if override is not None:
+            base[key] = override
+    if base["d_model"] % base["heads"]:
+        raise SystemExit(f"--d-model ({base['d_model']}) must be a multiple of --heads ({base['heads']})")
+    return ModelSize(**base)
+
+
+def machine() -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__, "zero_core": __version__,
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "backend": "nccl" if cuda else "gloo"}
+
+
+def launch(config: BenchConfig, spec: dict[str, Any], world: int, timeout: float, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"{config.name}.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           "-m", "zero_bench.worker", "--spec", json.dumps({**spec, "config": config.as_dict()}), "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "failed", "error": f"did not finish within --timeout {timeout:.0f} s"}
+    if proc.returncode != 0 or not out.exists():
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+        return {"status": "failed", "error": f"exit code {proc.returncode}", "log_tail": tail}
+    return json.loads(out.read_text())
+
+
+class Progress:
+    """A rich progress bar on a terminal; one line per configuration otherwise."""
+
+    def __init__(self, total: int, plain: bool) -> None:
+        self.bar = None
+        if not plain and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                                TimeElapsedColumn())
+            self.bar.start()
+            self.task = self.bar.add_task("", total=total)
+        self.total, self.done = total, 0
+
+    def start(self, name: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=f"running {name}")
+        else:
+            print(f"[{self.done + 1}/{self.total}] {name} ...", end="", flush=True)
+        self.t0 = time.perf_counter()
+
+    def finish(self, name: str, record: dict[str, Any]) -> None:
+        self.done += 1
+        took = time.perf_counter() - self.t0
+        what = record["status"] if record.get("median_step_s") is None else f"{1000 * record['median_step_s']:.1f} ms/step"
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1)
+            self.bar.console.print(f"{name}: {what} ({took:.0f} s)")
+        else:
+            print(f" {what} ({took:.0f} s)", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    size = model_size(args)
+    cfg = GPTConfig(vocab_size=size.vocab, seq_len=size.seq_len, d_model=size.d_model, n_layer=size.layers, n_head=size.heads)
+    with torch.device("meta"):
+        meta_model = GPT(cfg)
+    state_mib = estimate(meta_model, world_size=args.world_size).max_model_state_bytes / 2**20
+    plugins = ZeroPlugins.load()
+    configs = discover(plugins=plugins, strategies=args.strategies and args.strategies.split(","), stages=args.stages,
+                       policies=args.policies and args.policies.split(","), comms=args.comms and args.comms.split(","),
+                       references=args.references, precision=args.precision, state_mib=state_mib,
+                       placement_options=args.placement_options)
+    print(f"bench: {len(configs)} configurations x {args.world_size} ranks, model {args.model} ({cfg.num_params / 1e6:.2f}M "
+          f"parameters), {args.steps} steps ({args.warmup} warm-up), {machine()['backend']}", flush=True)
+    spec = {"model": size.options(), "steps": args.steps, "warmup": args.warmup, "timeout_s": args.timeout}
+    records = []
+    progress = Progress(len(configs), args.no_progress)
+    started = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="zero-bench-") as tmp:
+            for config in configs:
+                progress.start(config.name)
+                record = {"name": config.name, "config": config.as_dict(), **launch(config, spec, args.world_size, args.timeout, Path(tmp))}
+                records.append(record)
+                progress.finish(config.name, record)
+    finally:
+        progress.close()
+    reference = check_losses(records, rtol=args.loss_rtol, rtol_16=args.loss_rtol_16)
+    add_ratios(records)
+    return {"schema_version": SCHEMA_VERSION, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine(), "world_size": args.world_size, "steps": args.steps, "warmup": args.warmup,
+            "model": {"preset": args.model, **size.options(), "params": cfg.num_params},
+            "loss_reference": reference, "loss_rtol": args.loss_rtol, "loss_rtol_16": args.loss_rtol_16,
+            "wall_s": time.perf_counter() - started, "records": records}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.compare_only is not None:
+        text, regressions = compare_mod.compare(compare_mod.load(args.compare_only), compare_mod.load(args.out),
+                                                threshold=args.threshold)
+        print(text)
+        print(f"\n{len(regressions)} regression(s) past {args.threshold:.0%}" + "".join(f"\n  {r}" for r in regressions))
+        return 1 if regressions else 0
+    result = run(args)
+    records = result["records"]
+    text = table(records)
+    m = result["model"]
+    title = (f"{m['preset']} GPT ({m['params'] / 1e6:.2f}M params), {result['world_size']} ranks, {result['machine']['backend']}, "
+             f"torch {result['machine']['torch']}")
+    print(f"\n{title}; median of steps {args.warmup + 1}..{args.steps}\n\n{text}\n")
+    for r in records:
+        if r.get("log_tail"):
+            print(f"--- {r['name']} failed; the end of its log:\n{r['log_tail']}\n")
+        elif r["status"] == "not applicable":
+            print(f"{r['name']}: not applicable here: {r['error']}")
+    failed = [r["name"] for r in records if r["status"] not in ("ok", "not applicable")]
+    wrong = [r["name"] for r in records if r.get("losses_agree") is False]
+    agree = [r for r in records if r.get("losses_agree")]
+    print(f"losses: {len(agree)} configurations agree with {result['loss_reference']} within {args.loss_rtol} "
+          f"(fp32) / {args.loss_rtol_16} (16-bit)" + (f"; DISAGREE: {', '.join(wrong)}" if wrong else ""))
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(f"{title}\n\n{text}\n")
+    plotted = plot(records, out.with_suffix(".png"), title=title)
+    print(f"wrote {out}, {out.with_suffix('.md')}" + (f", {out.with_suffix('.png')}" if plotted else "")
+          + f" in {result['wall_s']:.0f} s")
+    if args.save_baseline is not None:
+        args.save_baseline.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out, args.save_baseline)
+        print(f"saved as baseline {args.save_baseline}")
+    status = 1 if failed or wrong else 0
+    if args.compare is not None:
+        text, regressions = compare_mod.compare(compare_mod.load(args.compare), result, threshold=args.threshold)
+        print(f"\nagainst {args.compare}:\n\n{text}\n\n{len(regressions)} regression(s) past {args.threshold:.0%}"
+              + "".join(f"\n  {r}" for r in regressions))
+        status = status or (1 if regressions else 0)
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+    return status

@@ -1,0 +1,265 @@
+"""Predict model-state bytes per rank and tier, and bytes communicated per step, without running.
+
+:func:`estimate` lays a model out the way :func:`~zero_core.shard` would (the same strategy
+plugin, the same plan, the same gather groups) and counts what every rank would hold and
+send, exactly, padding included. Given only a parameter count it uses the closed formulas
+of ``peers.md`` section 4 with the count rounded up to the world size. The model may live
+on the meta device, so a 70B-parameter model can be estimated for 1024 ranks on a laptop.
+
+What it counts, per rank, between steps (the same definitions as
+:meth:`ZeroModule.model_state_bytes` and :class:`~zero_core.CommStats`):
+
+* ``params``: master shards, plus the full compute-dtype buffer stages 1 and 2 keep (the
+  shard is a view of it when both have one dtype);
+* ``grads``: the masters' gradient shards, plus stage 1's full gradient buffer;
+* ``optimizer_states``: per-element optimizer state of the shard's real elements (Adam:
+  two fp32 moments, 8 bytes per fp32 master element; padding holds none);
+* bytes sent per step by the data collectives (all-gathers of parameters, reduce-scatters
+  of gradients), counted the ring way (``ring_bytes_sent``); the scalar agreement rounds a
+  dynamic graph needs are not predicted (they are a few bytes per gather).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero_core._plugins import ZeroPlugins
+from zero_core.api import ZeroConfig
+from zero_core.chunk import ParamInfo
+from zero_core.comm import CollectiveKind, ring_bytes_sent
+from zero_core.errors import ConfigError
+from zero_core.placement import ChunkParts
+from zero_core.strategy import round_up
+
+__all__ = ["Estimate", "estimate"]
+
+_KINDS = ("params", "grads", "optimizer_states")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """What one configuration holds and sends, per rank.
+
+    Attributes:
+        params: Unique parameter elements (``Psi``).
+        padded_params: Elements in all chunks (``Psi`` plus padding); ``Psi`` rounded up to
+            the world size when estimated from a count.
+        world_size: Ranks.
+        stage: ZeRO stage.
+        per_rank: Model-state bytes by kind (``params``, ``grads``, ``optimizer_states``),
+            one mapping per rank; padding sits on the last ranks, so they may hold fewer
+            optimizer-state bytes.
+        tiers: Model-state bytes by tier (``device``, ``host``, ``disk``) per rank, or
+            ``None`` when the placement policy decides at run time (Gemini measures first).
+        bytes_sent: Bytes one rank sends per step, by collective (``all_gather``,
+            ``reduce_scatter``); every rank sends the same.
+        calls: Collective calls per step, by collective; ``None`` when estimated from a
+            count (the number of chunks and buckets depends on the model's layout).
+        formula: The closed formulas on ``Psi`` with no padding (``model_state_bytes`` per
+            rank and ``bytes_sent`` per step), the theory each measurement is compared with.
+    """
+
+    params: int
+    padded_params: int
+    world_size: int
+    stage: int
+    per_rank: tuple[dict[str, int], ...] = field(repr=False)
+    tiers: tuple[dict[str, int], ...] | None = field(repr=False)
+    bytes_sent: dict[str, int]
+    calls: dict[str, int] | None
+    formula: dict[str, int] = field(default_factory=dict)
+
+    def model_state_bytes(self, rank: int = 0) -> int:
+        """Total model-state bytes of ``rank``."""
+        return sum(self.per_rank[rank].values())
+
+    @property
+    def max_model_state_bytes(self) -> int:
+        """The largest rank's model-state bytes (rank 0: padding only ever removes bytes)."""
+        return max(sum(r.values()) for r in self.per_rank)
+
+    @property
+    def total_bytes_sent(self) -> int:
+        return sum(self.bytes_sent.values())
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One chunk as the estimator sees it."""
+
+    size: int
+    used: int
+    requires_grad: bool
+    master_bytes: int
+    kept: bool
+
+
+def _bytes(dtype: torch.dtype | None, default: int) -> int:
+    return default if dtype is None else torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def estimate(
+    model: nn.Module | int,
+    *,
+    world_size: int,
+    config: ZeroConfig | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    optimizer_bytes_per_element: int = 8,
+    plugins: ZeroPlugins | None = None,
+) -> Estimate:
+    """Predict the model-state bytes per rank and tier and the bytes sent per step.
+
+    Args:
+        model: A model (its parameters may be on the meta device) or a parameter count.
+        world_size: Data-parallel ranks.
+        config: The :class:`ZeroConfig` to estimate (strategy, stage, precision, comm,
+            placement and chunk policy); the default config when ``None``.
+        optimizer: The optimizer the model would be sharded with; its parameter groups
+            decide which parameters may share a chunk. ``None``: one group.
+        optimizer_bytes_per_element: Optimizer-state bytes per master element (Adam and
+            AdamW on fp32 masters: 8; SGD with momentum: 4; plain SGD: 0).
+        plugins: The plugin set to take strategies, comm backends and placements from.
+
+    Raises:
+        ConfigError: A world size below 1, a negative count, or a model with no parameters.
+    """
+    config = config or ZeroConfig()
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"estimate needs world_size >= 1, got {world_size!r}")
+    if isinstance(optimizer_bytes_per_element, bool) or not isinstance(optimizer_bytes_per_element, int) \
+            or optimizer_bytes_per_element < 0:
+        raise ConfigError(f"optimizer_bytes_per_element must be a non-negative int, got {optimizer_bytes_per_element!r}")
+    plugins = plugins or ZeroPlugins.load()
+    compute = config.precision.compute
+    reduce_bytes = _bytes(config.precision.reduce, 4)
+    if isinstance(model, int) and not isinstance(model, bool):
+        if model < 1:
+            raise ConfigError(f"estimate needs a positive parameter count, got {model}")
+        chunks = [_Layout(round_up(model, world_size), model, True, 4, config.stage < 3 or world_size == 1)]
+        groups: list[list[int]] | None = None
+        psi = model
+        comm_cls = None
+    elif isinstance(model, nn.Module):
+        chunks, groups, psi = _plan(model, optimizer, world_size, config, plugins)
+        strategy = plugins.strategies.get(config.strategy)
+        comm_cls = plugins.comm_backends.get(config.comm or strategy.comm)
+    else:
+        raise ConfigError(f"estimate needs an nn.Module or a parameter count, got {type(model).__name__}")
+
+    compute_bytes = [_bytes(compute, c.master_bytes) for c in chunks]
+    per_rank = tuple(_rank_bytes(chunks, compute_bytes, rank, world_size, config.stage, optimizer_bytes_per_element)
+                     for rank in range(world_size))
+    tiers = _tiers(chunks, compute_bytes, per_rank, world_size, config, plugins, optimizer_bytes_per_element)
+    sent, calls = _traffic(chunks, compute_bytes, groups, world_size, config, reduce_bytes, comm_cls)
+    master = chunks[0].master_bytes
+    formula_chunk = [_Layout(psi, psi, True, master, config.stage < 3 or world_size == 1)]
+    formula_rank = _rank_bytes(formula_chunk, [_bytes(compute, master)], 0, world_size, config.stage,
+                               optimizer_bytes_per_element, exact=False)
+    formula_sent, _ = _traffic(formula_chunk, [_bytes(compute, master)], None, world_size, config, reduce_bytes, None,
+                               exact=False)
+    return Estimate(params=psi, padded_params=sum(c.size for c in chunks), world_size=world_size, stage=config.stage,
+                    per_rank=per_rank, tiers=tiers, bytes_sent=sent, calls=calls,
+                    formula={"model_state_bytes": sum(formula_rank.values()), "bytes_sent": sum(formula_sent.values())})
+
+
+def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, world_size: int, config: ZeroConfig,
+          plugins: ZeroPlugins) -> tuple[list[_Layout], list[list[int]], int]:
+    named = list(model.named_parameters(remove_duplicate=True))
+    if not named:
+        raise ConfigError(f"{type(model).__name__} has no parameters to estimate")
+    group_of: dict[int, int] = {}
+    if optimizer is not None:
+        for g, group in enumerate(optimizer.param_groups):
+            group_of.update({id(p): g for p in group["params"]})
+    params = [ParamInfo(name, p, group_of.get(id(p), 0 if optimizer is None else None)) for name, p in named]
+    strategy = plugins.strategies.get(config.strategy)()
+    plan = strategy.plan(params, world_size=world_size, config=config, hook=plugins.manager.hook)
+    plan.validate(params, world_size)
+    groups = [list(g) for g in plan.gather_groups] if plan.gather_groups else [[i] for i in range(len(plan.chunks))]
+    keep: set[int] = set()
+    if config.stage == 3:
+        keep = plugins.placement_policies.get(config.placement).from_config(config).keep_gathered(
+            plan.chunks, [tuple(g) for g in groups])
+    chunks = []
+    for i, spec in enumerate(plan.chunks):
+        first = spec.params[0].param
+        chunks.append(_Layout(spec.size, spec.used, first.requires_grad, first.element_size(),
+                              config.stage < 3 or world_size == 1 or i in keep))
+    return chunks, groups, plan.numel
+
+
+def _rank_bytes(chunks: Sequence[_Layout], compute_bytes: Sequence[int], rank: int, world: int, stage: int,
+                opt_bytes: int, *, exact: bool = True) -> dict[str, int]:
+    out = dict.fromkeys(_KINDS, 0)
+    for chunk, b in zip(chunks, compute_bytes):
+        m = chunk.master_bytes
+        shard = chunk.size // world if exact else chunk.size / world
+        lo = rank * shard
+        real = max(0, min(chunk.used, lo + shard) - lo)  # the shard's elements that are not padding
+        out["params"] += (b * chunk.size if chunk.kept else 0) + (0 if chunk.kept and b == m else m * shard)
+        if chunk.requires_grad:
+            full_grad = stage == 1
+            out["grads"] += (b * chunk.size if full_grad else 0) + (0 if full_grad and b == m else m * shard)
+            out["optimizer_states"] += opt_bytes * real * m // 4  # the states follow the master dtype
+    return {k: int(v) for k, v in out.items()}
+
+
+def _tiers(chunks: Sequence[_Layout], compute_bytes: Sequence[int], per_rank: Sequence[dict[str, int]], world: int,
+           config: ZeroConfig, plugins: ZeroPlugins, opt_bytes: int) -> tuple[dict[str, int], ...] | None:
+    policy = plugins.placement_policies.get(config.placement).from_config(config)
+    result = []
+    for rank, held in enumerate(per_rank):
+        parts = []
+        for chunk in chunks:
+            shard = chunk.size // world
+            real = max(0, min(chunk.used, (rank + 1) * shard) - rank * shard)
+            parts.append(ChunkParts(params=chunk.master_bytes * shard,
+                                    grads=chunk.master_bytes * shard if chunk.requires_grad else 0,
+                                    optimizer_states=opt_bytes * real * chunk.master_bytes // 4 if chunk.requires_grad else 0))
+        placed = policy.estimate_tiers(parts)
+        if placed is None:
+            return None
+        tiers = {"device": 0, "host": 0, "disk": 0}
+        for part, where in zip(parts, placed):
+            for kind in _KINDS:
+                tiers[where[kind].value] += getattr(part, kind)
+        # what is not a shard-sized part (the full buffers stages 1 and 2 keep) stays on the compute device
+        tiers["device"] += sum(held.values()) - sum(tiers.values())
+        result.append(tiers)
+    return tuple(result)
+
+
+def _traffic(chunks: Sequence[_Layout], compute_bytes: Sequence[int], groups: Sequence[Sequence[int]] | None, world: int,
+             config: ZeroConfig, reduce_bytes: int, comm_cls: Any, *, exact: bool = True) -> tuple[dict[str, int], dict[str, int] | None]:
+    if world == 1:
+        return {"all_gather": 0, "reduce_scatter": 0}, ({"all_gather": 0, "reduce_scatter": 0} if groups is not None else None)
+
+    def ring(kind: CollectiveKind, payload: float) -> float:
+        if exact:
+            return ring_bytes_sent(kind, int(payload), world)
+        return (world - 1) * payload / world
+
+    gather_groups = groups if groups is not None else [[i] for i in range(len(chunks))]
+    sent = {"all_gather": 0.0, "reduce_scatter": 0.0}
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+    for group in gather_groups:
+        # a chunk released after use is gathered for forward and again for backward; a kept one once,
+        # after the optimizer step updated its shard
+        passes = 1 if all(chunks[i].kept for i in group) else 2
+        payload = sum(chunks[i].size * compute_bytes[i] for i in group)
+        sent["all_gather"] += passes * ring(CollectiveKind.ALL_GATHER, payload)
+        calls["all_gather"] += passes
+    reduced = [c for c in reversed(chunks) if c.requires_grad]  # the engine reduces in reverse plan order
+    for chunk in reduced:
+        sent["reduce_scatter"] += ring(CollectiveKind.REDUCE_SCATTER, chunk.size * reduce_bytes)
+    if comm_cls is not None:
+        calls["reduce_scatter"] = comm_cls.estimate_reduce_scatter_calls(
+            [c.size // world for c in reduced], element_size=reduce_bytes, world_size=world, config=config)
+    else:
+        calls["reduce_scatter"] = len(reduced)
+    return {k: round(v) for k, v in sent.items()}, (calls if groups is not None else None)
