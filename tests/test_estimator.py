@@ -17,7 +17,7 @@ from zero_core.testing.gpt import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from zero_bench.configs import MODELS, discover  # noqa: E402
+from zero_bench.configs import MODELS, BenchConfig, discover  # noqa: E402
 from zero_bench.worker import run_config, zero_config  # noqa: E402
 
 QUICK = MODELS["tiny"].options()
@@ -63,6 +63,26 @@ def test_estimate_equals_the_quick_runs_measurements(precision):
         else:  # the policy decides at run time (gemini measures first; a plugin may not say): only the total is predicted
             assert config["placement"] not in ("device", "host", "static"), name
             assert [sum(t.values()) for t in record["model_state_by_tier"]] == record["model_state_bytes"], name
+
+
+def test_estimate_follows_kept_chunks_the_policy_moves():
+    """Beyond the quick run: kept-gathered stage-3 chunks (static's shard_param_frac), some of them stepped on
+    the host (their master shard then is a copy of its own beside the full buffer), and stage 1 on the host tier."""
+    configs = [
+        BenchConfig(name="kept", kind="zero", strategy="chunk", stage=3, placement="static",
+                    placement_options={"shard_param_frac": 0.5}),
+        BenchConfig(name="kept-offloaded", kind="zero", strategy="tensor", stage=3, placement="static",
+                    placement_options={"shard_param_frac": 0.3, "offload_optim_frac": 0.5}),
+        BenchConfig(name="host-stage-1", kind="zero", strategy="chunk", stage=1, placement="host"),
+    ]
+    configs = [c.as_dict() for c in configs]
+    for config, record in zip(configs, run_distributed(run_all, 2, configs, steps=2, timeout=300)[0]):
+        assert record["status"] == "ok", (config["name"], record["error"])
+        fresh = estimate(quick_model(), world_size=2, config=zero_config(config, QUICK))
+        assert record["model_state_by_kind"] == list(fresh.per_rank), config["name"]
+        assert record["model_state_by_tier"] == list(fresh.tiers), config["name"]
+        assert {k: v["calls"] for k, v in record["collectives_per_step"].items() if k != "control"} == fresh.calls
+        assert record["bytes_sent_per_step"] == [fresh.total_bytes_sent] * 2, config["name"]
 
 
 def test_formulas_of_peers_md_section_4():

@@ -106,9 +106,10 @@ def zero_tiers(model: Any) -> dict[str, int]:
         return used
     tiers = {"device": 0, "host": 0, "disk": 0}
     state = engine.optimizer.state
-    for chunk in engine.chunks:
-        part = chunk.shard.untyped_storage().nbytes() + sum(
-            s.param.grad.untyped_storage().nbytes() for s in chunk.segments[:1] if s.param.grad is not None)
+    for chunk in engine.chunks:  # the shard-sized parts; a kept full buffer (a shard may be its view) is the device's
+        part = chunk.shard.numel() * chunk.shard.element_size()
+        if chunk.requires_grad and any(s.param.grad is not None for s in chunk.segments):
+            part += chunk.shard.numel() * chunk.shard.element_size()
         part += sum(v.numel() * v.element_size() for s in chunk.segments for v in state.get(s.param, {}).values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
         tiers[chunk.tier.value] += part

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from zero_core._plugins import ZeroPlugins
+from zero_core._setup import resolve_device
+from zero_core._state import MemoryTier
 from zero_core.api import ZeroConfig
 from zero_core.chunk import ParamInfo
 from zero_core.comm import CollectiveKind, ring_bytes_sent
@@ -152,9 +154,12 @@ def estimate(
         raise ConfigError(f"estimate needs an nn.Module or a parameter count, got {type(model).__name__}")
 
     compute_bytes = [_bytes(compute, c.master_bytes) for c in chunks]
-    per_rank = tuple(_rank_bytes(chunks, compute_bytes, rank, world_size, config.stage, optimizer_bytes_per_element)
-                     for rank in range(world_size))
-    tiers = _tiers(chunks, compute_bytes, per_rank, world_size, config, plugins, optimizer_bytes_per_element)
+    policy = plugins.placement_policies.get(config.placement).from_config(config)
+    placed = [_placement(chunks, rank, world_size, policy, optimizer_bytes_per_element) for rank in range(world_size)]
+    copies = policy.copies_kept_shard(resolve_device(config))
+    per_rank = tuple(_rank_bytes(chunks, compute_bytes, rank, world_size, config.stage, optimizer_bytes_per_element,
+                                 separate=_separate(chunks, placed[rank], copies)) for rank in range(world_size))
+    tiers = _tiers(placed, per_rank)
     sent, calls = _traffic(chunks, compute_bytes, groups, world_size, config, reduce_bytes, comm_cls)
     master = chunks[0].master_bytes
     formula_chunk = [_Layout(psi, psi, True, master, config.stage < 3 or world_size == 1)]
@@ -194,14 +199,16 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, world_size:
 
 
 def _rank_bytes(chunks: Sequence[_Layout], compute_bytes: Sequence[int], rank: int, world: int, stage: int,
-                opt_bytes: int, *, exact: bool = True) -> dict[str, int]:
+                opt_bytes: int, *, exact: bool = True, separate: Sequence[bool] | None = None) -> dict[str, int]:
     out = dict.fromkeys(_KINDS, 0)
-    for chunk, b in zip(chunks, compute_bytes):
+    for i, (chunk, b) in enumerate(zip(chunks, compute_bytes)):
         m = chunk.master_bytes
         shard = chunk.size // world if exact else chunk.size / world
         lo = rank * shard
         real = max(0, min(chunk.used, lo + shard) - lo)  # the shard's elements that are not padding
-        out["params"] += (b * chunk.size if chunk.kept else 0) + (0 if chunk.kept and b == m else m * shard)
+        # a kept full buffer in the master dtype holds the shard as a view, unless the placement moved the shard away
+        view = chunk.kept and b == m and not (separate and separate[i])
+        out["params"] += (b * chunk.size if chunk.kept else 0) + (0 if view else m * shard)
         if chunk.requires_grad:
             full_grad = stage == 1
             out["grads"] += (b * chunk.size if full_grad else 0) + (0 if full_grad and b == m else m * shard)
@@ -209,23 +216,33 @@ def _rank_bytes(chunks: Sequence[_Layout], compute_bytes: Sequence[int], rank: i
     return {k: int(v) for k, v in out.items()}
 
 
-def _tiers(chunks: Sequence[_Layout], compute_bytes: Sequence[int], per_rank: Sequence[dict[str, int]], world: int,
-           config: ZeroConfig, plugins: ZeroPlugins, opt_bytes: int) -> tuple[dict[str, int], ...] | None:
-    policy = plugins.placement_policies.get(config.placement).from_config(config)
+def _placement(chunks: Sequence[_Layout], rank: int, world: int, policy: Any, opt_bytes: int) -> list[tuple[ChunkParts, Any]] | None:
+    """Each chunk's shard-sized parts on ``rank`` with the tiers the policy gives them; ``None`` if it cannot say."""
+    parts = []
+    for chunk in chunks:
+        shard = chunk.size // world
+        real = max(0, min(chunk.used, (rank + 1) * shard) - rank * shard)
+        grads = chunk.master_bytes * shard if chunk.requires_grad else 0
+        states = opt_bytes * real * chunk.master_bytes // 4 if chunk.requires_grad else 0
+        parts.append(ChunkParts(params=chunk.master_bytes * shard, grads=grads, optimizer_states=states))
+    where = policy.estimate_tiers(parts)
+    return None if where is None else list(zip(parts, where))
+
+
+def _separate(chunks: Sequence[_Layout], placed: list[tuple[ChunkParts, Any]] | None, copies: bool) -> list[bool]:
+    """Kept chunks whose master shard the policy takes off the device (to keep or to step): a copy of its own."""
+    if placed is None or not copies:
+        return [False] * len(chunks)
+    return [chunk.kept and any(tier is not MemoryTier.DEVICE for tier in where.values()) for chunk, (_, where) in zip(chunks, placed)]
+
+
+def _tiers(placed: Sequence[list[tuple[ChunkParts, Any]] | None], per_rank: Sequence[dict[str, int]]) -> tuple[dict[str, int], ...] | None:
+    if any(p is None for p in placed):
+        return None
     result = []
-    for rank, held in enumerate(per_rank):
-        parts = []
-        for chunk in chunks:
-            shard = chunk.size // world
-            real = max(0, min(chunk.used, (rank + 1) * shard) - rank * shard)
-            parts.append(ChunkParts(params=chunk.master_bytes * shard,
-                                    grads=chunk.master_bytes * shard if chunk.requires_grad else 0,
-                                    optimizer_states=opt_bytes * real * chunk.master_bytes // 4 if chunk.requires_grad else 0))
-        placed = policy.estimate_tiers(parts)
-        if placed is None:
-            return None
+    for rank_placed, held in zip(placed, per_rank):
         tiers = {"device": 0, "host": 0, "disk": 0}
-        for part, where in zip(parts, placed):
+        for part, where in rank_placed or ():
             for kind in _KINDS:
                 tiers[where[kind].value] += getattr(part, kind)
         # what is not a shard-sized part (the full buffers stages 1 and 2 keep) stays on the compute device

@@ -203,6 +203,11 @@ class PlacementPolicy(ABC):
         """
         return None
 
+    def copies_kept_shard(self, device: torch.device) -> bool:
+        """Whether moving a kept-gathered chunk's master shard (or stepping it) off ``device``
+        leaves a separate copy beside the full buffer, for :func:`zero_core.estimate`."""
+        return True
+
 
 class DevicePlacementPolicy(PlacementPolicy):
     """Keeps every shard, gradient and optimizer state on the compute device."""
@@ -252,3 +257,6 @@ class HostPlacementPolicy(PlacementPolicy):
 
     def estimate_tiers(self, parts: Sequence[ChunkParts]) -> list[PartTiers]:
         return [dict.fromkeys(("params", "grads", "optimizer_states"), MemoryTier.HOST) for _ in parts]
+
+    def copies_kept_shard(self, device: torch.device) -> bool:
+        return device.type != "cpu"  # on a CPU machine the host shard is the compute device's: no move, no copy
