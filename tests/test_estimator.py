@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from zero_core import ChunkPolicy, ConfigError, Precision, ZeroConfig, ZeroPlugins, estimate
-from zero_core.testing import run_distributed
+from zero_core.testing import run_distributed, train_sharded
 from zero_core.testing.gpt import GPT, GPTConfig
+from zero_core.testing.parity import make_optimizer
+from zero_core.testing.zoo import get_case
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -85,7 +87,23 @@ def test_estimate_follows_kept_chunks_the_policy_moves():
         assert record["bytes_sent_per_step"] == [fresh.total_bytes_sent] * 2, config["name"]
 
 
-def test_formulas_of_peers_md_section_4():
+@pytest.mark.parametrize("stage", [1, 3])
+def test_estimate_counts_frozen_parameters(stage):
+    """Frozen chunks hold no gradient or optimizer state, and a kept frozen chunk is never refreshed."""
+    config = ZeroConfig(strategy="tensor", stage=stage, comm="torch", chunk=ChunkPolicy(chunk_size=64))
+    results = run_distributed(train_sharded, 2, "frozen", steps=2, config=config)
+    case = get_case("frozen")
+    torch.manual_seed(0)
+    model = case.build()
+    e = estimate(model, world_size=2, config=config, optimizer=make_optimizer(case, model))
+    for rank, result in enumerate(results):
+        assert {k: result.model_state_bytes[k] for k in ("params", "grads", "optimizer_states")} == e.per_rank[rank]
+        step = result.step_stats[-1]
+        assert {k: step[k]["calls"] for k in ("all_gather", "reduce_scatter")} == e.calls
+        assert {k: step[k]["bytes_sent"] for k in ("all_gather", "reduce_scatter")} == e.bytes_sent
+
+
+def test_formulas_of_zero():
     psi, n = 7_000_000_000, 64
     fp32 = {stage: estimate(psi, world_size=n, config=ZeroConfig(stage=stage)) for stage in (1, 2, 3)}
     assert fp32[3].formula["model_state_bytes"] == 16 * psi // n

@@ -25,8 +25,19 @@ def load(path: Path) -> dict[str, Any]:
     return data
 
 
+def comparable(baseline: dict[str, Any], latest: dict[str, Any]) -> None:
+    """Refuse to compare runs of another model, world size, step count, backend or torch."""
+    keys = [("model", lambda d: d["model"]), ("world size", lambda d: d["world_size"]), ("steps", lambda d: d["steps"]),
+            ("backend", lambda d: d["machine"]["backend"]), ("torch", lambda d: d["machine"]["torch"])]
+    for what, get in keys:
+        if get(baseline) != get(latest):
+            raise SystemExit(f"the baseline ran with another {what} ({get(baseline)} vs {get(latest)} now); "
+                             "rerun the bench with the baseline's options, or save a new baseline with --save-baseline")
+
+
 def compare(baseline: dict[str, Any], latest: dict[str, Any], *, threshold: float) -> tuple[str, list[str]]:
     """A Markdown table of latest/baseline per configuration, and the regressions found."""
+    comparable(baseline, latest)
     base = {r["name"]: r for r in baseline["records"]}
     rows = ["| config | step time | peak memory | model state | bytes sent | verdict |", "|---|---|---|---|---|---|"]
     regressions: list[str] = []
@@ -59,6 +70,8 @@ def compare(baseline: dict[str, Any], latest: dict[str, Any], *, threshold: floa
         regressions += [f"{r['name']}: {f}" for f in found]
         rows.append(f"| {r['name']} | {step:.2f}x | {mem:.2f}x | {state:.3f}x | {sent:.3f}x | "
                     f"{'REGRESSION: ' + ', '.join(found) if found else 'ok'} |")
-    for name in base.keys() - {r["name"] for r in latest["records"]}:
-        rows.append(f"| {name} | not run | | | | – |")
+    for name in sorted(base.keys() - {r["name"] for r in latest["records"]}):
+        if base[name].get("median_step_s") is not None:  # it ran before: a plugin that stopped loading is a regression
+            regressions.append(f"{name}: ran in the baseline, missing now")
+        rows.append(f"| {name} | not run | | | | {'REGRESSION: missing' if base[name].get('median_step_s') else '–'} |")
     return "\n".join(rows), regressions

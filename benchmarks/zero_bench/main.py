@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,16 +43,34 @@ RESULTS = ROOT / "benchmarks" / "results"
 SCHEMA_VERSION = 1
 
 
+def _number(kind: type, minimum: float, what: str) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+
+    return parse
+
+
+positive_int = _number(int, 1, "a positive integer")
+non_negative_int = _number(int, 0, "a non-negative integer")
+positive_float = _number(float, 1e-9, "a positive number")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="nox -s bench --", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
     p.add_argument("--quick", action="store_true", help="the tiny model for 6 steps (under 5 minutes on 2 CPU cores)")
     p.add_argument("--model", choices=sorted(MODELS), default=None, help="model preset (default gpt2-small; tiny with --quick)")
     for name in ("vocab", "d-model", "layers", "heads", "seq-len", "batch-size"):
-        p.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name.replace('-', ' ')}")
-    p.add_argument("--world-size", type=int, default=2, help="ranks (processes) per configuration")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per configuration (default 10; 6 with --quick)")
-    p.add_argument("--warmup", type=int, default=2, help="leading steps left out of the median step time")
+        p.add_argument(f"--{name}", type=positive_int, default=None, help=f"override the preset's {name.replace('-', ' ')}")
+    p.add_argument("--world-size", type=positive_int, default=2, help="ranks (processes) per configuration")
+    p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps per configuration (default 10; 6 with --quick)")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="leading steps left out of the median step time")
     p.add_argument("--strategies", default=None, help="comma-separated strategy names (default: every registered one)")
     p.add_argument("--stages", default="1,2,3", help="comma-separated ZeRO stages for every strategy")
     p.add_argument("--policies", default=None, help="comma-separated placement policies (default: every registered one)")
@@ -62,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help='options of one placement policy, e.g. lru=\'{"device_chunks": 2}\' (repeatable)')
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="relative loss tolerance of fp32 runs against DDP")
     p.add_argument("--loss-rtol-16", type=float, default=3e-2, help="the same for bf16/fp16 runs")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one configuration may take")
+    p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds one configuration may take")
     p.add_argument("--out", type=Path, default=RESULTS / "latest.json", help="results JSON (the .md and .png go beside it)")
     p.add_argument("--compare", type=Path, default=None, help="after the run, compare with this saved results file")
     p.add_argument("--compare-only", type=Path, default=None, metavar="BASELINE", help="compare --out with BASELINE; run nothing")
@@ -72,6 +91,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.world_size < 1:
         p.error(f"--world-size must be at least 1, got {args.world_size}")
+    for path in (args.compare, args.compare_only):
+        if path is not None and not path.is_file():
+            p.error(f"no saved bench results at {path}; save one with --save-baseline PATH first")
+    plugins = ZeroPlugins.load()
+    for option, registry in (("strategies", plugins.strategies), ("policies", plugins.placement_policies),
+                             ("comms", plugins.comm_backends)):
+        unknown = [n for n in (getattr(args, option) or "").split(",") if n and n not in registry]
+        if unknown:
+            p.error(f"--{option}: {', '.join(unknown)} not registered; registered: {', '.join(registry.names())}")
     args.model = args.model or ("tiny" if args.quick else "gpt2-small")
     args.steps = args.steps or (6 if args.quick else 10)
     if args.steps <= args.warmup:
@@ -124,12 +152,18 @@ def launch(config: BenchConfig, spec: dict[str, Any], world: int, timeout: float
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            "-m", "zero_bench.worker", "--spec", json.dumps({**spec, "config": config.as_dict()}), "--out", str(out)]
+    # A session of its own, so a timeout kills the ranks too, not only the launcher.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+        log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"status": "failed", "error": f"did not finish within --timeout {timeout:.0f} s"}
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        tail = "\n".join((log or "").strip().splitlines()[-25:])
+        return {"status": "failed", "error": f"did not finish within --timeout {timeout:.0f} s", "log_tail": tail}
     if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+        tail = "\n".join((log or "").strip().splitlines()[-25:])
         return {"status": "failed", "error": f"exit code {proc.returncode}", "log_tail": tail}
     return json.loads(out.read_text())
 
@@ -183,7 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        placement_options=args.placement_options)
     print(f"bench: {len(configs)} configurations x {args.world_size} ranks, model {args.model} ({cfg.num_params / 1e6:.2f}M "
           f"parameters), {args.steps} steps ({args.warmup} warm-up), {machine()['backend']}", flush=True)
-    spec = {"model": size.options(), "steps": args.steps, "warmup": args.warmup, "timeout_s": args.timeout}
+    # collectives give up well before the launch is killed, so a stuck rank reports which collective hung
+    spec = {"model": size.options(), "steps": args.steps, "warmup": args.warmup, "timeout_s": max(10.0, 0.8 * args.timeout)}
     records = []
     progress = Progress(len(configs), args.no_progress)
     started = time.perf_counter()
@@ -228,8 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r["name"] for r in records if r["status"] not in ("ok", "not applicable")]
     wrong = [r["name"] for r in records if r.get("losses_agree") is False]
     agree = [r for r in records if r.get("losses_agree")]
-    print(f"losses: {len(agree)} configurations agree with {result['loss_reference']} within {args.loss_rtol} "
-          f"(fp32) / {args.loss_rtol_16} (16-bit)" + (f"; DISAGREE: {', '.join(wrong)}" if wrong else ""))
+    if result["loss_reference"] is None:
+        print("losses: UNCHECKED (neither DDP nor FSDP2 ran; keep at least one in --references)")
+    else:
+        print(f"losses: {len(agree)} configurations agree with {result['loss_reference']} within {args.loss_rtol} "
+              f"(fp32) / {args.loss_rtol_16} (16-bit)" + (f"; DISAGREE: {', '.join(wrong)}" if wrong else ""))
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 MiB = 2**20
@@ -12,14 +13,19 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def check_losses(records: list[dict[str, Any]], *, rtol: float, rtol_16: float) -> str | None:
-    """Mark every record ``losses_agree``; return the name of the reference row used (DDP when it ran)."""
+    """Mark every record ``losses_agree``; return the reference row's name (DDP, else FSDP2; None: unchecked).
+
+    Only plain PyTorch is a reference: a bug every zero row shared would pass against a zero row.
+    A loss that is not finite never agrees.
+    """
     ok = [r for r in records if r["status"] == "ok"]
-    if not ok:
-        return None
-    reference = next((r for r in ok if r["name"] == "ddp"), ok[0])
+    reference = next((r for name in ("ddp", "fsdp2") for r in ok if r["name"] == name), None)
     for r in records:
-        if r["status"] != "ok":
+        if r["status"] != "ok" or reference is None:
             r["losses_agree"] = None
+            continue
+        if not all(math.isfinite(x) for x in r["losses"]):
+            r["losses_agree"], r["status"], r["max_loss_rel_diff"] = False, "WRONG LOSSES", float("nan")
             continue
         tol = rtol if r["config"]["precision"] == "fp32" else rtol_16
         worst = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], reference["losses"])), default=0.0)
@@ -27,7 +33,7 @@ def check_losses(records: list[dict[str, Any]], *, rtol: float, rtol_16: float) 
         r["losses_agree"] = len(r["losses"]) == len(reference["losses"]) and worst <= tol
         if not r["losses_agree"]:
             r["status"] = "WRONG LOSSES"
-    return reference["name"]
+    return None if reference is None else reference["name"]
 
 
 def add_ratios(records: list[dict[str, Any]]) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from zero_bench.counting import Counter, count_ddp, count_fsdp2
-from zero_core import ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, ZeroError, estimate, shard
+from zero_core import ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, estimate, shard
 from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
 
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -117,6 +117,11 @@ def zero_tiers(model: Any) -> dict[str, int]:
     return tiers
 
 
+def _not_applicable(exc: BaseException) -> bool:
+    """A configuration refused for its options on this machine (a config or budget error), not a failure."""
+    return isinstance(exc, ConfigError) or type(exc).__name__ == "TierBudgetError"
+
+
 def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, warmup: int, lr: float = 1e-3) -> dict | None:
     """Train ``config`` for ``steps`` steps on the process group that is up; rank 0 gets the record."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -151,8 +156,21 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
             optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
         else:
             raise ValueError(f"unknown configuration kind {kind!r}")
-    except (ConfigError, ZeroError) as exc:  # the policy or strategy does not apply here, with these options
-        record.update(status="not applicable", error=f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        refused = exc
+    else:
+        refused = None
+    # Every rank learns whether any rank refused, before anyone starts a step that would wait for it.
+    verdicts: list[Any] = [None] * world
+    dist.all_gather_object(verdicts, None if refused is None else (type(refused).__name__, str(refused), _not_applicable(refused)))
+    failures = [v for v in verdicts if v is not None]
+    if failures:
+        name, message, applicable = failures[0]
+        if refused is not None and not applicable:
+            raise refused
+        if not all(v[2] for v in failures):
+            raise RuntimeError(f"another rank failed at setup with {name}: {message}")
+        record.update(status="not applicable", error=f"{name}: {message}")
         return record if rank == 0 else None
     losses, times = [], []
     for step in range(steps):
@@ -220,7 +238,7 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
 
 
 def reference_theory(kind: str, params: int, world: int) -> dict[str, int]:
-    """The formulas of peers.md section 4 for the references (Adam, fp32): DDP is plain data
+    """The ZeRO paper's formulas for the references (Adam, fp32): DDP is plain data
     parallelism (16 Psi per rank, one ring all-reduce of the gradients), FSDP2 is ZeRO-3
     (16 Psi / N per rank; two all-gathers of the parameters and one reduce-scatter of the gradients)."""
     if kind == "ddp":

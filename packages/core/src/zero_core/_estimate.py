@@ -2,8 +2,9 @@
 
 :func:`estimate` lays a model out the way :func:`~zero_core.shard` would (the same strategy
 plugin, the same plan, the same gather groups) and counts what every rank would hold and
-send, exactly, padding included. Given only a parameter count it uses the closed formulas
-of ``peers.md`` section 4 with the count rounded up to the world size. The model may live
+send, exactly, padding included. Given only a parameter count it uses the closed ZeRO formulas
+(Rajbhandari et al., 2020) with the count rounded up to the world size, as one chunk (so a
+placement's fractions take it whole or not at all). The model may live
 on the meta device, so a 70B-parameter model can be estimated for 1024 ranks on a laptop.
 
 What it counts, per rank, between steps (the same definitions as
@@ -90,7 +91,7 @@ class Estimate:
         return sum(self.bytes_sent.values())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Layout:
     """One chunk as the estimator sees it."""
 
@@ -102,7 +103,7 @@ class _Layout:
 
 
 def _bytes(dtype: torch.dtype | None, default: int) -> int:
-    return default if dtype is None else torch.empty((), dtype=dtype, device="meta").element_size()
+    return default if dtype is None else dtype.itemsize
 
 
 def estimate(
@@ -142,11 +143,15 @@ def estimate(
     if isinstance(model, int) and not isinstance(model, bool):
         if model < 1:
             raise ConfigError(f"estimate needs a positive parameter count, got {model}")
-        chunks = [_Layout(round_up(model, world_size), model, True, 4, config.stage < 3 or world_size == 1)]
+        chunks = [_Layout(size=round_up(model, world_size), used=model, requires_grad=True, master_bytes=4,
+                          kept=config.stage < 3 or world_size == 1)]
         groups: list[list[int]] | None = None
         psi = model
         comm_cls = None
     elif isinstance(model, nn.Module):
+        if config.chunk.param_order == "first_use":
+            raise ConfigError("estimate lays parameters out in registration order; ChunkPolicy(param_order='first_use') "
+                              "needs a forward pass, so estimate with param_order='registration' (the bytes differ only by padding)")
         chunks, groups, psi = _plan(model, optimizer, world_size, config, plugins)
         strategy = plugins.strategies.get(config.strategy)
         comm_cls = plugins.comm_backends.get(config.comm or strategy.comm)
@@ -158,13 +163,14 @@ def estimate(
     placed = [_placement(chunks, rank, world_size, policy, optimizer_bytes_per_element) for rank in range(world_size)]
     copies = policy.copies_kept_shard(resolve_device(config))
     per_rank = tuple(_rank_bytes(chunks, compute_bytes, rank, world_size, config.stage, optimizer_bytes_per_element,
-                                 separate=_separate(chunks, placed[rank], copies)) for rank in range(world_size))
+                                 reduce_bytes=reduce_bytes, separate=_separate(chunks, placed[rank], copies))
+                     for rank in range(world_size))
     tiers = _tiers(placed, per_rank)
     sent, calls = _traffic(chunks, compute_bytes, groups, world_size, config, reduce_bytes, comm_cls)
     master = chunks[0].master_bytes
-    formula_chunk = [_Layout(psi, psi, True, master, config.stage < 3 or world_size == 1)]
+    formula_chunk = [_Layout(size=psi, used=psi, requires_grad=True, master_bytes=master, kept=config.stage < 3 or world_size == 1)]
     formula_rank = _rank_bytes(formula_chunk, [_bytes(compute, master)], 0, world_size, config.stage,
-                               optimizer_bytes_per_element, exact=False)
+                               optimizer_bytes_per_element, reduce_bytes=reduce_bytes, exact=False)
     formula_sent, _ = _traffic(formula_chunk, [_bytes(compute, master)], None, world_size, config, reduce_bytes, None,
                                exact=False)
     return Estimate(params=psi, padded_params=sum(c.size for c in chunks), world_size=world_size, stage=config.stage,
@@ -193,13 +199,13 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, world_size:
     chunks = []
     for i, spec in enumerate(plan.chunks):
         first = spec.params[0].param
-        chunks.append(_Layout(spec.size, spec.used, first.requires_grad, first.element_size(),
-                              config.stage < 3 or world_size == 1 or i in keep))
+        chunks.append(_Layout(size=spec.size, used=spec.used, requires_grad=first.requires_grad, master_bytes=first.element_size(),
+                              kept=config.stage < 3 or world_size == 1 or i in keep))
     return chunks, groups, plan.numel
 
 
 def _rank_bytes(chunks: Sequence[_Layout], compute_bytes: Sequence[int], rank: int, world: int, stage: int,
-                opt_bytes: int, *, exact: bool = True, separate: Sequence[bool] | None = None) -> dict[str, int]:
+                opt_bytes: int, *, reduce_bytes: int, exact: bool = True, separate: Sequence[bool] | None = None) -> dict[str, int]:
     out = dict.fromkeys(_KINDS, 0)
     for i, (chunk, b) in enumerate(zip(chunks, compute_bytes)):
         m = chunk.master_bytes
@@ -211,7 +217,10 @@ def _rank_bytes(chunks: Sequence[_Layout], compute_bytes: Sequence[int], rank: i
         out["params"] += (b * chunk.size if chunk.kept else 0) + (0 if view else m * shard)
         if chunk.requires_grad:
             full_grad = stage == 1
-            out["grads"] += (b * chunk.size if full_grad else 0) + (0 if full_grad and b == m else m * shard)
+            # stage 1's full gradient buffer holds the reduced shard as a view when all three dtypes agree and
+            # the placement leaves the shard on the device
+            grad_view = full_grad and b == m == reduce_bytes and not (separate and separate[i])
+            out["grads"] += (b * chunk.size if full_grad else 0) + (0 if grad_view else m * shard)
             out["optimizer_states"] += opt_bytes * real * m // 4  # the states follow the master dtype
     return {k: int(v) for k, v in out.items()}
 
@@ -265,12 +274,16 @@ def _traffic(chunks: Sequence[_Layout], compute_bytes: Sequence[int], groups: Se
     sent = {"all_gather": 0.0, "reduce_scatter": 0.0}
     calls = {"all_gather": 0, "reduce_scatter": 0}
     for group in gather_groups:
-        # a chunk released after use is gathered for forward and again for backward; a kept one once,
-        # after the optimizer step updated its shard
-        passes = 1 if all(chunks[i].kept for i in group) else 2
-        payload = sum(chunks[i].size * compute_bytes[i] for i in group)
-        sent["all_gather"] += passes * ring(CollectiveKind.ALL_GATHER, payload)
-        calls["all_gather"] += passes
+        # A group with a chunk that is released after use is gathered whole for forward and again for backward.
+        if not all(chunks[i].kept for i in group):
+            payload = sum(chunks[i].size * compute_bytes[i] for i in group)
+            sent["all_gather"] += 2 * ring(CollectiveKind.ALL_GATHER, payload)
+            calls["all_gather"] += 2
+        # After the step, the trainable kept members are refreshed from their updated shards in one all-gather.
+        refreshed = [i for i in group if chunks[i].kept and chunks[i].requires_grad]
+        if refreshed:
+            sent["all_gather"] += ring(CollectiveKind.ALL_GATHER, sum(chunks[i].size * compute_bytes[i] for i in refreshed))
+            calls["all_gather"] += 1
     reduced = [c for c in reversed(chunks) if c.requires_grad]  # the engine reduces in reverse plan order
     for chunk in reduced:
         sent["reduce_scatter"] += ring(CollectiveKind.REDUCE_SCATTER, chunk.size * reduce_bytes)
