@@ -27,7 +27,8 @@ QUICK = MODELS["tiny"].options()
 
 def quick_configs(precision="fp32"):
     return [c.as_dict() for c in discover(plugins=ZeroPlugins.load(), strategies=None, stages=[1, 2, 3], policies=None, comms=None,
-                                          references=[], precision=precision, state_mib=5.0, placement_options={})]
+                                          references=[], precision=precision, state_mib=5.0, size=MODELS["tiny"],
+                                          placement_options={})]
 
 
 def run_all(configs, steps):

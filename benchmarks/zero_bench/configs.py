@@ -63,17 +63,27 @@ class BenchConfig:
         return dataclasses.asdict(self)
 
 
-def _preset(policy: str, state_mib: float) -> dict[str, Any]:
+def activation_mib(size: ModelSize) -> float:
+    """A generous guess of one rank's fp32 activations at the peak of a step (for the ``gemini`` preset).
+
+    Per token: about 34 values of ``d_model`` per layer, the attention scores (5 per head per key
+    per layer), and the logits with their softmax and gradient (4 per vocabulary entry).
+    """
+    per_token = 34 * size.d_model * size.layers + 5 * size.heads * size.seq_len * size.layers + 4 * size.vocab
+    return 4 * per_token * size.batch_size * size.seq_len / 2**20
+
+
+def _preset(policy: str, state_mib: float, size: ModelSize) -> dict[str, Any]:
     """Options for the built-in offloading policies on this run's model (``state_mib``: stage-3 states per rank)."""
     if policy == "static":
         return {"offload_optim_frac": 1.0, "offload_param_frac": 1.0}
-    if policy == "gemini":  # half the model states, plus room for activations the tracer will measure
-        return {"device_budget_mb": round(state_mib / 2 + 64, 1)}
+    if policy == "gemini":  # half the model states, plus room for the activations the tracer will measure
+        return {"device_budget_mb": round(state_mib / 2 + activation_mib(size) + 64, 1)}
     return {}
 
 
 def discover(*, plugins: ZeroPlugins, strategies: list[str] | None, stages: list[int], policies: list[str] | None,
-             comms: list[str] | None, references: list[str], precision: str, state_mib: float,
+             comms: list[str] | None, references: list[str], precision: str, state_mib: float, size: ModelSize,
              placement_options: dict[str, dict[str, Any]]) -> list[BenchConfig]:
     """The configurations to run, in table order: references first, then each strategy's stages, then variants."""
     configs = [BenchConfig(name=ref, kind=ref) for ref in references]
@@ -98,7 +108,7 @@ def discover(*, plugins: ZeroPlugins, strategies: list[str] | None, stages: list
         plugins.placement_policies.get(policy)
         if policy == "device":
             continue
-        options = placement_options.get(policy, _preset(policy, state_mib))
+        options = placement_options.get(policy, _preset(policy, state_mib, size))
         configs.append(BenchConfig(name=f"{base}-s3-{policy}{tag}", kind="zero", strategy=base, stage=3, placement=policy,
                                    placement_options=json.loads(json.dumps(options)), precision=precision))
     return configs

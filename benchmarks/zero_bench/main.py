@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -41,6 +42,7 @@ from zero_core.testing.gpt import GPT, GPTConfig
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 SCHEMA_VERSION = 1
+EXCEPTION_LINE = re.compile(r"^\[rank\d+\]: [\w.]+(Error|Exception|Interrupt): ")
 
 
 def _number(kind: type, minimum: float, what: str) -> Any:
@@ -163,8 +165,11 @@ def launch(config: BenchConfig, spec: dict[str, Any], world: int, timeout: float
         tail = "\n".join((log or "").strip().splitlines()[-25:])
         return {"status": "failed", "error": f"did not finish within --timeout {timeout:.0f} s", "log_tail": tail}
     if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((log or "").strip().splitlines()[-25:])
-        return {"status": "failed", "error": f"exit code {proc.returncode}", "log_tail": tail}
+        lines = (log or "").strip().splitlines()
+        # the ranks' own exception line says more than torchrun's summary after it
+        raised = [line for line in lines if EXCEPTION_LINE.match(line)]
+        error = raised[-1].split("]: ", 1)[-1] if raised else f"exit code {proc.returncode}"
+        return {"status": "failed", "error": error, "log_tail": "\n".join(lines[-25:])}
     return json.loads(out.read_text())
 
 
@@ -213,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plugins = ZeroPlugins.load()
     configs = discover(plugins=plugins, strategies=args.strategies and args.strategies.split(","), stages=args.stages,
                        policies=args.policies and args.policies.split(","), comms=args.comms and args.comms.split(","),
-                       references=args.references, precision=args.precision, state_mib=state_mib,
+                       references=args.references, precision=args.precision, state_mib=state_mib, size=size,
                        placement_options=args.placement_options)
     print(f"bench: {len(configs)} configurations x {args.world_size} ranks, model {args.model} ({cfg.num_params / 1e6:.2f}M "
           f"parameters), {args.steps} steps ({args.warmup} warm-up), {machine()['backend']}", flush=True)
