@@ -129,7 +129,8 @@ def estimate(
         plugins: The plugin set to take strategies, comm backends and placements from.
 
     Raises:
-        ConfigError: A world size below 1, a negative count, or a model with no parameters.
+        ConfigError: A world size below 1, a negative count, a model with no parameters, or
+            ``ChunkPolicy(param_order="first_use")`` (that order needs a forward pass).
     """
     config = config or ZeroConfig()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -204,14 +205,18 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, world_size:
     return chunks, groups, plan.numel
 
 
+def _real(chunk: _Layout, rank: int, shard: float) -> float:
+    """Elements of ``rank``'s shard that are parameters, not padding (padding sits at the chunk's end)."""
+    return max(0, min(chunk.used, (rank + 1) * shard) - rank * shard)
+
+
 def _rank_bytes(chunks: Sequence[_Layout], compute_bytes: Sequence[int], rank: int, world: int, stage: int,
                 opt_bytes: int, *, reduce_bytes: int, exact: bool = True, separate: Sequence[bool] | None = None) -> dict[str, int]:
     out = dict.fromkeys(_KINDS, 0)
     for i, (chunk, b) in enumerate(zip(chunks, compute_bytes)):
         m = chunk.master_bytes
         shard = chunk.size // world if exact else chunk.size / world
-        lo = rank * shard
-        real = max(0, min(chunk.used, lo + shard) - lo)  # the shard's elements that are not padding
+        real = _real(chunk, rank, shard)
         # a kept full buffer in the master dtype holds the shard as a view, unless the placement moved the shard away
         view = chunk.kept and b == m and not (separate and separate[i])
         out["params"] += (b * chunk.size if chunk.kept else 0) + (0 if view else m * shard)
@@ -230,7 +235,7 @@ def _placement(chunks: Sequence[_Layout], rank: int, world: int, policy: Any, op
     parts = []
     for chunk in chunks:
         shard = chunk.size // world
-        real = max(0, min(chunk.used, (rank + 1) * shard) - rank * shard)
+        real = _real(chunk, rank, shard)
         grads = chunk.master_bytes * shard if chunk.requires_grad else 0
         states = opt_bytes * real * chunk.master_bytes // 4 if chunk.requires_grad else 0
         parts.append(ChunkParts(params=chunk.master_bytes * shard, grads=grads, optimizer_states=states))
