@@ -24,7 +24,7 @@ def install_zero(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit tests of every package plus the cross-package parity, counting and demo tests."""
-    install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "rich>=13")
+    install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "rich>=13", "transformers>=5.24,<5.25")
     session.run("pytest", *session.posargs)
 
 

@@ -91,13 +91,25 @@ def test_calling_a_submodule_outside_the_wrapped_model():
         model.a(torch.rand(2, 6))
 
 
-def test_sharded_state_dict_points_to_the_right_call():
+def test_state_dict_refusals_name_the_fix(tmp_path):
+    """state_dict and load_state_dict work between steps (test_state_dicts.py); these are the cases they refuse."""
     model, opt = model_and_opt()
     sharded, _ = shard(model, opt, config=SMALL)
-    with pytest.raises(ZeroError, match=r"full_state_dict\(\).*save_checkpoint"):
-        sharded.state_dict()
-    with pytest.raises(ZeroError, match=r"load_full_state_dict.*load_checkpoint"):
-        sharded.load_state_dict({})
+    with pytest.raises(ZeroError, match=r"assign=True.*load without assign=True"):
+        sharded.load_state_dict(sharded.state_dict(), assign=True)
+    handle = next(iter(sharded.children())).register_forward_hook(lambda *_: sharded.state_dict())
+    with pytest.raises(ZeroError, match=r"inside forward or backward.*between steps"):
+        sharded(*get_case("odd_sizes").batch(0, 2)[:1])
+    handle.remove()
+    # shards on disk: the error names the verbs that stage them in
+    disk = ZeroConfig(chunk=ChunkPolicy(chunk_size=64), placement="static",
+                      placement_options={"offload_param_frac": 1.0, "offload_optim_frac": 1.0, "host_budget_mb": 0.003,
+                                         "disk_dir": str(tmp_path / "tier")})
+    model, opt = model_and_opt()
+    on_disk, _ = shard(model, opt, config=disk)
+    with pytest.raises(ZeroError, match=r"on disk.*save_checkpoint.*full_state_dict"):
+        on_disk.state_dict()
+    on_disk.close()
 
 
 def _disagreeing_ranks():

@@ -17,10 +17,10 @@ from zero_core.testing.gpt import GPT, GPTConfig
 from zero_offload import DeviceBudgetError, DiskTierError, TierBudgetError
 
 # Budgets for the zoo's tiny GPT at 2 ranks (chunks of 300 elements): the warm-up step needs about
-# 0.118 MiB of device memory at its peak (reductions in flight included), so 0.125 leaves room to cache
-# a few shards, which must be evicted again at every step; the host budget holds the gradients and the
-# disk reads, not the rest.
-TIGHT_DEVICE = 0.125
+# 0.128 MiB of device memory at its peak (reductions in flight and a gather's receive buffer, which the
+# copy-out empties, included), so 0.14 leaves room to cache a few shards, which must be evicted again at
+# every step; the host budget holds the gradients and the disk reads, not the rest.
+TIGHT_DEVICE = 0.14
 SMALL_HOST = 0.04
 
 CONFIGS = {

@@ -59,7 +59,7 @@ def _offloaded_gradients(strategy):
     inputs, targets = case.batch(0, 4)
     model.backward(case.loss(model(inputs), targets))
     engine = model.engine
-    grads = [seg.param.grad for c in engine.chunks for seg in c.segments]
+    grads = [seg.param.grad.to_local() for c in engine.chunks for seg in c.segments]  # this rank's pieces
     storages = {g.untyped_storage().data_ptr() for g in grads}
     opt.step()
     return {

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from zero_bench.counting import Counter, count_ddp, count_fsdp2
 from zero_core import ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, estimate, shard
 from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
+from zero_core.chunk import to_local
 
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -110,7 +111,7 @@ def zero_tiers(model: Any) -> dict[str, int]:
         part = chunk.shard.numel() * chunk.shard.element_size()
         if chunk.requires_grad and any(s.param.grad is not None for s in chunk.segments):
             part += chunk.shard.numel() * chunk.shard.element_size()
-        part += sum(v.numel() * v.element_size() for s in chunk.segments for v in state.get(s.param, {}).values()
+        part += sum(to_local(v).numel() * v.element_size() for s in chunk.segments for v in state.get(s.param, {}).values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
         tiers[chunk.tier.value] += part
     tiers["device"] += total - sum(tiers.values())

@@ -35,12 +35,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zero_core._agreement import agree_ok, raise_if_any_failed
 from zero_core._atomic import TMP_MARK, atomic_write, file_sha256, fsync_dir
 from zero_core._layout import ModelLayout, check_names, publish_kept
 from zero_core._safetensors_stream import SafetensorsRangeReader, SafetensorsWriter
 from zero_core._version import __version__
+from zero_core.chunk import to_local
 from zero_core.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -174,7 +176,8 @@ def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, w
             seg = segment_of.get((chunk.index, slot))
             state = states.get(id(seg.param), {}) if seg is not None else {}
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if isinstance(value, torch.Tensor) and (value.dim() > 0 or isinstance(value, DTensor)):
+                    value = to_local(value)
                     if value.numel() != hi - lo:
                         raise CheckpointError(
                             f"optimizer state {key!r} of {name!r} has {value.numel()} elements for a {hi - lo}-element "
@@ -207,15 +210,13 @@ def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, w
             try:
                 # states kept out of memory are read back one chunk at a time, and dropped after it
                 readable = placement.optimizer_states(chunk) if with_optimizer else {}
-                begin = chunk.rank * chunk.shard_size
                 for slot, name, lo, hi in chunk_pieces:
-                    offset = chunk.slots[slot].offset
-                    writer.write(f"p/{name}", chunk.shard[offset + lo - begin : offset + hi - begin])
+                    writer.write(f"p/{name}", chunk.shard_range(slot, lo, hi))
                     seg = segment_of.get((chunk.index, slot))
                     state = readable.get(id(seg.param), {}) if seg is not None else {}
                     for key, value in state.items():
-                        if isinstance(value, torch.Tensor) and value.dim() > 0:
-                            writer.write(f"o/{name}/{key}", value)
+                        if isinstance(value, torch.Tensor) and (value.dim() > 0 or isinstance(value, DTensor)):
+                            writer.write(f"o/{name}/{key}", to_local(value).reshape(-1))
                 del readable
             finally:
                 placement.after_release([chunk])
@@ -405,7 +406,7 @@ def load_checkpoint(
         needed = {0} if layout.buffers else set()
         for chunk in engine.chunks:
             for i, slot in enumerate(chunk.slots):
-                lo, hi = chunk.own_range(i)
+                lo, hi = chunk.held_range(i)
                 name = layout.param_source(slot.param, reader_meta, aliases)
                 if lo >= hi or name is None:
                     continue
@@ -457,10 +458,8 @@ def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, st
         try:
             error = None
             try:
-                begin = chunk.rank * chunk.shard_size
                 for i, name, lo, hi in todo:  # straight into the shard: no intermediate copy
-                    offset = chunk.slots[i].offset
-                    reader.read_into(f"p/{name}", name, lo, chunk.shard[offset + lo - begin : offset + hi - begin])
+                    reader.read_into(f"p/{name}", name, lo, chunk.shard_range(i, lo, hi))
                 if load_optimizer:
                     _load_states(engine, chunk, reader, {i: (name, lo, hi) for i, name, lo, hi in todo}, metadata)
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the next collective
@@ -496,12 +495,13 @@ def _load_states(engine: Engine, chunk: Chunk, reader: _Reader, where: dict[int,
         for key, value in saved["scalars"].get(name, {}).items():
             if "tensor" in value:
                 scalar = torch.tensor(value["value"], dtype=_dtype(value["tensor"]))
-                entry[key] = scalar.to(seg.param.device) if on_device else scalar
+                entry[key] = scalar.to(seg.local.device) if on_device else scalar
             else:
                 entry[key] = value["value"]
         for key in saved["state_keys"].get(name, []):
             values = reader.read(f"o/{name}/{key}", name, lo, hi, seg.param.dtype)
-            entry[key] = values.to(seg.param.device)
+            local = values.to(seg.local.device).view(chunk.slots[seg.slot].local_shape(chunk.rank))
+            entry[key] = chunk.wrap(seg.slot, local)
         if entry:
             optimizer.state[seg.param] = entry
         else:

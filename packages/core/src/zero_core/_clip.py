@@ -9,6 +9,7 @@ import torch
 from zero_core._devices import by_device
 from zero_core._module import ZeroModule
 from zero_core._state import TrainingState
+from zero_core.chunk import to_local
 from zero_core.errors import ConfigError, ZeroError
 
 __all__ = ["clip_grad_norm_"]
@@ -34,7 +35,11 @@ def clip_grad_norm_(model: ZeroModule, max_norm: float, norm_type: float = 2.0) 
     engine = model.engine
     if engine.state is TrainingState.BACKWARD:
         raise ZeroError("clip_grad_norm_ was called during backward; call it after loss.backward() returns")
-    grads = [seg.param.grad for chunk in engine.chunks for seg in chunk.segments if seg.param.grad is not None]
+    # each element of a Shard(0) gradient belongs to exactly one rank; a replicated (0-dim) one counts on rank 0 only
+    grads = [to_local(seg.param.grad) for chunk in engine.chunks for seg in chunk.segments
+             if seg.param.grad is not None and (not chunk.slots[seg.slot].replicated or chunk.rank == 0)]
+    replicated = [to_local(seg.param.grad) for chunk in engine.chunks for seg in chunk.segments
+                  if seg.param.grad is not None and chunk.slots[seg.slot].replicated and chunk.rank != 0]
     device = engine.device
     # Shards may live on different devices (offloaded to the host, or partly): each device reduces its
     # own gradients, and only one float64 scalar per device travels to the compute device.
@@ -55,6 +60,6 @@ def clip_grad_norm_(model: ZeroModule, max_norm: float, norm_type: float = 2.0) 
         norm = float(total.item() ** (1.0 / norm_type))
     coef = min(1.0, max_norm / (norm + 1e-6))
     if coef < 1.0:
-        for g in grads:
+        for g in grads + replicated:
             g.mul_(coef)
     return norm

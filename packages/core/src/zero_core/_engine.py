@@ -42,7 +42,7 @@ from zero_core._scaler import LossScaler
 from zero_core._schedule import GatherScheduler
 from zero_core._state import TrainingState
 from zero_core._waiter import ReductionWaiter
-from zero_core.chunk import Chunk
+from zero_core.chunk import Chunk, to_local
 from zero_core.errors import GradientLostError, ZeroError
 
 if TYPE_CHECKING:
@@ -118,19 +118,30 @@ class Engine:
         self._chunk_of: dict[int, Chunk] = {id(s.param): c for c in chunks for s in c.slots}
         self._slot_of: dict[int, int] = {id(s.param): i for c in chunks for i, s in enumerate(c.slots)}
         self._name_of: dict[int, str] = {id(s.param): s.name for c in chunks for s in c.slots}
-        # Chunks reduced in this order on every rank. See [Note: gradient reduction order].
+        # Every place a parameter is registered (a tied one under several modules): (module, name, chunk, slot).
+        # The engine swaps the sharded and unsharded parameters there. See [Note: parameter views].
+        self._registrations: list[tuple[nn.Module, str, Chunk, int]] = []
+        for m in module.modules():
+            for pname, p in m._parameters.items():
+                if p is not None and id(p) in self._chunk_of:
+                    self._registrations.append((m, pname, self._chunk_of[id(p)], self._slot_of[id(p)]))
+        # Chunks reduced in this order on every rank. See [Note: gradient reduction order]. Recomputed when a
+        # step's first forward begins, since parameters may be frozen or unfrozen between steps.
         self._reduce_order: list[Chunk] = [c for c in reversed(chunks) if c.requires_grad]
+        # Whether the modules hold the unsharded parameters (inside forward and backward) or the sharded ones.
+        self._unsharded = True
         # Which modules trigger a gather of which chunks. See [Note: when chunks are gathered and released].
         self._module_chunks: dict[int, tuple[Chunk, ...]] = {}
         self._triggers: dict[int, set[int]] = {c.index: set() for c in chunks}
         self._handles: list[Any] = []
+        self._grad_hooked: set[int] = set()
         # Stages 1 and 2 never gather during a pass, so they need no agreement rounds either.
         sharded_params = any(not c.persistent for c in chunks)
         pool = chunks[0].pool if chunks else None
         self.groups: list[GatherGroup] = build_groups(chunks, gather_groups, pool) if pool is not None else []
         self._scheduler = GatherScheduler(self.groups, comm, placement, agree=not config.static_graph and sharded_params)
-        # Groups whose kept full buffers are refreshed from the master shards after each step.
-        self._refresh_after_step = [g for g in self.groups if g.refreshed]
+        # Groups that keep full buffers, refreshed from the master shards after each step (their trainable members).
+        self._refresh_after_step = [g for g in self.groups if any(c.persistent for c in g.chunks)]
         loss_scale = config.precision.loss_scale
         self.scaler = LossScaler(loss_scale) if loss_scale is not None else None
         # Set by ZeroModule.backward: the losses of this step were scaled by the scaler.
@@ -156,6 +167,7 @@ class Engine:
         self._in_substep = False
 
         self._install_hooks()
+        self.use_sharded()
         # A user who never calls close() still gets it before the interpreter tears torch down: process
         # groups and work handles freed that late can abort the exit ("terminate called without an active exception").
         self._closed = False
@@ -164,10 +176,10 @@ class Engine:
 
     # -- hook installation ---------------------------------------------------------
     def _install_hooks(self) -> None:
-        for module in self.module.modules():
-            chunks = {id(c): c for p in module.parameters(recurse=False) if (c := self._chunk_of.get(id(p)))}
-            if not chunks:
-                continue
+        by_module: dict[int, tuple[nn.Module, dict[int, Chunk]]] = {}
+        for m, _, chunk, _ in self._registrations:
+            by_module.setdefault(id(m), (m, {}))[1][id(chunk)] = chunk
+        for module, chunks in by_module.values():
             ordered = tuple(sorted(chunks.values(), key=lambda c: c.index))
             self._module_chunks[id(module)] = ordered
             for chunk in ordered:
@@ -175,11 +187,16 @@ class Engine:
             self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, ordered)))
             self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, ordered, id(module))))
         for chunk in self.chunks:
-            if chunk.requires_grad:
-                for slot in chunk.slots:
-                    self._handles.append(slot.param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+            for slot in chunk.slots:
+                self._hook_gradient(slot.param)
         self._handles.append(self.optimizer.register_step_pre_hook(self._before_step))
         self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+
+    def _hook_gradient(self, param: torch.Tensor) -> None:
+        """Watch ``param``'s gradient accumulation; a frozen one is watched once it is unfrozen."""
+        if param.requires_grad and id(param) not in self._grad_hooked:
+            self._grad_hooked.add(id(param))
+            self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
 
     def close(self) -> None:
         """Remove every hook, stop the reduction waiter and let the placement policy free what it holds (disk files).
@@ -195,6 +212,32 @@ class Engine:
         self.placement.close()
         self.comm.close()
         self.reduce_comm.close()
+
+    # -- which parameters the modules hold ----------------------------------------------
+    def use_unsharded(self) -> None:
+        """Register the unsharded parameters in the modules (forward and backward run on them).
+
+        Each takes its sharded parameter's ``requires_grad``, so freezing or unfreezing
+        through ``model.parameters()`` between steps applies to the next forward."""
+        if self._unsharded:
+            return
+        for chunk in self.chunks:
+            for seg in chunk.segments:
+                unsharded = chunk.slots[seg.slot].param
+                if unsharded.requires_grad != seg.param.requires_grad:
+                    unsharded.requires_grad_(seg.param.requires_grad)
+                    self._hook_gradient(unsharded)
+        for m, name, chunk, i in self._registrations:
+            m._parameters[name] = chunk.slots[i].param
+        self._unsharded = True
+
+    def use_sharded(self) -> None:
+        """Register the sharded parameters in the modules: what the user and the optimizer see between steps."""
+        if not self._unsharded:
+            return
+        for m, name, chunk, i in self._registrations:
+            m._parameters[name] = chunk.segments[i].param
+        self._unsharded = False
 
     # -- gather / release ----------------------------------------------------------
     def _set_state(self, state: TrainingState) -> None:
@@ -223,6 +266,9 @@ class Engine:
                 f"the wrapped model was called while the engine is in {self.state.value}; "
                 "do not call the model from inside its own forward or from a backward hook"
             )
+        if self.state is TrainingState.IDLE:  # a step's first forward: parameters may have been (un)frozen since
+            self._reduce_order = [c for c in reversed(self.chunks) if c.requires_grad]
+        self.use_unsharded()
         self._set_state(TrainingState.FORWARD)
         self._ran = {}
         self._scheduler.begin_pass(reverse=False)
@@ -245,11 +291,13 @@ class Engine:
             self._set_state(TrainingState.BACKWARD_PENDING)
         else:
             self._set_state(TrainingState.BACKWARD_PENDING if self._expected else TrainingState.IDLE)
+        self.use_sharded()
 
     def abort_forward(self) -> None:
         """The wrapped model's forward raised: free what it gathered so the next step starts clean."""
         self._release(self.chunks)
         self._set_state(TrainingState.BACKWARD_PENDING if self._expected else TrainingState.IDLE)
+        self.use_sharded()
 
     def _pre_forward(self, chunks: tuple[Chunk, ...], module: nn.Module, args: Any) -> None:
         if self.state is TrainingState.IDLE:
@@ -281,6 +329,7 @@ class Engine:
     def _enter_backward(self, *_: Any) -> None:
         if self.state is TrainingState.BACKWARD:
             return
+        self.use_unsharded()  # recomputation under activation checkpointing reads the modules' parameters
         self._set_state(TrainingState.BACKWARD)
         self._ready = {c.index: not self._expected.get(c.index) for c in self._reduce_order}
         self._reduced = set()
@@ -363,6 +412,7 @@ class Engine:
             self._ready = {}
             self._callback_queued = False
             self._set_state(TrainingState.IDLE)
+            self.use_sharded()
 
     # -- optimizer step ------------------------------------------------------------
     @engine_work
@@ -392,7 +442,7 @@ class Engine:
                 "this step's gradients were not loss-scaled: with Precision(loss_scale=...) call "
                 "model.backward(loss) instead of loss.backward()"
             )
-        grads = [seg.param.grad for c in self._reduce_order for seg in c.segments if seg.param.grad is not None]
+        grads = [to_local(seg.param.grad) for c in self._reduce_order for seg in c.segments if seg.param.grad is not None]
         found = torch.zeros(1, dtype=torch.float32, device=self.device)
         for device, group in by_device(grads).items():
             found_here = torch.zeros(1, dtype=torch.float32, device=device)
@@ -493,7 +543,8 @@ class Engine:
             storages[storage.data_ptr()] = storage.nbytes()
 
         for chunk in self.chunks:
-            add(param_storages, chunk.shard)
+            if chunk._shard is not None:  # else the kept full buffer holds the master values
+                add(param_storages, chunk._shard)
             if chunk.persistent:
                 add(param_storages, chunk.full)
             elif chunk.is_gathered:
@@ -502,9 +553,10 @@ class Engine:
                 add(grad_storages, chunk.grad_full)
             for seg in chunk.segments:
                 if seg.param.grad is not None:
-                    add(grad_storages, seg.param.grad)
+                    add(grad_storages, to_local(seg.param.grad))
                 for value in self.optimizer.state.get(seg.param, {}).values():
                     if isinstance(value, torch.Tensor):
+                        value = to_local(value)
                         key = "optimizer_scalars" if value.dim() == 0 else "optimizer_states"
                         report[key] += value.numel() * value.element_size()
         report["params"] = sum(param_storages.values())
@@ -531,8 +583,12 @@ class Engine:
                 if chunk.shard_is_view:
                     full = chunk.full
                 else:
+                    received = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
+                    self.comm.all_gather(received, chunk.shard.to(chunk.device))
                     full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-                    self.comm.all_gather(full, chunk.shard.to(chunk.device))
+                    torch.split_with_sizes_copy(received.view(chunk.world_size, chunk.shard_size), chunk._split, dim=1,
+                                                out=chunk._regions(full))
+                    del received
             try:
                 yield chunk, full
             finally:

@@ -33,7 +33,7 @@ from zero_core._plugins import ZeroPlugins
 from zero_core._setup import resolve_device
 from zero_core._state import MemoryTier
 from zero_core.api import ZeroConfig
-from zero_core.chunk import ParamInfo
+from zero_core.chunk import ParamInfo, layout_slots, padded_shard_size
 from zero_core.comm import CollectiveKind, ring_bytes_sent
 from zero_core.errors import ConfigError
 from zero_core.placement import ChunkParts
@@ -100,6 +100,8 @@ class _Layout:
     requires_grad: bool
     master_bytes: int
     kept: bool
+    #: Real (not padding) elements of each rank's shard; None: one flat parameter (padding at the end).
+    real: tuple[int, ...] | None = None
 
 
 def _bytes(dtype: torch.dtype | None, default: int) -> int:
@@ -200,13 +202,19 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, world_size:
     chunks = []
     for i, spec in enumerate(plan.chunks):
         first = spec.params[0].param
-        chunks.append(_Layout(size=spec.size, used=spec.used, requires_grad=first.requires_grad, master_bytes=first.element_size(),
-                              kept=config.stage < 3 or world_size == 1 or i in keep))
+        # the layout the chunk itself makes: torch.chunk pieces per parameter (see [Note: chunk layout])
+        slots, _ = layout_slots([(p.name, p.param) for p in spec.params], world_size)
+        size = world_size * padded_shard_size([p.param.shape for p in spec.params], world_size, spec.size)
+        real = tuple(sum(s.local_rows(r) * s.row for s in slots) for r in range(world_size))
+        chunks.append(_Layout(size=size, used=spec.used, requires_grad=first.requires_grad, master_bytes=first.element_size(),
+                              kept=config.stage < 3 or world_size == 1 or i in keep, real=real))
     return chunks, groups, plan.numel
 
 
 def _real(chunk: _Layout, rank: int, shard: float) -> float:
-    """Elements of ``rank``'s shard that are parameters, not padding (padding sits at the chunk's end)."""
+    """Elements of ``rank``'s shard that are parameters, not padding."""
+    if chunk.real is not None:
+        return chunk.real[rank]
     return max(0, min(chunk.used, (rank + 1) * shard) - rank * shard)
 
 

@@ -10,8 +10,7 @@ the price of keeping every parameter contiguous). A group is the unit the gather
 scheduler walks and agrees on; release stays per chunk, so a tied parameter can outlive
 the rest of its module's group. Members already gathered on this rank still take part
 in the collective (every rank must send the same pack) but are not overwritten.
-Without declared groups every chunk is its own group and gathers straight into its
-full buffer, with no copy.
+Without declared groups every chunk is its own group.
 """
 
 from __future__ import annotations
@@ -36,8 +35,12 @@ class GatherGroup:
         first = self.chunks[0]
         self.dtype, self.device, self.world_size = first.dtype, first.device, first.world_size
         self.shard_numel = sum(c.shard_size for c in self.chunks)
-        # Trainable chunks whose kept full buffers are refreshed after each optimizer step (stages 1 and 2).
-        self.refreshed = tuple(c for c in self.chunks if c.requires_grad and c.persistent)
+
+    @property
+    def refreshed(self) -> tuple[Chunk, ...]:
+        """Trainable chunks whose kept full buffers are refreshed after each optimizer step (stages 1 and 2);
+        asked at each step, since parameters may be frozen or unfrozen between steps."""
+        return tuple(c for c in self.chunks if c.persistent and c.requires_grad)
 
     @property
     def is_gathered(self) -> bool:
@@ -57,7 +60,7 @@ class GatherGroup:
         offset = 0
         with torch.no_grad():
             for chunk in self.chunks:
-                send[offset : offset + chunk.shard_size].copy_(chunk.shard)  # casts and moves in one copy
+                send[offset : offset + chunk.shard_size].copy_(chunk._compute_shard())
                 offset += chunk.shard_size
         received = self.pool.take(self.world_size * self.shard_numel, self.dtype, self.device, zeroed=False)
         unpack = _Unpack(self, comm.all_gather(received, send, async_op=True), send, received, self.chunks, targets)
@@ -72,17 +75,18 @@ class GatherGroup:
 
     def publish_parameters(self, comm: CommBackend) -> list[Pending | None]:
         """After a step, bring the kept full buffers of trainable members up to date (see ``Chunk.publish_parameters``)."""
-        if len(self.refreshed) <= 1 or self.world_size == 1:
-            return [c.publish_parameters(comm, async_op=True) for c in self.refreshed]
-        numel = sum(c.shard_size for c in self.refreshed)
+        refreshed = self.refreshed
+        if len(refreshed) <= 1 or self.world_size == 1:
+            return [c.publish_parameters(comm, async_op=True) for c in refreshed]
+        numel = sum(c.shard_size for c in refreshed)
         send = self.pool.take(numel, self.dtype, self.device, zeroed=False)
         offset = 0
-        for chunk in self.refreshed:
+        for chunk in refreshed:
             send[offset : offset + chunk.shard_size].copy_(chunk.refresh_own_slice())
             offset += chunk.shard_size
         received = self.pool.take(self.world_size * numel, self.dtype, self.device, zeroed=False)
         unpack = _Unpack(self, comm.all_gather(received, send, async_op=True), send, received,
-                         self.refreshed, self.refreshed)
+                         refreshed, refreshed)
         return [unpack]
 
     def __repr__(self) -> str:
@@ -114,7 +118,7 @@ class _Unpack:
         with torch.no_grad():
             for chunk in self._packed:
                 if id(chunk) in self._targets:
-                    chunk.full.view(chunk.world_size, chunk.shard_size).copy_(packed[:, offset : offset + chunk.shard_size])
+                    chunk.copy_out(packed[:, offset : offset + chunk.shard_size])
                 offset += chunk.shard_size
         self._group.pool.give(send)
         self._group.pool.give(received)

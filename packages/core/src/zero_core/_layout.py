@@ -42,7 +42,9 @@ class ModelLayout:
     def of(cls, module: nn.Module, chunks: Sequence[Chunk] = ()) -> ModelLayout:
         """The layout of ``module``, sharded into ``chunks`` (or not yet: then shapes are the parameters' own)."""
         slots = {id(slot.param): (chunk, i) for chunk in chunks for i, slot in enumerate(chunk.slots)}
-        params = {id(p): p for p in module.parameters()}
+        # between steps the modules hold the sharded parameters: each stands for its unsharded one here
+        unsharded = {id(seg.param): chunk.slots[seg.slot].param for chunk in chunks for seg in chunk.segments}
+        params = {id(unsharded.get(id(p), p)): p for p in module.parameters()}
         names: dict[int, list[str]] = {}
         buffers: dict[str, torch.Tensor] = {}
         shapes: dict[str, tuple[int, ...]] = {}
@@ -51,6 +53,7 @@ class ModelLayout:
             if not isinstance(value, torch.Tensor):
                 continue  # extra state objects are the model's own business
             keys.append(key)
+            value = unsharded.get(id(value), value)
             if id(value) in params:
                 names.setdefault(id(value), []).append(key)
                 slot = slots.get(id(value))
@@ -134,7 +137,7 @@ def fill_from_source(layout: ModelLayout, source: object, chunks: Sequence[Chunk
             try:
                 for i, slot in enumerate(chunk.slots):
                     name = layout.param_source(slot.param, available)
-                    lo, hi = chunk.own_range(i)
+                    lo, hi = chunk.held_range(i)
                     if name is not None and lo < hi:
                         chunk.fill(i, source.read(name, lo, hi).to(chunk.master_dtype), lo=lo)  # type: ignore[attr-defined]
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the next collective

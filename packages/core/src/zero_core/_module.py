@@ -15,36 +15,44 @@ from zero_core._engine import Engine
 from zero_core._full_state import full_state_dict, load_full_state_dict
 from zero_core._scaler import LossScaler
 from zero_core.comm import CommStats
-from zero_core.errors import ZeroError
 
-__all__ = ["ZeroModule"]
+__all__ = ["ZeroModule", "adopt"]
 
 
-class ZeroModule(nn.Module):
-    """The model returned by :func:`zero_core.shard`.
+class ZeroModule:
+    """What the model :func:`zero_core.shard` returns is, besides its own class.
 
-    Call it like the original model. Its parameters are the original parameter objects,
-    whose storage is only valid while their chunk is gathered (inside forward and
-    backward); use :meth:`full_parameters` to read them between steps.
+    :func:`zero_core.shard` keeps the model object and its class (``isinstance(model,
+    MyModel)`` holds, ``model.config`` and every attribute work, as with FSDP2's
+    ``fully_shard``): it swaps in a subclass of both the model's class and this one.
+    Between steps every parameter is a sharded ``nn.Parameter`` (a DTensor with
+    ``Shard(0)`` over the data-parallel ranks, the original global shape), the very
+    object the optimizer steps, so ``model.zero_grad()``, ``torch.nn.utils.clip_grad_norm_``,
+    ``model.state_dict()`` and ``torch.distributed.checkpoint`` work as in plain PyTorch.
+    Inside forward and backward the modules hold ordinary full parameters. See
+    [Note: parameter views] in ``zero_core.chunk``.
     """
 
-    def __init__(self, module: nn.Module, engine: Engine) -> None:
-        super().__init__()
-        self.module = module
-        self.engine = engine
+    _zero_engine: Engine
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        compute = self.engine.config.precision.compute
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self._zero_engine
+        compute = engine.config.precision.compute
         if compute is not None:  # the model runs in the compute dtype: floating inputs follow its parameters
             args, kwargs = tree_map(functools.partial(_cast_floating, compute), (args, kwargs))
-        self.engine.pre_forward_root()
+        engine.pre_forward_root()
         try:
-            outputs = self.module(*args, **kwargs)
+            outputs = super().__call__(*args, **kwargs)  # type: ignore[misc]
         except BaseException:
-            self.engine.abort_forward()
+            engine.abort_forward()
             raise
-        self.engine.post_forward_root(outputs)
+        engine.post_forward_root(outputs)
         return outputs
+
+    @property
+    def engine(self) -> Engine:
+        """The runtime that drives this model's chunks."""
+        return self._zero_engine
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)``, with the loss scaled when the precision has a loss scale.
@@ -54,18 +62,18 @@ class ZeroModule(nn.Module):
         of an unscaled backward. The gradients the optimizer and
         :func:`~zero_core.clip_grad_norm_` see are unscaled.
         """
-        scaler = self.engine.scaler
+        scaler = self._zero_engine.scaler
         if scaler is None:
             loss.backward(**kwargs)
             return
-        self.engine.loss_scaled = True
+        self._zero_engine.loss_scaled = True
         # Scaled in fp32: a 16-bit loss times 2**16 would overflow before backward starts.
         (loss.float() * scaler.scale).backward(**kwargs)
 
     @property
     def loss_scaler(self) -> LossScaler | None:
         """The running loss scale (fp16), or ``None`` without one."""
-        return self.engine.scaler
+        return self._zero_engine.scaler
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -78,12 +86,32 @@ class ZeroModule(nn.Module):
         parameter all-gathers still run on every micro-batch. Stepping the optimizer inside
         the context, or before a backward outside it, raises :class:`ZeroError`.
         """
-        previous = self.engine.sync_gradients
-        self.engine.sync_gradients = False
+        engine = self._zero_engine
+        previous = engine.sync_gradients
+        engine.sync_gradients = False
         try:
             yield
         finally:
-            self.engine.sync_gradients = previous
+            engine.sync_gradients = previous
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, *, writable: bool = False) -> Iterator[None]:
+        """Hold every parameter whole, in master precision, inside the context. Collective.
+
+        Inside, the modules hold plain full parameters (``model.lm_head.weight`` is the whole
+        matrix on every rank) for inspection or re-initialisation (DeepSpeed's
+        ``GatheredParameters``, FSDP1's ``summon_full_params``). With ``writable=True``,
+        what the code inside writes is copied back to the master shards on exit (each rank
+        keeps its own rows, so every rank must write the same values), and the kept full
+        buffers are refreshed. Every rank holds the whole model at once: for a model that
+        does not fit, read it chunk by chunk with :meth:`full_state_dict`. Call between
+        steps; forward inside the context runs as usual from the shards, so it sees writes
+        only after the context exits.
+        """
+        from zero_core._gathered import gathered_parameters
+
+        with gathered_parameters(self._zero_engine, writable=writable):
+            yield
 
     def close(self) -> None:
         """Detach zero from the model: remove its hooks and stop its helper thread.
@@ -91,20 +119,20 @@ class ZeroModule(nn.Module):
         Call it before ``torch.distributed.destroy_process_group()``; the model cannot
         train afterwards.
         """
-        self.engine.close()
+        self._zero_engine.close()
 
     @property
     def comm_stats(self) -> CommStats:
         """Collective calls and bytes this rank sent, per step. See :class:`zero_core.CommStats`."""
-        return self.engine.comm.stats
+        return self._zero_engine.comm.stats
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameter shards, gradient shards and optimizer states this rank holds now."""
-        return self.engine.model_state_bytes()
+        return self._zero_engine.model_state_bytes()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on the CPU. Collective: call on every rank."""
-        return self.engine.full_parameters()
+        return self._zero_engine.full_parameters()
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The plain model's state dict, whole, on the CPU, in master precision. Collective.
@@ -115,7 +143,7 @@ class ZeroModule(nn.Module):
         the other ranks get ``{}``. To write a file without holding the model on rank 0, use
         :func:`zero_core.save_full_state_dict` with a ``.safetensors`` path.
         """
-        return full_state_dict(self.engine, rank0_only=rank0_only)
+        return full_state_dict(self._zero_engine, rank0_only=rank0_only)
 
     def load_full_state_dict(self, source: Any, *, strict: bool = True) -> None:
         """Load a plain (unsharded) state dict into the shards. Collective.
@@ -125,20 +153,44 @@ class ZeroModule(nn.Module):
         Missing, unexpected and mis-shaped keys raise :class:`~zero_core.CheckpointError` on
         every rank before anything changes (``strict=False`` allows missing and unexpected).
         """
-        load_full_state_dict(self.engine, source, strict=strict)
+        load_full_state_dict(self._zero_engine, source, strict=strict)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
-        raise ZeroError(
-            "ZeroModule.state_dict() would return views of freed parameter storage; use model.full_state_dict() "
-            "(collective, the plain model's keys), zero_core.save_full_state_dict(model, path) or "
-            "zero_core.save_checkpoint(model, optimizer, directory)"
-        )
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
-        raise ZeroError(
-            "use model.load_full_state_dict(state_dict_or_path) (collective), zero_core.load_checkpoint(model, optimizer, "
-            "directory), or shard(..., load_from=...)"
-        )
+_CLASSES: dict[tuple[type, bool], type] = {}
+
+
+def adopt(model: nn.Module, engine: Engine) -> ZeroModule:
+    """Turn ``model`` into a :class:`ZeroModule` in place: a subclass of its own class and ZeroModule.
+
+    ``model.module`` returns the model itself (the DDP idiom ``model.module.state_dict()``),
+    unless the model has its own attribute of that name.
+    """
+    cls = type(model)
+    add_module = not hasattr(model, "module")
+    key = (cls, add_module)
+    if key not in _CLASSES:
+        attrs: dict[str, Any] = {"__module__": cls.__module__, "__doc__": cls.__doc__}
+        if add_module:
+            attrs["module"] = property(lambda self: self, doc="The model itself (DDP's ``model.module`` idiom).")
+        _CLASSES[key] = type(f"Zero{cls.__name__}", (ZeroModule, cls), attrs)
+    model.__dict__["_zero_engine"] = engine  # not through nn.Module.__setattr__: the engine is no submodule
+    model.__class__ = _CLASSES[key]
+    _install_state_dict_hooks(model, engine)
+    return model  # type: ignore[return-value]
+
+
+def _install_state_dict_hooks(model: nn.Module, engine: Engine) -> None:
+    """``state_dict`` and ``load_state_dict`` on the sharded parameters, as FSDP2 does them.
+
+    Saving returns the sharded DTensors (no communication). Loading accepts DTensors
+    sharded the same way or plain full tensors (each rank keeps its own rows), writes
+    into the master shards, and refreshes the kept full buffers (collective)."""
+    from zero_core._state_dict import load_post_hook, load_pre_hook, state_dict_post_hook, state_dict_pre_hook
+
+    model.register_state_dict_pre_hook(functools.partial(state_dict_pre_hook, engine))
+    model.register_state_dict_post_hook(functools.partial(state_dict_post_hook, engine))
+    model.register_load_state_dict_pre_hook(functools.partial(load_pre_hook, engine))
+    model.register_load_state_dict_post_hook(functools.partial(load_post_hook, engine))
 
 
 def _cast_floating(dtype: torch.dtype, value: Any) -> Any:

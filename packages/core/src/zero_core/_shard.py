@@ -14,7 +14,7 @@ from zero_core._engine import Engine
 from zero_core._layout import ModelLayout, check_names, fill_from_source, publish_kept
 from zero_core._lazy import LazyRecording, find_recording, release_if_unused
 from zero_core._materialize import materialize
-from zero_core._module import ZeroModule
+from zero_core._module import ZeroModule, adopt
 from zero_core._plugins import ZeroPlugins
 from zero_core._scaler import LossScaler
 from zero_core._setup import check_ranks_agree, collect_params, first_use_order, resolve_device, resolve_group
@@ -123,11 +123,12 @@ def shard(
     keep = placement.keep_gathered(plan.chunks, groups) if config.stage == 3 else set()
     chunks = []
     pool = BufferPool()
+    mesh = _data_parallel_mesh(group, device)
     for index, spec in enumerate(plan.chunks):
         chunk = Chunk(index, spec, rank=comm.rank, world_size=comm.world_size, device=device, pool=pool,
                       stage=config.stage, compute_dtype=config.precision.compute,
                       reduce_dtype=config.precision.reduce,
-                      gradient_predivide_factor=config.precision.gradient_predivide_factor, keep_gathered=index in keep)
+                      gradient_predivide_factor=config.precision.gradient_predivide_factor, keep_gathered=index in keep, mesh=mesh)
         if recording is None:
             chunk.pack(comm, broadcast_from_rank0=config.sync_module_states)
         else:
@@ -166,7 +167,7 @@ def shard(
     comm.stats.end_setup()
     model._zero_sharded = True  # type: ignore[attr-defined]
     optimizer._zero_sharded = True  # type: ignore[attr-defined]
-    return Sharded(ZeroModule(model, engine), optimizer)
+    return Sharded(adopt(model, engine), optimizer)
 
 
 def _open_load_source(model: nn.Module, load_from: Any, strict: bool, comm: Any) -> tuple[Any, bool]:
@@ -239,27 +240,45 @@ def _new_group_like(group: Any, comm: Any) -> Any:
     return dist.new_group(ranks, backend=dist.get_backend(group))
 
 
-def _repoint_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk]) -> None:
-    """Make each param group hold this rank's segments of its parameters. See [Note: optimizer segments].
+def _data_parallel_mesh(group: Any, device: torch.device) -> Any:
+    """The 1-D device mesh of the sharded parameters' DTensors; ``None`` in one process without torch.distributed."""
+    if group is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
 
-    Hyperparameters stay as the user set them, group by group (a chunk never mixes
-    groups), so learning-rate schedulers and per-group settings keep working.
+    from zero_core._dtensor_ops import register_fused_optimizer_ops
+
+    register_fused_optimizer_ops()
+    return DeviceMesh.from_group(group, device.type)
+
+
+def _repoint_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk]) -> None:
+    """Make each param group hold the sharded parameters in place of the originals, in the same order.
+    See [Note: optimizer segments].
+
+    Hyperparameters stay as the user set them, group by group, so learning-rate schedulers
+    and per-group settings keep working.
     """
+    sharded = {id(slot.param): (chunk, seg) for chunk in chunks for slot, seg in zip(chunk.slots, chunk.segments)}
     initial = {id(p): state for p, state in optimizer.state.items()}
     optimizer.state.clear()
-    for g, group in enumerate(optimizer.param_groups):
-        group["params"] = [seg.param for c in chunks if c.group == g for seg in c.segments]
-    for chunk in chunks:
-        for seg in chunk.segments:
-            slot = chunk.slots[seg.slot]
-            state = initial.get(id(slot.param))
-            if state:  # eagerly initialised (Adagrad): each segment takes its piece of the parameter's state
-                lo = chunk.rank * chunk.shard_size + seg.begin - slot.offset
-                optimizer.state[seg.param] = {
-                    key: (value.reshape(-1)[lo : lo + seg.param.numel()].to(seg.param.device, copy=True)
-                          if value.shape == slot.shape else value.clone()) if isinstance(value, torch.Tensor) else value
-                    for key, value in state.items()
-                }
+    for group in optimizer.param_groups:
+        group["params"] = [sharded[id(p)][1].param for p in group["params"]]
+    for key, (chunk, seg) in sharded.items():
+        state = initial.get(key)
+        if not state:
+            continue
+        # eagerly initialised (Adagrad): each sharded parameter takes its rows of the parameter's state
+        slot = chunk.slots[seg.slot]
+        lo, hi = chunk.held_range(seg.slot)
+        device = seg.local.device
+
+        def piece(value: torch.Tensor, slot=slot, lo=lo, hi=hi, device=device, i=seg.slot, chunk=chunk) -> torch.Tensor:
+            if value.shape != slot.shape:
+                return value.clone()
+            return chunk.wrap(i, value.reshape(-1)[lo:hi].to(device, copy=True).view(slot.local_shape(chunk.rank)))
+
+        optimizer.state[seg.param] = {k: piece(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _attach_scaler_state(optimizer: torch.optim.Optimizer, scaler: LossScaler) -> None:

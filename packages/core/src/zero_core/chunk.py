@@ -1,18 +1,36 @@
 """Chunks: flat buffers of parameters, sharded evenly over the data-parallel ranks.
 
-[Note: parameter views]
-While a chunk is gathered, every parameter it holds is a view into the chunk's
-``full`` buffer (``param.data = full[offset:offset + numel].view(shape)``), so modules
-and autograd see ordinary parameters. Releasing frees the buffer's storage in place
-(``untyped_storage().resize_(0)``) and points each parameter at an empty tensor, so
-code that touches a parameter of a sharded chunk fails with a shape error instead of
-reading freed memory. Gathering re-allocates the same storage object and points the
-parameters back at their views. Tensors autograd saved in forward (``weight.t()`` and
-the like) are views of that same storage, so they are valid again after the backward
-re-gather.
+[Note: chunk layout]
+Every parameter is cut along dim 0 in ``torch.chunk`` sizes: with ``N`` ranks and
+``d0`` rows, each rank owns ``c = ceil(d0 / N)`` rows (the last ranks fewer, maybe
+none). A parameter's *piece* is ``c`` rows, the same size on every rank (the rows a
+rank does not own are padding). A rank's shard of a chunk is its pieces of the chunk's
+parameters, one after another, at the same offsets on every rank, then zeros up to the
+shard size. So the shard of parameter ``i`` on rank ``r`` is exactly ``torch.chunk``'s
+piece ``r``: a DTensor with ``Shard(0)`` over the data-parallel mesh, which is what
+``torch.distributed.tensor``, ``torch.nn.utils.clip_grad_norm_``, the foreach optimizers
+and ``torch.distributed.checkpoint`` understand. A zero-dimensional parameter is
+replicated: every rank holds it whole (a one-element piece) and its gradient is summed.
 
-Each rank owns the slice ``[rank * shard_size, (rank + 1) * shard_size)`` of the
-full buffer; it lives in ``shard``, and the next gather publishes its updates.
+The full buffer is parameter-major: parameter ``i`` occupies ``N`` pieces, rank 0's
+first, so it is contiguous and has its original shape. An all-gather leaves the
+ranks' shards rank-major; one ``split_with_sizes_copy`` moves them into the full buffer
+(the *copy-out*), and gradient reduction does the mirror image, one ``cat`` from the
+parameter-major gradient buffer into a rank-major send buffer (the *copy-in*). Both are
+one operation per chunk, whatever the number of parameters (FSDP2 does the same).
+
+[Note: parameter views]
+Each parameter has two objects. The *sharded parameter* is what the model holds and
+the optimizer steps between steps: an ``nn.Parameter`` whose data is a DTensor (or,
+in one process without ``torch.distributed``, a plain tensor) with the original global
+shape, whose local tensor is a view of this rank's piece. The *unsharded parameter* is
+the original parameter object, a view of the full buffer while the chunk is gathered
+(``param.data = full[offset:offset + numel].view(shape)``); the engine registers it in
+the modules for forward and backward and swaps the sharded one back when they end.
+Releasing frees the full buffer's storage in place (``untyped_storage().resize_(0)``)
+and points each unsharded parameter at an empty tensor, so code that touches it fails
+with a shape error instead of reading freed memory. Gathering re-allocates the same
+storage, so tensors autograd saved in forward are valid again in backward.
 
 [Note: stages and dtypes]
 What a chunk keeps between steps depends on the stage and the compute dtype:
@@ -21,30 +39,29 @@ What a chunk keeps between steps depends on the stage and the compute dtype:
 stage  parameters                                  gradients
 =====  ==========================================  =========================================
 1      full buffer kept; master shard              one full-size buffer kept (replicated);
-                                                   this rank's mean lands in its own slice
+                                                   this rank's mean lands in its own pieces
 2      full buffer kept; master shard              full-size buffer only during backward;
                                                    the mean shard is kept
 3      full buffer only while gathered; shard      as stage 2
 =====  ==========================================  =========================================
 
 The master shard is in the parameters' own dtype. When the compute dtype is the
-same, a kept full buffer holds the master shard as a view of its own slice, so stages
-1 and 2 hold parameters once. With 16-bit compute, the full buffer is 16-bit and the
-master shard a separate fp32 tensor; gathers send the shard cast to 16 bits. Gradients
-accumulate in the compute dtype, are cast to the reduce dtype for the reduce-scatter,
-and reach the optimizer in the master dtype, divided by ``world_size x loss scale``.
-After a step, stages 1 and 2 refresh their own slice from the master shard and
-all-gather the updated slices in place.
+same, a kept full buffer holds the master values: each sharded parameter's local tensor
+is a view of this rank's piece inside the full buffer (there is no separate shard), so
+stages 1 and 2 hold parameters once. With 16-bit compute, the full buffer is 16-bit and
+the master shard a separate fp32 tensor; gathers send the shard cast to 16 bits.
+Gradients accumulate in the compute dtype, are cast to the reduce dtype for the
+reduce-scatter, and reach the optimizer in the master dtype, divided by
+``world_size x loss scale``. After a step, stages 1 and 2 all-gather the updated
+shards into the kept full buffer.
 
 [Note: optimizer segments]
-The optimizer does not see the shard as one tensor. It sees one ``nn.Parameter`` per
-piece of a parameter that falls into this rank's shard (a *segment*, a view into
-``shard``). So a parameter that got no gradient on any rank keeps ``grad=None`` and
-torch's optimizers skip it exactly as they would in one process (no weight decay, no
-step count), per-group hyperparameters apply per parameter, and padding carries no
-optimizer state. Elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...)
-therefore match single-process training; optimizers that look at a whole tensor
-(trust ratios, factored second moments) see each rank's piece instead.
+The optimizer steps the sharded parameters themselves (one *segment* per parameter:
+its piece on this rank). A parameter that got no gradient on any rank keeps
+``grad=None``, so torch's optimizers skip it exactly as in one process; per-group
+hyperparameters apply per parameter, and padding carries no optimizer state.
+Elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) therefore match
+one-process training, and so do those that reduce over a whole tensor through DTensor.
 """
 
 from __future__ import annotations
@@ -52,14 +69,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
 from zero_core._state import ChunkState, MemoryTier
 from zero_core.comm import CommBackend, Pending
 
-__all__ = ["BufferPool", "Chunk", "ChunkSpec", "ParamInfo", "ParamSlot", "Segment"]
+__all__ = ["BufferPool", "Chunk", "ChunkSpec", "ParamInfo", "ParamSlot", "Segment", "layout_slots", "padded_shard_size", "rewrap", "to_local"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,28 +120,129 @@ class ChunkSpec:
 
 @dataclass(frozen=True, slots=True)
 class ParamSlot:
-    """Where one parameter lives inside its chunk's full buffer."""
+    """Where one parameter lives inside its chunk. See [Note: chunk layout].
+
+    Attributes:
+        name: The parameter's (first) fully qualified name.
+        param: The unsharded parameter (the original object; a view of the full buffer while gathered).
+        offset: Where the parameter starts in the full buffer (``world_size * shard_offset``).
+        numel: Its number of elements.
+        shape: Its shape.
+        shard_offset: Where its piece starts in every rank's shard.
+        piece: Elements of one rank's piece, padding included (``rows * row``).
+        rows: Rows of dim 0 one piece holds (``ceil(d0 / world_size)``).
+        row: Elements per dim-0 row.
+    """
 
     name: str
     param: nn.Parameter
     offset: int
     numel: int
     shape: torch.Size
+    shard_offset: int = 0
+    piece: int = 0
+    rows: int = 0
+    row: int = 1
+
+    @property
+    def replicated(self) -> bool:
+        """A zero-dimensional parameter: every rank holds it whole."""
+        return len(self.shape) == 0
+
+    def local_rows(self, rank: int) -> int:
+        """Rows of dim 0 that ``rank`` owns (``torch.chunk``'s rule)."""
+        if self.replicated:
+            return 1
+        return max(0, min(self.rows, self.shape[0] - rank * self.rows))
+
+    def local_shape(self, rank: int) -> torch.Size:
+        if self.replicated:
+            return torch.Size(())
+        return torch.Size((self.local_rows(rank), *self.shape[1:]))
+
+    def own_range(self, rank: int) -> tuple[int, int]:
+        """Elements ``[lo, hi)`` of the flattened parameter in ``rank``'s piece (a replicated one: rank 0 owns it)."""
+        if self.replicated:
+            return (0, 1) if rank == 0 else (0, 0)
+        lo = min(rank * self.rows, self.shape[0]) * self.row
+        return lo, lo + self.local_rows(rank) * self.row
+
+    def held_range(self, rank: int) -> tuple[int, int]:
+        """Elements ``[lo, hi)`` ``rank`` holds: its own range, and a replicated parameter everywhere."""
+        return (0, 1) if self.replicated else self.own_range(rank)
+
+
+def layout_slots(params: Sequence[tuple[str, nn.Parameter]], world_size: int) -> tuple[tuple[ParamSlot, ...], int]:
+    """The slots of these parameters in one chunk, and the elements their pieces take in a shard."""
+    slots, offset = [], 0
+    for name, param in params:
+        shape = param.shape
+        if len(shape) == 0:
+            rows, row = 1, 1
+        else:
+            row = 1
+            for d in shape[1:]:
+                row *= d
+            rows = -(-shape[0] // world_size)
+        piece = rows * row
+        slots.append(ParamSlot(name, param, world_size * offset, param.numel(), shape, offset, piece, rows, row))
+        offset += piece
+    return tuple(slots), offset
+
+
+def padded_shard_size(params: Sequence[tuple[str, nn.Parameter]] | Sequence[torch.Size], world_size: int, size: int) -> int:
+    """A chunk's shard size: the plan's ``size / world_size``, or more when the per-parameter padding needs it."""
+    total = 0
+    for item in params:
+        shape = item if isinstance(item, torch.Size) else item[1].shape
+        if len(shape) == 0:
+            total += 1
+            continue
+        row = 1
+        for d in shape[1:]:
+            row *= d
+        total += -(-shape[0] // world_size) * row
+    return max(size // world_size, total)
 
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """The part of one parameter inside this rank's shard. See [Note: optimizer segments].
+    """One parameter as the optimizer sees it on this rank. See [Note: optimizer segments].
 
     Attributes:
         slot: Index of the parameter in the chunk's slots.
-        begin: Offset of the segment inside the shard.
-        param: What the optimizer updates: a view of the shard.
+        begin: Offset of its piece inside the shard.
+        param: The sharded parameter: what the model holds between steps and the optimizer updates.
     """
 
     slot: int
     begin: int
     param: nn.Parameter
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's piece of the parameter (a plain tensor: the DTensor's local tensor)."""
+        return to_local(self.param)
+
+    @property
+    def numel(self) -> int:
+        """Elements of this rank's piece."""
+        return to_local(self.param).numel()
+
+
+def to_local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor; any other tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # type: ignore[attr-defined]
+
+
+def rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` in ``like``'s form: a DTensor with ``like``'s sharding when ``like`` is one, else ``local`` itself.
+
+    For code that moves an optimizer state's local values (placement policies): the state
+    must stay a DTensor like its parameter."""
+    if isinstance(like, DTensor):
+        return DTensor(local, like._spec, requires_grad=False)  # type: ignore[attr-defined]
+    return local
 
 
 class BufferPool:
@@ -166,12 +287,14 @@ class BufferPool:
 
 
 class Chunk:
-    """A flat, evenly sharded buffer of parameters. See [Note: parameter views] and [Note: stages and dtypes]."""
+    """A flat, evenly sharded buffer of parameters. See [Note: chunk layout], [Note: parameter views] and
+    [Note: stages and dtypes]."""
 
     def __init__(
         self, index: int, spec: ChunkSpec, *, rank: int, world_size: int, device: torch.device,
         pool: BufferPool | None = None, stage: int = 3, compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None, gradient_predivide_factor: float = 1.0, keep_gathered: bool = False,
+        mesh: Any = None,
     ) -> None:
         if spec.size % world_size:
             raise ValueError(f"chunk size {spec.size} is not a multiple of the world size {world_size}")
@@ -182,26 +305,32 @@ class Chunk:
         first = spec.params[0]
         # Identity and layout: fixed for the chunk's life.
         self.index = index
-        self.size = spec.size
         self.world_size = world_size
         self.rank = rank
-        self.shard_size = spec.size // world_size
+        self.slots, pieces_numel = layout_slots([(p.name, p.param) for p in spec.params], world_size)
+        self.shard_size = max(spec.size // world_size, pieces_numel)
+        self.size = self.shard_size * world_size
         self.device = device
         self.stage = stage
+        # The device mesh of the sharded parameters' DTensors; None in one process without torch.distributed.
+        self.mesh = mesh
         # The optimizer updates the shard in the parameters' own dtype; forward and backward run in ``dtype``.
         self.master_dtype = first.param.dtype
         floating = self.master_dtype.is_floating_point
         self.dtype = compute_dtype if (compute_dtype is not None and floating) else self.master_dtype
         self.reduce_dtype = reduce_dtype if (reduce_dtype is not None and floating) else self.master_dtype
         self.predivide = float(gradient_predivide_factor)
-        self.requires_grad = first.param.requires_grad
+        self._initially_trainable = first.param.requires_grad
         self.group = first.group
-        self.slots: tuple[ParamSlot, ...] = self._layout(spec.params)
         self.used = spec.used
+        # Column sizes of a (world_size, shard_size) view: each parameter's piece, then the shard's tail padding.
+        tail = self.shard_size - pieces_numel
+        self._split = [s.piece for s in self.slots] + ([tail] if tail else [])
+        self._has_replicated = any(s.replicated for s in self.slots)
         # Stages 1 and 2 keep the full buffer for the whole run, and so does a single rank; at stage 3 a
         # placement policy may keep some chunks gathered too (zero-offload's shard_param_frac).
         self.persistent = stage < 3 or world_size == 1 or keep_gathered
-        # In one dtype, a kept full buffer holds the shard: the optimizer updates it in place.
+        # In one dtype, a kept full buffer holds the master values: the optimizer updates this rank's pieces of it.
         self.shard_is_view = self.persistent and self.dtype == self.master_dtype
         # Runtime state, changed only through the transition methods below.
         self.state = ChunkState.GATHERED
@@ -213,10 +342,13 @@ class Chunk:
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         self._pending_gather: Pending | None = None
         self.pool = pool or BufferPool()
-        self.shard: torch.Tensor = self.full
+        # This rank's shard (master dtype), None while the kept full buffer holds it (shard_is_view).
+        self._shard: torch.Tensor | None = None
+        # This rank's padded piece of each parameter (master dtype): views of the shard or of the full buffer.
+        self.pieces: list[torch.Tensor] = []
         self.segments: tuple[Segment, ...] = ()
-        # Mean gradient of this rank's shard from the last backward, until published to segments.
-        self.reduced_grad: torch.Tensor | None = None
+        # This rank's mean gradient pieces from the last backward (one per slot), until published to segments.
+        self.reduced_grad: list[torch.Tensor] | None = None
         # Per slot: did the parameter get a gradient on this rank since the last publish (every backward of
         # a no_sync accumulation included)? Set by the engine's post-accumulate-grad hook.
         self.got_grad = [False] * len(self.slots)
@@ -227,13 +359,64 @@ class Chunk:
         # Where reduced gradients go; None: where the master shard is. Set by placement policies.
         self.grad_device: torch.device | None = None
 
-    @staticmethod
-    def _layout(params: Sequence[ParamInfo]) -> tuple[ParamSlot, ...]:
-        slots, offset = [], 0
-        for info in params:
-            slots.append(ParamSlot(info.name, info.param, offset, info.numel, info.param.shape))
-            offset += info.numel
-        return tuple(slots)
+    # -- layout helpers ---------------------------------------------------------------
+    def _regions(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """``buf`` (parameter-major, ``size`` elements) cut into one ``(world_size, piece)`` view per column of the split."""
+        out, at = [], 0
+        for width in self._split:
+            out.append(buf[at : at + self.world_size * width].view(self.world_size, width))
+            at += self.world_size * width
+        return out
+
+    def own_pieces(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's padded piece of each parameter inside a parameter-major buffer (full or gradient)."""
+        return [buf[s.offset + self.rank * s.piece : s.offset + (self.rank + 1) * s.piece] for s in self.slots]
+
+    def _shard_pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        return [shard[s.shard_offset : s.shard_offset + s.piece] for s in self.slots]
+
+    def _local(self, i: int, piece: torch.Tensor) -> torch.Tensor:
+        slot = self.slots[i]
+        shape = slot.local_shape(self.rank)
+        return piece[: shape.numel()].view(shape)
+
+    def wrap(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's piece of parameter ``i``, unpadded) as a tensor shaped like the sharded parameter."""
+        if self.mesh is None:
+            return local
+        seg = self.segments[i] if self.segments else None
+        if seg is not None:
+            return DTensor(local, seg.param._spec, requires_grad=False)  # type: ignore[attr-defined]
+        slot = self.slots[i]
+        placements = (Replicate(),) if slot.replicated else (Shard(0),)
+        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=slot.shape,
+                                  stride=torch.empty(slot.shape, device="meta").stride())
+
+    def copy_out(self, rank_major: torch.Tensor) -> None:
+        """Fill the full buffer from a ``(world_size, shard_size)`` view of the ranks' shards (an all-gather's output)."""
+        with torch.no_grad():
+            torch.split_with_sizes_copy(rank_major, self._split, dim=1, out=self._regions(self.full))
+
+    def copy_in(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """Lay a parameter-major buffer (gradients) out rank-major into ``out`` (``size`` elements), casting to its dtype."""
+        with torch.no_grad():
+            torch.cat(self._regions(flat), dim=1, out=out.view(self.world_size, self.shard_size))
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's master shard (``shard_size`` elements). While the kept full buffer holds it
+        (``shard_is_view``) this is a packed copy: write through :meth:`fill` or :meth:`replace_shard`."""
+        if self._shard is not None:
+            return self._shard
+        return self._pack(self.pieces, self.master_dtype)
+
+    def _pack(self, pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(self.shard_size, dtype=dtype, device=self.device)
+        tail = self.shard_size - sum(s.piece for s in self.slots)
+        parts = list(pieces) + ([torch.zeros(tail, dtype=dtype, device=self.device)] if tail else [])
+        with torch.no_grad():
+            torch.cat([p.to(self.device) for p in parts], out=out)
+        return out
 
     # -- setup ---------------------------------------------------------------------
     def pack(self, comm: CommBackend, *, broadcast_from_rank0: bool) -> None:
@@ -254,18 +437,21 @@ class Chunk:
                 slot.param.data = view
             if broadcast_from_rank0 and self.world_size > 1:
                 comm.broadcast(staging, src=0)
-            begin = self.rank * self.shard_size
+            if self._has_replicated:  # every rank's piece of a replicated parameter holds its value
+                for slot, region in zip(self.slots, self._regions(staging)):
+                    if slot.replicated:
+                        region.copy_(region[:1].expand_as(region))
             if staging is not self.full:
                 self.full.copy_(staging)
             if self.shard_is_view:
-                self.shard = self.full[begin : begin + self.shard_size]
+                self.pieces = self.own_pieces(self.full)
             else:
-                self.shard = staging[begin : begin + self.shard_size].clone()
+                self._shard = self._pack(self.own_pieces(staging), self.master_dtype)
+                self.pieces = self._shard_pieces(self._shard)
             del staging
             if not self.persistent:
                 self.release()
-        if self.requires_grad:
-            self.segments = self._segments()
+        self._build_segments()
 
     def begin_fill(self) -> None:
         """Allocate this rank's shard (and a kept full buffer), zeroed, for values that arrive one parameter at a time.
@@ -275,7 +461,6 @@ class Chunk:
         never allocates its full buffer here.
         """
         self._assert_state(ChunkState.GATHERED)
-        begin = self.rank * self.shard_size
         for slot in self.slots:
             if slot.param.device.type == "meta":  # a meta tensor cannot take real data: swap in a real one, same object
                 real = torch.Tensor._make_subclass(type(slot.param), torch.empty(0, dtype=self.master_dtype, device=self.device),
@@ -287,46 +472,63 @@ class Chunk:
                 self.full.zero_()
                 for slot, view in zip(self.slots, self._views):
                     slot.param.data = view
-                self.shard = (self.full[begin : begin + self.shard_size] if self.shard_is_view
-                              else torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.device))
+            if self.shard_is_view:
+                self.pieces = self.own_pieces(self.full)
             else:
-                self.shard = torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.device)
+                self._shard = torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.device)
+                self.pieces = self._shard_pieces(self._shard)
+            if not self.persistent:
                 for slot in self.slots:
                     slot.param.data = self._empty
                 self.state = ChunkState.SHARDED
-        if self.requires_grad:
-            self.segments = self._segments()
+        self._build_segments()
+
+    def _build_segments(self) -> None:
+        """Create the sharded parameters, once: every later move re-points their local tensors."""
+        segments = []
+        for i, slot in enumerate(self.slots):
+            local = self._local(i, self.pieces[i])
+            data = self.wrap(i, local) if self.mesh is not None else local
+            param = nn.Parameter(data, requires_grad=slot.param.requires_grad)
+            # attributes set on the original parameter (no_decay flags, HF's markers) stay visible on the sharded one
+            for key, value in slot.param.__dict__.items():
+                if not key.startswith("_") or key == "_is_hf_initialized":  # hooks and torch internals stay behind
+                    param.__dict__.setdefault(key, value)
+            segments.append(Segment(i, slot.shard_offset, param))
+        self.segments = tuple(segments)
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether any of the chunk's parameters is trainable now (``requires_grad`` may change between steps)."""
+        if not self.segments:
+            return self._initially_trainable
+        return any(seg.param.requires_grad for seg in self.segments)
 
     def own_range(self, slot: int) -> tuple[int, int]:
-        """The elements ``[lo, hi)`` of parameter ``slot`` (flattened) that fall into this rank's shard (``lo == hi``: none)."""
-        s = self.slots[slot]
-        begin = self.rank * self.shard_size
-        lo = min(max(begin, s.offset), s.offset + s.numel)
-        hi = max(min(begin + self.shard_size, s.offset + s.numel), lo)
-        return lo - s.offset, hi - s.offset
+        """The elements ``[lo, hi)`` of parameter ``slot`` (flattened) that this rank owns (``lo == hi``: none)."""
+        return self.slots[slot].own_range(self.rank)
+
+    def held_range(self, slot: int) -> tuple[int, int]:
+        """The elements of parameter ``slot`` this rank's shard holds: its own range, and a replicated parameter whole."""
+        return self.slots[slot].held_range(self.rank)
+
+    def shard_range(self, slot: int, lo: int, hi: int) -> torch.Tensor:
+        """The master values of elements ``[lo, hi)`` of parameter ``slot`` (inside :meth:`held_range`): a view to
+        read or write in place."""
+        begin, _ = self.held_range(slot)
+        return self.pieces[slot][lo - begin : hi - begin]
 
     @torch.no_grad()
     def fill(self, slot: int, values: torch.Tensor, *, lo: int = 0) -> None:
         """Write parameter ``slot``'s values (flattened, starting at element ``lo``) into this rank's shard.
 
-        ``values`` must cover at least :meth:`own_range`; only that part is read. The shard
+        ``values`` must cover at least :meth:`held_range`; only that part is read. The shard
         must be in memory (see ``PlacementPolicy.before_load``). A kept full buffer is brought
         up to date by :meth:`publish_parameters` once every slot is filled.
         """
-        s = self.slots[slot]
-        begin = self.rank * self.shard_size
-        a, b = self.own_range(slot)
+        a, b = self.held_range(slot)
         if a < b:
-            self.shard[s.offset + a - begin : s.offset + b - begin].copy_(values[a - lo : b - lo])
-
-    def _segments(self) -> tuple[Segment, ...]:
-        begin, end = self.rank * self.shard_size, (self.rank + 1) * self.shard_size
-        segments = []
-        for i, slot in enumerate(self.slots):
-            lo, hi = max(slot.offset, begin), min(slot.offset + slot.numel, end)
-            if lo < hi:
-                segments.append(Segment(i, lo - begin, nn.Parameter(self.shard[lo - begin : hi - begin])))
-        return tuple(segments)
+            self.shard_range(slot, a, b).copy_(values[a - lo : b - lo])
 
     # -- transitions ----------------------------------------------------------------
     def _assert_state(self, *states: ChunkState) -> None:
@@ -343,12 +545,12 @@ class Chunk:
             return
         self._assert_state(ChunkState.SHARDED)
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
-        pending = comm.all_gather(self.full, self._compute_shard(), async_op=async_op)
-        if async_op and pending is not None:
-            self._pending_gather = pending
-            self.state = ChunkState.GATHERING
-        else:
-            self._to_gathered()
+        received = self.pool.take(self.size, self.dtype, self.device, zeroed=False)
+        pending = comm.all_gather(received, self._compute_shard(), async_op=async_op)
+        self._pending_gather = _CopyOut(self, pending, received)
+        self.state = ChunkState.GATHERING
+        if not async_op:
+            self.wait()
 
     def begin_gather(self, pending: Pending) -> None:
         """SHARDED -> GATHERING for an all-gather someone else issued (a gather group's), which
@@ -384,22 +586,31 @@ class Chunk:
 
     def gather_for_peers(self, comm: CommBackend) -> None:
         """Join an all-gather of this chunk that other ranks need, without changing local state."""
-        scratch = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        scratch = self.pool.take(self.size, self.dtype, self.device, zeroed=False)
         comm.all_gather(scratch, self._compute_shard())
+        self.pool.give(scratch)
 
     def _compute_shard(self) -> torch.Tensor:
         """This rank's shard in the compute dtype, on the compute device: what an all-gather sends."""
-        return self.shard.to(self.device, self.dtype, non_blocking=True)
+        if self._shard is None:
+            return self._pack(self.own_pieces(self.full), self.dtype)
+        return self._shard.to(self.device, self.dtype, non_blocking=True)
 
     def refresh_own_slice(self) -> torch.Tensor:
-        """Copy the updated master shard into this rank's slice of a kept full buffer; return the slice."""
-        begin = self.rank * self.shard_size
-        own = self.full[begin : begin + self.shard_size]
+        """Copy the updated master shard into this rank's pieces of a kept full buffer; return them packed
+        (compute dtype): what :meth:`publish_parameters` sends."""
+        own = self.own_pieces(self.full)
         # a shard out of memory (on disk) was copied here by its placement policy before it left
-        if not self.shard_is_view and self.shard_in_memory:
+        if self._shard is not None and self.shard_in_memory:
             with torch.no_grad():
-                own.copy_(self.shard)
-        return own
+                torch.split_with_sizes_copy(self._shard.to(self.device, self.dtype), self._split, out=own + self._tail(self.full))
+        return self._pack(own, self.dtype)
+
+    def _tail(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """The shard's tail padding inside ``buf``'s own rank row (empty list when there is none)."""
+        if len(self._split) == len(self.slots):
+            return []
+        return [self._regions(buf)[-1][self.rank]]
 
     def move_shard(self, device: torch.device) -> None:
         """Keep the master shard (and so its gradients and optimizer states) on ``device`` from now on.
@@ -407,7 +618,9 @@ class Chunk:
         Gathers copy the shard to the compute device; reduced gradients are moved to the
         shard's device, not copied. Host shards are pinned when the compute device is CUDA.
         """
-        if self.shard.device == device:
+        if self._shard is None and self.device == device:
+            return
+        if self._shard is not None and self._shard.device == device:
             return
         pin = device.type == "cpu" and self.device.type == "cuda"
         with torch.no_grad():
@@ -416,22 +629,30 @@ class Chunk:
         self.replace_shard(shard)
 
     def replace_shard(self, shard: torch.Tensor) -> None:
-        """Make ``shard`` (same size and dtype, any device) the master shard, keeping the optimizer's segments.
+        """Make ``shard`` (same size and dtype, any device) the master shard, keeping the sharded parameters.
 
-        Each segment's parameter is re-pointed (``param.data = ...``), never replaced, so the
-        optimizer's state keeps its keys. Placement policies call this at any time between
-        uses; the old shard's storage is dropped with its last reference. To take a shard
-        out of memory (to disk), pass :meth:`absent_shard`.
+        Each sharded parameter's local tensor is re-pointed, never replaced, so the optimizer's
+        state keeps its keys. Placement policies call this at any time between uses; the old
+        shard's storage is dropped with its last reference. To take a shard out of memory (to
+        disk), pass :meth:`absent_shard`.
         """
         if shard.shape != (self.shard_size,) or shard.dtype != self.master_dtype:
             raise ValueError(
                 f"chunk {self.index}'s shard must be a {self.master_dtype} tensor of shape ({self.shard_size},), "
                 f"got {shard.dtype} {tuple(shard.shape)}"
             )
-        self.shard = shard
+        self._shard = shard
         self.shard_is_view = False
+        if shard.stride(0) == 0:  # absent: every piece is a stand-in of the right size
+            self.pieces = [shard[: s.piece] for s in self.slots]
+        else:
+            self.pieces = self._shard_pieces(shard)
         for seg in self.segments:
-            seg.param.data = shard[seg.begin : seg.begin + seg.param.numel()]
+            local = self._local(seg.slot, self.pieces[seg.slot])
+            if isinstance(seg.param, DTensor):
+                seg.param._local_tensor = local  # type: ignore[attr-defined]
+            else:
+                seg.param.data = local
 
     def absent_shard(self) -> torch.Tensor:
         """A stand-in for a shard that is not in memory: the right shape, one shared element, NaN.
@@ -446,22 +667,28 @@ class Chunk:
     @property
     def shard_in_memory(self) -> bool:
         """False while the shard is :meth:`absent_shard` (on disk)."""
-        return self.shard_size == 0 or self.shard.stride(0) != 0
+        return self._shard is None or self.shard_size == 0 or self._shard.stride(0) != 0
 
     def publish_parameters(self, comm: CommBackend, *, async_op: bool = False) -> Pending | None:
-        """After an optimizer step, bring a kept full buffer up to date with the updated shards.
+        """After an optimizer step (or a load), bring a kept full buffer up to date with the updated shards.
 
-        Stages 1 and 2: the rank's slice is refreshed from its master shard and the
-        slices are all-gathered in place. One rank with a separate master: a cast copy.
+        Stages 1 and 2: the rank's pieces are refreshed from its master shard and the ranks'
+        pieces all-gathered and copied out. One rank with a separate master: a cast copy.
         Stage 3 needs nothing: the next gather reads the shard.
         """
         if not self.persistent:
             return None
         self._assert_state(ChunkState.GATHERED)
-        own = self.refresh_own_slice()
+        send = self.refresh_own_slice()
         if self.world_size == 1:
             return None
-        return comm.all_gather(self.full, own, async_op=async_op)
+        received = self.pool.take(self.size, self.dtype, self.device, zeroed=False)
+        pending = comm.all_gather(received, send, async_op=async_op)
+        copy = _CopyOut(self, pending, received)
+        if not async_op:
+            copy.wait()
+            return None
+        return copy
 
     @property
     def has_unreduced_gradients(self) -> bool:
@@ -469,7 +696,7 @@ class Chunk:
         return self._grad_flat is not None
 
     def prepare_gradients(self) -> None:
-        """Point every parameter's ``.grad`` at a zeroed full-size buffer before backward reaches it.
+        """Point every trainable parameter's ``.grad`` at a zeroed full-size buffer before backward reaches it.
 
         Autograd then accumulates in place into the buffer (no per-parameter gradient
         tensors, no copy), and the buffer is what gets reduce-scattered. Stage 1 reuses
@@ -479,7 +706,7 @@ class Chunk:
             return
         self._grad_flat = self._take_grad_buffer()
         for slot in self.slots:
-            if slot.param.grad is None:
+            if slot.param.grad is None and slot.param.requires_grad:
                 slot.param.grad = self._grad_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     def _take_grad_buffer(self) -> torch.Tensor:
@@ -488,13 +715,13 @@ class Chunk:
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.size, dtype=self.dtype, device=self.device)
             return self.grad_full
-        # Gradients published from the last backward may be views of this buffer's own slice (they
+        # Gradients published from the last backward may be views of this buffer's own pieces (they
         # accumulate until a step): move them out before the buffer is zeroed for this backward.
         storage = self.grad_full.untyped_storage().data_ptr()
         for seg in self.segments:
             grad = seg.param.grad
-            if grad is not None and grad.untyped_storage().data_ptr() == storage:
-                seg.param.grad = grad.clone()
+            if grad is not None and to_local(grad).untyped_storage().data_ptr() == storage:
+                seg.param.grad = self.wrap(seg.slot, to_local(grad).clone())
         return self.grad_full.zero_()
 
     def reduce_gradients(self, comm: CommBackend, *, loss_scale: float = 1.0) -> _Reduction:
@@ -508,57 +735,73 @@ class Chunk:
         flat, self._grad_flat = self._grad_flat, None
         if flat is None:
             flat = self._take_grad_buffer()
-        for slot in self.slots:
-            grad = slot.param.grad
-            if grad is not None:
-                target = flat[slot.offset : slot.offset + slot.numel]
-                if grad.data_ptr() != target.data_ptr():
-                    target.copy_(grad.reshape(-1))
-                slot.param.grad = None
+        with torch.no_grad():
+            for slot in self.slots:
+                grad = slot.param.grad
+                if grad is not None:
+                    target = flat[slot.offset : slot.offset + slot.numel]
+                    if grad.data_ptr() != target.data_ptr():
+                        target.copy_(grad.reshape(-1))
+                    slot.param.grad = None
+            if self._has_replicated:  # each rank's piece of a replicated parameter carries its gradient: all get the sum
+                for slot, region in zip(self.slots, self._regions(flat)):
+                    if slot.replicated:
+                        region.copy_(region[:1].expand_as(region))
         pooled = flat if flat is not self.grad_full else None
-        send = flat if flat.dtype == self.reduce_dtype else flat.to(self.reduce_dtype)
-        if send is not flat and pooled is not None:  # the cast copy is what travels: the buffer is free again
-            self.pool.give(pooled)
-            pooled = None
         divisor = self.world_size * loss_scale
-        if self.predivide != 1.0 and self.world_size > 1:
-            send.div_(self.predivide)  # flat is consumed by this reduction: dividing in place is safe
-            divisor /= self.predivide
-        if self.world_size == 1:  # the buffer itself becomes the gradient: never back to the pool
+        if self.world_size == 1:  # one rank: the layouts coincide, the buffer itself becomes the gradient
+            send = flat if flat.dtype == self.reduce_dtype else flat.to(self.reduce_dtype)
             if pooled is not None:
-                self.pool.keep(pooled)
+                if send is flat:
+                    self.pool.keep(pooled)
+                else:
+                    self.pool.give(pooled)
             return _Reduction(self, None, send, None, divisor)
-        begin = self.rank * self.shard_size
-        if self.stage == 1 and send is flat:
-            reduced = flat[begin : begin + self.shard_size]  # in place: the gradient stays in the kept buffer
-        else:
-            reduced = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
+        send = self.pool.take(self.size, self.reduce_dtype, self.device, zeroed=False)
+        self.copy_in(flat, send)  # rank-major, cast to the reduce dtype: the parameter-major buffer is free again
+        if pooled is not None:
+            self.pool.give(pooled)
+        if self.predivide != 1.0:
+            send.div_(self.predivide)  # send is consumed by this reduction: dividing in place is safe
+            divisor /= self.predivide
+        reduced = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
         pending = comm.reduce_scatter(reduced, send, async_op=True)
-        if pooled is not None and getattr(pending, "input_released", False):
-            self.pool.give(pooled)  # a bucketing backend copied it: reuse it for the next gradient now
-            pooled = None
-        return _Reduction(self, pending, reduced, pooled, divisor)
+        if getattr(pending, "input_released", False):
+            self.pool.give(send)  # a bucketing backend copied it: reuse it for the next gradient now
+            send = None
+        return _Reduction(self, pending, reduced, send, divisor)
+
+    def _grad_pieces(self, reduced: torch.Tensor) -> list[torch.Tensor]:
+        """The reduced shard (master dtype, where gradients go) as one piece per slot; stage 1 keeps
+        them in its kept full-size buffer when nothing moved them elsewhere, so gradients are held once."""
+        if (self.grad_full is not None and self.world_size > 1 and reduced.device == self.grad_full.device
+                and reduced.dtype == self.grad_full.dtype):
+            own = self.own_pieces(self.grad_full)
+            with torch.no_grad():
+                torch.split_with_sizes_copy(reduced, self._split, out=own + self._tail(self.grad_full))
+            return own
+        return list(reduced.split(self._split)[: len(self.slots)])
 
     def publish_gradients(self, present: Sequence[bool]) -> None:
-        """Hand the reduced gradient to the optimizer's segments, as autograd would to parameters.
+        """Hand the reduced gradient to the sharded parameters, as autograd would to parameters.
 
-        ``present[i]`` says whether slot ``i`` got a gradient on any rank; segments of the
-        others keep their ``.grad`` untouched (``None`` after ``zero_grad``), so the
-        optimizer skips them. Gradients add to existing ones, so several backwards
-        before a step accumulate.
+        ``present[i]`` says whether slot ``i`` got a gradient on any rank; the others keep
+        their ``.grad`` untouched (``None`` after ``zero_grad``), so the optimizer skips
+        them. Gradients add to existing ones, so several backwards before a step accumulate.
         """
         reduced, self.reduced_grad = self.reduced_grad, None
         self.got_grad = [False] * len(self.slots)
         if reduced is None:
             return
-        for seg in self.segments:
-            if not present[seg.slot]:
-                continue
-            piece = reduced[seg.begin : seg.begin + seg.param.numel()]
-            if seg.param.grad is None:
-                seg.param.grad = piece
-            else:
-                seg.param.grad.add_(piece)
+        with torch.no_grad():
+            for seg in self.segments:
+                if not present[seg.slot] or not seg.param.requires_grad:
+                    continue
+                piece = self._local(seg.slot, reduced[seg.slot])
+                if seg.param.grad is None:
+                    seg.param.grad = self.wrap(seg.slot, piece)
+                else:
+                    seg.param.grad.add_(self.wrap(seg.slot, piece))
 
     # -- accounting -----------------------------------------------------------------
     @property
@@ -567,7 +810,7 @@ class Chunk:
 
     @property
     def shard_bytes(self) -> int:
-        return self.shard_size * self.shard.element_size()
+        return self.shard_size * self.master_dtype.itemsize
 
     @property
     def full_bytes(self) -> int:
@@ -578,6 +821,23 @@ class Chunk:
             f"Chunk(index={self.index}, params={len(self.slots)}, used={self.used}, size={self.size}, "
             f"shard={self.shard_size}, state={self.state.value}, tier={self.tier.value})"
         )
+
+
+class _CopyOut:
+    """An all-gather of shards in flight; ``wait()`` (idempotent) copies them out into the chunk's full buffer."""
+
+    def __init__(self, chunk: Chunk, pending: Pending | None, received: torch.Tensor) -> None:
+        self._chunk, self._pending, self._received = chunk, pending, received
+
+    def wait(self) -> None:
+        if self._received is None:
+            return
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        chunk, received, self._received = self._chunk, self._received, None
+        chunk.copy_out(received.view(chunk.world_size, chunk.shard_size))
+        chunk.pool.give(received)
 
 
 class _Reduction:
@@ -597,10 +857,11 @@ class _Reduction:
         if self._reduced is not None:
             # moved to where the master shard lives (the host, when offloaded), never copied and kept twice
             chunk = self._chunk
-            grad = self._reduced.to(chunk.grad_device or chunk.shard.device, chunk.master_dtype)
+            target = chunk.grad_device or (chunk._shard.device if chunk._shard is not None else chunk.device)
+            grad = self._reduced.to(target, chunk.master_dtype)
             if self._divisor != 1.0:
                 grad.div_(self._divisor)
-            self._chunk.reduced_grad = grad
+            self._chunk.reduced_grad = chunk._grad_pieces(grad) if chunk.world_size > 1 else chunk._shard_pieces(grad)
             self._reduced = None
         if self._pooled is not None:  # the collective is done with it
             self._chunk.pool.give(self._pooled)

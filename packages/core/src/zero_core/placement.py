@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from zero_core._state import MemoryTier, TrainingState
-from zero_core.chunk import Chunk, ChunkSpec
+from zero_core.chunk import Chunk, ChunkSpec, rewrap, to_local
 from zero_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -247,7 +247,7 @@ class HostPlacementPolicy(PlacementPolicy):
             for seg in chunk.segments:  # states an optimizer creates eagerly (Adagrad's sums) follow their shard
                 for key, value in state.get(seg.param, {}).items():
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        state[seg.param][key] = value.to(host)
+                        state[seg.param][key] = rewrap(value, to_local(value).to(host))
 
     def before_gather(self, chunks: Sequence[Chunk]) -> None:
         """Nothing to move: a gather reads the host shard directly."""

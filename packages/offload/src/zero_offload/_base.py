@@ -11,6 +11,7 @@ import torch
 
 from zero_core import Chunk, MemoryTier, PlacementPolicy, TrainingState, ZeroConfig
 from zero_core.placement import PlacementContext
+from zero_core.chunk import rewrap
 from zero_offload._tiers import DEVICE, DISK, HOST, Part, Tiers
 from zero_offload.config import TierConfig
 from zero_offload.errors import DiskTierError, TierBudgetError
@@ -57,7 +58,7 @@ class TieredPolicy(PlacementPolicy):
         The optimizer's own entries, the tiers and the files stay as they are; the memory the
         values take is the caller's (saved and dropped chunk by chunk, it need not fit the host budget).
         """
-        on_disk = [c for c in self.chunks if c.segments and self.tiers.tier(c, Part.OPTIM) is DISK]
+        on_disk = [c for c in self.chunks if self.tiers.tier(c, Part.OPTIM) is DISK]
         if not on_disk:
             return state_dict
         # torch's state_dict numbers parameters across groups in order, and shares each one's state dict with the optimizer
@@ -77,7 +78,7 @@ class TieredPolicy(PlacementPolicy):
     def _settle_states(self, chunk: Chunk) -> None:
         """Freshly loaded states of ``chunk`` (in memory, on its segments' device) go to their tier."""
         tiers = self.tiers
-        if not chunk.segments or not tiers.optim_bytes(chunk):
+        if not tiers.optim_bytes(chunk):
             return
         tier = tiers.tier(chunk, Part.OPTIM)
         if tier is DISK:  # the loaded values replaced the stand-ins: write them out
@@ -89,12 +90,12 @@ class TieredPolicy(PlacementPolicy):
         device = tiers.location(tier)
         for _, state, key, value in tiers.states(chunk):
             if value.device != device:
-                state[key] = value.to(device)
+                state[key] = rewrap(state[key], value.to(device))
 
     def optimizer_states(self, chunk: Chunk) -> dict[int, dict[str, Any]]:
         """The chunk's states, disk-resident ones read into fresh host tensors (the tier stays as it is)."""
         states = super().optimizer_states(chunk)
-        if self.tiers.tier(chunk, Part.OPTIM) is DISK and chunk.segments:
+        if self.tiers.tier(chunk, Part.OPTIM) is DISK:
             states = {key: dict(value) for key, value in states.items()}
             for param, key, value in self.tiers.read_optim(chunk):
                 states[id(param)][key] = value
@@ -177,7 +178,7 @@ class TieredPolicy(PlacementPolicy):
     def after_backward(self, chunks: Sequence[Chunk]) -> None:
         """Bring each trainable shard to its gradients' tier: a segment's gradient must sit with its parameter."""
         for chunk in chunks:
-            if not chunk.segments:
+            if not chunk.requires_grad:
                 continue
             params, grads = self.tiers.tier(chunk, Part.PARAMS), self.tiers.tier(chunk, Part.GRADS)
             if params is not DISK and params is not grads:
@@ -194,7 +195,7 @@ class TieredPolicy(PlacementPolicy):
         ``optimizer.step()`` then has nothing left to do.
         """
         tiers = self.tiers
-        trainable = [c for c in chunks if c.segments]
+        trainable = [c for c in chunks if c.requires_grad]
         if all(tiers.tier(c, p) is DEVICE for c in trainable for p in Part):
             for chunk in trainable:  # the user's step does it all, in one call, on the device
                 tiers.mark_updated(chunk)

@@ -249,7 +249,7 @@ class GeminiPolicy(TieredPolicy):
             headroom -= largest
         margin = int(headroom * self.options.margin_ratio)
         for chunk in self.chunks:
-            if not chunk.segments:
+            if not chunk.requires_grad:
                 continue
             cost = tiers.nbytes(chunk)
             if cost > margin:

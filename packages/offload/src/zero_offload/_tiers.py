@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from zero_core import Chunk, MemoryTier
+from zero_core.chunk import rewrap, to_local
 from zero_core.placement import PlacementContext
 from zero_offload._disk import DiskStore
 from zero_offload.config import TierConfig, mib
@@ -147,7 +148,7 @@ class Tiers:
             self.where[i] = {part: DEVICE for part in Part}
             self.size[(i, Part.PARAMS)] = chunk.shard_bytes
             self.size[(i, Part.GRADS)] = chunk.shard_bytes if chunk.requires_grad else 0
-            elements = sum(seg.param.numel() for seg in chunk.segments)
+            elements = sum(seg.numel for seg in chunk.segments if seg.param.requires_grad)
             per = bpe[chunk.master_dtype][chunk.group] if chunk.master_dtype in bpe and chunk.group is not None else 0.0
             self.size[(i, Part.OPTIM)] = int(per * elements)
             for part in Part:
@@ -304,17 +305,19 @@ class Tiers:
         device = self.location(dst)
         chunk.grad_device = device
         if chunk.reduced_grad is not None:
-            chunk.reduced_grad = chunk.reduced_grad.to(device)
+            chunk.reduced_grad = [g.to(device) for g in chunk.reduced_grad]
         for seg in chunk.segments:
             if seg.param.grad is not None and seg.param.grad.device != device:
                 seg.param.grad = seg.param.grad.to(device)
 
     def states(self, chunk: Chunk) -> list[tuple[torch.nn.Parameter, dict[str, Any], str, torch.Tensor]]:
-        """``(segment parameter, its state dict, key, value)`` for each per-element optimizer state of the chunk.
+        """``(segment parameter, its state dict, key, local value)`` for each per-element optimizer state of the chunk.
 
         Zero-dimensional states (step counts) are left out: they stay in memory in every tier.
+        The value is this rank's local tensor (a DTensor state's); write a moved one back
+        with ``zero_core.chunk.rewrap``, so the state stays a DTensor like its parameter.
         """
-        return [(seg.param, state, key, value) for seg in chunk.segments
+        return [(seg.param, state, key, to_local(value)) for seg in chunk.segments
                 for state in (self.optimizer.state.get(seg.param),) if state
                 for key, value in state.items() if isinstance(value, torch.Tensor) and value.dim() > 0]
 
@@ -345,7 +348,7 @@ class Tiers:
             self.disk.write(name, [v for _, _, v in states])
             for state, key, value in states:
                 fill = float("nan") if value.is_floating_point() else 0
-                state[key] = torch.full((1,), fill, dtype=value.dtype).expand(value.shape)
+                state[key] = rewrap(state[key], torch.full((1,), fill, dtype=value.dtype).expand(value.shape))
             return
         device = self.location(dst)
         if src is DISK:
@@ -354,11 +357,11 @@ class Tiers:
                       for _, _, v in states]
             self.disk.read(name, loaded)
             for (state, key, _), value in zip(states, loaded):
-                state[key] = value.to(device, non_blocking=True)
+                state[key] = rewrap(state[key], value.to(device, non_blocking=True))
         else:
             for state, key, value in states:
                 # asynchronous only upwards: a host tensor from an asynchronous download is not ready when returned
-                state[key] = value.to(device, non_blocking=device.type == "cuda")
+                state[key] = rewrap(state[key], value.to(device, non_blocking=device.type == "cuda"))
         group = self.optimizer.param_groups[chunk.group] if chunk.group is not None else {}
         if group.get("fused") or group.get("capturable"):
             # fused and capturable kernels keep step counts on the parameter's device; the others on the CPU
@@ -421,10 +424,10 @@ class Tiers:
                 seen = {}
                 for seg in chunk.segments:
                     if seg.param.grad is not None:
-                        storage = seg.param.grad.untyped_storage()
+                        storage = to_local(seg.param.grad).untyped_storage()
                         seen[storage.data_ptr()] = storage.nbytes()
-                if chunk.reduced_grad is not None:
-                    seen[chunk.reduced_grad.untyped_storage().data_ptr()] = chunk.reduced_grad.untyped_storage().nbytes()
+                for piece in chunk.reduced_grad or ():
+                    seen[piece.untyped_storage().data_ptr()] = piece.untyped_storage().nbytes()
                 total += sum(seen.values())
             if where[Part.OPTIM] is DEVICE:
                 total += self.optim_bytes(chunk)

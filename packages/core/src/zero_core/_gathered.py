@@ -1,0 +1,56 @@
+"""Whole parameters on demand: :meth:`zero_core.ZeroModule.gathered_parameters`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from zero_core._accounting import engine_work_context
+from zero_core._layout import publish_kept
+
+if TYPE_CHECKING:
+    from zero_core._engine import Engine
+
+__all__ = ["gathered_parameters"]
+
+
+@contextlib.contextmanager
+def gathered_parameters(engine: Engine, *, writable: bool = False) -> Iterator[None]:
+    """See :meth:`zero_core.ZeroModule.gathered_parameters`."""
+    engine.require_idle("model.gathered_parameters()")
+    fulls = []
+    for chunk, full in engine.iter_full_chunks():
+        fulls.append((chunk, full if not chunk.shard_is_view else full.clone()))
+    with torch.no_grad():
+        for chunk, full in fulls:
+            for slot, seg in zip(chunk.slots, chunk.segments):
+                slot.param.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                slot.param.requires_grad_(seg.param.requires_grad)
+    engine.use_unsharded()
+    try:
+        yield
+    finally:
+        engine.use_sharded()
+        with torch.no_grad(), engine_work_context():
+            for chunk, full in fulls:
+                # the unsharded parameters go back to the chunk's own buffer (or to nothing, when released)
+                if chunk.is_gathered:
+                    chunk._to_gathered()
+                else:
+                    for slot in chunk.slots:
+                        slot.param.data = chunk._empty
+                if not writable:
+                    continue
+                engine.placement.before_load([chunk])  # a shard on disk comes back to take the writes
+                try:
+                    for i, slot in enumerate(chunk.slots):
+                        lo, hi = chunk.held_range(i)
+                        if lo < hi:
+                            chunk.fill(i, full[slot.offset + lo : slot.offset + hi], lo=lo)
+                    publish_kept(chunk, engine.comm)
+                finally:
+                    engine.placement.after_load([chunk])
+        fulls.clear()
