@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from zero_core._accounting import engine_work
@@ -130,6 +131,8 @@ class Engine:
         self._reduce_order: list[Chunk] = [c for c in reversed(chunks) if c.requires_grad]
         # Whether the modules hold the unsharded parameters (inside forward and backward) or the sharded ones.
         self._unsharded = True
+        # True inside model.gathered_parameters(): the modules hold the context's full copies.
+        self._gathered_context = False
         # Which modules trigger a gather of which chunks. See [Note: when chunks are gathered and released].
         self._module_chunks: dict[int, tuple[Chunk, ...]] = {}
         self._triggers: dict[int, set[int]] = {c.index: set() for c in chunks}
@@ -266,7 +269,13 @@ class Engine:
                 f"the wrapped model was called while the engine is in {self.state.value}; "
                 "do not call the model from inside its own forward or from a backward hook"
             )
-        if self.state is TrainingState.IDLE:  # a step's first forward: parameters may have been (un)frozen since
+        if self._gathered_context:
+            raise ZeroError(
+                "the model was called inside model.gathered_parameters(): the modules hold the context's full "
+                "master copies, and a forward would replace them; run the forward after the context exits"
+            )
+        if self.state is TrainingState.IDLE and not any(c.has_unreduced_gradients for c in self.chunks):
+            # a step's first forward (no no_sync() accumulation open): parameters may have been (un)frozen since
             self._reduce_order = [c for c in reversed(self.chunks) if c.requires_grad]
         self.use_unsharded()
         self._set_state(TrainingState.FORWARD)
@@ -556,8 +565,9 @@ class Engine:
                     add(grad_storages, to_local(seg.param.grad))
                 for value in self.optimizer.state.get(seg.param, {}).values():
                     if isinstance(value, torch.Tensor):
+                        per_element = isinstance(value, DTensor) or value.dim() > 0
                         value = to_local(value)
-                        key = "optimizer_scalars" if value.dim() == 0 else "optimizer_states"
+                        key = "optimizer_states" if per_element else "optimizer_scalars"
                         report[key] += value.numel() * value.element_size()
         report["params"] = sum(param_storages.values())
         report["grads"] = sum(grad_storages.values())

@@ -30,9 +30,11 @@ def gathered_parameters(engine: Engine, *, writable: bool = False) -> Iterator[N
                 slot.param.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 slot.param.requires_grad_(seg.param.requires_grad)
     engine.use_unsharded()
+    engine._gathered_context = True
     try:
         yield
     finally:
+        engine._gathered_context = False
         engine.use_sharded()
         with torch.no_grad(), engine_work_context():
             for chunk, full in fulls:

@@ -105,8 +105,8 @@ class ZeroModule:
         keeps its own rows, so every rank must write the same values), and the kept full
         buffers are refreshed. Every rank holds the whole model at once: for a model that
         does not fit, read it chunk by chunk with :meth:`full_state_dict`. Call between
-        steps; forward inside the context runs as usual from the shards, so it sees writes
-        only after the context exits.
+        steps; calling the model inside the context raises :class:`ZeroError` (its forward
+        would replace the context's copies): run it after the context exits.
         """
         from zero_core._gathered import gathered_parameters
 

@@ -273,12 +273,12 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk]) ->
         lo, hi = chunk.held_range(seg.slot)
         device = seg.local.device
 
-        def piece(value: torch.Tensor, slot=slot, lo=lo, hi=hi, device=device, i=seg.slot, chunk=chunk) -> torch.Tensor:
-            if value.shape != slot.shape:
+        def piece(key: str, value: torch.Tensor, slot=slot, lo=lo, hi=hi, device=device, i=seg.slot, chunk=chunk) -> torch.Tensor:
+            if value.shape != slot.shape or key == "step":  # a step count, even of a zero-dimensional parameter
                 return value.clone()
             return chunk.wrap(i, value.reshape(-1)[lo:hi].to(device, copy=True).view(slot.local_shape(chunk.rank)))
 
-        optimizer.state[seg.param] = {k: piece(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        optimizer.state[seg.param] = {k: piece(k, v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _attach_scaler_state(optimizer: torch.optim.Optimizer, scaler: LossScaler) -> None:

@@ -388,7 +388,9 @@ class Chunk:
         if seg is not None:
             return DTensor(local, seg.param._spec, requires_grad=False)  # type: ignore[attr-defined]
         slot = self.slots[i]
-        placements = (Replicate(),) if slot.replicated else (Shard(0),)
+        # dim 0 is sharded over the mesh's last dimension (the shard group); any leading dimension replicates
+        # (HSDP's (Replicate(), Shard(0)), FSDP2's convention), and a zero-dimensional parameter replicates everywhere
+        placements = (Replicate(),) * (self.mesh.ndim - 1) + ((Replicate(),) if slot.replicated else (Shard(0),))
         return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=slot.shape,
                                   stride=torch.empty(slot.shape, device="meta").stride())
 
@@ -648,11 +650,7 @@ class Chunk:
         else:
             self.pieces = self._shard_pieces(shard)
         for seg in self.segments:
-            local = self._local(seg.slot, self.pieces[seg.slot])
-            if isinstance(seg.param, DTensor):
-                seg.param._local_tensor = local  # type: ignore[attr-defined]
-            else:
-                seg.param.data = local
+            _repoint(seg.param, self._local(seg.slot, self.pieces[seg.slot]))
 
     def absent_shard(self) -> torch.Tensor:
         """A stand-in for a shard that is not in memory: the right shape, one shared element, NaN.
@@ -821,6 +819,24 @@ class Chunk:
             f"Chunk(index={self.index}, params={len(self.slots)}, used={self.used}, size={self.size}, "
             f"shard={self.shard_size}, state={self.state.value}, tier={self.tier.value})"
         )
+
+
+def _repoint(param: nn.Parameter, local: torch.Tensor) -> None:
+    """Make ``local`` the sharded parameter's data, keeping the object (the optimizer's key, the model's entry)."""
+    if not isinstance(param, DTensor):
+        param.data = local
+        return
+    if param._local_tensor.device == local.device:  # type: ignore[attr-defined]
+        param._local_tensor = local  # type: ignore[attr-defined]
+        return
+    # A DTensor's device is fixed when it is made, and a shard that moved to another device (host offload) needs
+    # a wrapper there: a new one is swapped into the same object, with its attributes and its gradient moved along.
+    attrs, grad = dict(param.__dict__), param.grad
+    fresh = nn.Parameter(DTensor(local, param._spec, requires_grad=False), requires_grad=param.requires_grad)  # type: ignore[attr-defined]
+    torch.utils.swap_tensors(param, fresh)
+    param.__dict__.update(attrs)
+    if grad is not None:
+        param.grad = rewrap(grad, to_local(grad).to(local.device))
 
 
 class _CopyOut:

@@ -246,7 +246,7 @@ class HostPlacementPolicy(PlacementPolicy):
             chunk.tier = MemoryTier.HOST
             for seg in chunk.segments:  # states an optimizer creates eagerly (Adagrad's sums) follow their shard
                 for key, value in state.get(seg.param, {}).items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if isinstance(value, torch.Tensor) and value.shape == seg.param.shape and key != "step":  # per element
                         state[seg.param][key] = rewrap(value, to_local(value).to(host))
 
     def before_gather(self, chunks: Sequence[Chunk]) -> None:

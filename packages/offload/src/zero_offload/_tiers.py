@@ -313,13 +313,15 @@ class Tiers:
     def states(self, chunk: Chunk) -> list[tuple[torch.nn.Parameter, dict[str, Any], str, torch.Tensor]]:
         """``(segment parameter, its state dict, key, local value)`` for each per-element optimizer state of the chunk.
 
-        Zero-dimensional states (step counts) are left out: they stay in memory in every tier.
+        Step counts are left out: they stay in memory in every tier (a zero-dimensional
+        parameter's moments are per-element states all the same).
         The value is this rank's local tensor (a DTensor state's); write a moved one back
         with ``zero_core.chunk.rewrap``, so the state stays a DTensor like its parameter.
         """
         return [(seg.param, state, key, to_local(value)) for seg in chunk.segments
                 for state in (self.optimizer.state.get(seg.param),) if state
-                for key, value in state.items() if isinstance(value, torch.Tensor) and value.dim() > 0]
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor) and value.shape == seg.param.shape and key != "step"]
 
     def read_optim(self, chunk: Chunk) -> list[tuple[Any, str, torch.Tensor]]:
         """Disk-resident optimizer states read into fresh host tensors, leaving the tier as it is.
@@ -367,7 +369,7 @@ class Tiers:
             # fused and capturable kernels keep step counts on the parameter's device; the others on the CPU
             for seg in chunk.segments:
                 for key, value in (self.optimizer.state.get(seg.param) or {}).items():
-                    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device != device:
+                    if isinstance(value, torch.Tensor) and key == "step" and value.device != device:
                         self.optimizer.state[seg.param][key] = value.to(device)
 
     # -- disk-resident shards read for a while ----------------------------------------------
