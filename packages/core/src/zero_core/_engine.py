@@ -521,10 +521,11 @@ class Engine:
         skipped = self.scaler is not None and self.scaler.last_step_skipped
         if not skipped and self._refresh_after_step:
             with torch.profiler.record_function("ZeRO::publish_parameters"):
-                pending = [p for g in self._refresh_after_step for p in g.publish_parameters(self.comm)]
-                for p in pending:
-                    if p is not None:
-                        p.wait()
+                # one group at a time: each all-gather's receive buffer is free again before the next one takes it
+                for group in self._refresh_after_step:
+                    for pending in group.publish_parameters(self.comm):
+                        if pending is not None:
+                            pending.wait()
         self.placement.after_step(self.chunks)
         self.step_count += 1
         finished = self.comm.stats.end_step()

@@ -202,6 +202,8 @@ def padded_shard_size(params: Sequence[tuple[str, nn.Parameter]] | Sequence[torc
         for d in shape[1:]:
             row *= d
         total += -(-shape[0] // world_size) * row
+    if len(params) == 1:  # one parameter: its piece is the shard (see Chunk.__init__)
+        return total
     return max(size // world_size, total)
 
 
@@ -308,7 +310,9 @@ class Chunk:
         self.world_size = world_size
         self.rank = rank
         self.slots, pieces_numel = layout_slots([(p.name, p.param) for p in spec.params], world_size)
-        self.shard_size = max(spec.size // world_size, pieces_numel)
+        # A chunk of one parameter needs no padding beyond its piece: then its full buffer and the ranks' shards
+        # side by side are the same layout, and it gathers and reduces in place (no copy-out, no copy-in).
+        self.shard_size = pieces_numel if len(self.slots) == 1 else max(spec.size // world_size, pieces_numel)
         self.size = self.shard_size * world_size
         self.device = device
         self.stage = stage
@@ -327,6 +331,8 @@ class Chunk:
         tail = self.shard_size - pieces_numel
         self._split = [s.piece for s in self.slots] + ([tail] if tail else [])
         self._has_replicated = any(s.replicated for s in self.slots)
+        # One column: parameter-major and rank-major coincide (see the shard size above).
+        self._direct = len(self._split) == 1
         # Stages 1 and 2 keep the full buffer for the whole run, and so does a single rank; at stage 3 a
         # placement policy may keep some chunks gathered too (zero-offload's shard_param_frac).
         self.persistent = stage < 3 or world_size == 1 or keep_gathered
@@ -397,7 +403,10 @@ class Chunk:
     def copy_out(self, rank_major: torch.Tensor) -> None:
         """Fill the full buffer from a ``(world_size, shard_size)`` view of the ranks' shards (an all-gather's output)."""
         with torch.no_grad():
-            torch.split_with_sizes_copy(rank_major, self._split, dim=1, out=self._regions(self.full))
+            if self._direct:
+                self.full.view(self.world_size, self.shard_size).copy_(rank_major)
+            else:
+                torch.split_with_sizes_copy(rank_major, self._split, dim=1, out=self._regions(self.full))
 
     def copy_in(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """Lay a parameter-major buffer (gradients) out rank-major into ``out`` (``size`` elements), casting to its dtype."""
@@ -547,9 +556,13 @@ class Chunk:
             return
         self._assert_state(ChunkState.SHARDED)
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
-        received = self.pool.take(self.size, self.dtype, self.device, zeroed=False)
-        pending = comm.all_gather(received, self._compute_shard(), async_op=async_op)
-        self._pending_gather = _CopyOut(self, pending, received)
+        if self._direct:  # the ranks' shards side by side are the full buffer
+            pending = comm.all_gather(self.full, self._compute_shard(), async_op=async_op)
+            self._pending_gather = _CopyOut(self, pending, None)
+        else:
+            received = self.pool.take(self.size, self.dtype, self.device, zeroed=False)
+            pending = comm.all_gather(received, self._compute_shard(), async_op=async_op)
+            self._pending_gather = _CopyOut(self, pending, received)
         self.state = ChunkState.GATHERING
         if not async_op:
             self.wait()
@@ -680,6 +693,9 @@ class Chunk:
         send = self.refresh_own_slice()
         if self.world_size == 1:
             return None
+        if self._direct:  # in place: this rank's slice of the full buffer is what it sends
+            own = self.full[self.rank * self.shard_size : (self.rank + 1) * self.shard_size]
+            return comm.all_gather(self.full, own, async_op=async_op)
         received = self.pool.take(self.size, self.dtype, self.device, zeroed=False)
         pending = comm.all_gather(received, send, async_op=async_op)
         copy = _CopyOut(self, pending, received)
@@ -755,19 +771,26 @@ class Chunk:
                 else:
                     self.pool.give(pooled)
             return _Reduction(self, None, send, None, divisor)
-        send = self.pool.take(self.size, self.reduce_dtype, self.device, zeroed=False)
-        self.copy_in(flat, send)  # rank-major, cast to the reduce dtype: the parameter-major buffer is free again
-        if pooled is not None:
-            self.pool.give(pooled)
+        if self._direct and flat.dtype == self.reduce_dtype:  # the gradient buffer is already rank-major: send it
+            send = flat
+        else:
+            send = self.pool.take(self.size, self.reduce_dtype, self.device, zeroed=False)
+            self.copy_in(flat, send)  # rank-major, cast to the reduce dtype: the parameter-major buffer is free again
+            if pooled is not None:
+                self.pool.give(pooled)
+        if send is self.grad_full:  # stage 1's kept buffer is never pooled
+            pooled_send = None
+        else:
+            pooled_send = send
         if self.predivide != 1.0:
             send.div_(self.predivide)  # send is consumed by this reduction: dividing in place is safe
             divisor /= self.predivide
         reduced = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
         pending = comm.reduce_scatter(reduced, send, async_op=True)
-        if getattr(pending, "input_released", False):
-            self.pool.give(send)  # a bucketing backend copied it: reuse it for the next gradient now
-            send = None
-        return _Reduction(self, pending, reduced, send, divisor)
+        if pooled_send is not None and getattr(pending, "input_released", False):
+            self.pool.give(pooled_send)  # a bucketing backend copied it: reuse it for the next gradient now
+            pooled_send = None
+        return _Reduction(self, pending, reduced, pooled_send, divisor)
 
     def _grad_pieces(self, reduced: torch.Tensor) -> list[torch.Tensor]:
         """The reduced shard (master dtype, where gradients go) as one piece per slot; stage 1 keeps
@@ -842,15 +865,15 @@ def _repoint(param: nn.Parameter, local: torch.Tensor) -> None:
 class _CopyOut:
     """An all-gather of shards in flight; ``wait()`` (idempotent) copies them out into the chunk's full buffer."""
 
-    def __init__(self, chunk: Chunk, pending: Pending | None, received: torch.Tensor) -> None:
+    def __init__(self, chunk: Chunk, pending: Pending | None, received: torch.Tensor | None) -> None:
         self._chunk, self._pending, self._received = chunk, pending, received
 
     def wait(self) -> None:
-        if self._received is None:
-            return
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
+        if self._received is None:  # gathered in place (a one-parameter chunk), or already copied out
+            return
         chunk, received, self._received = self._chunk, self._received, None
         chunk.copy_out(received.view(chunk.world_size, chunk.shard_size))
         chunk.pool.give(received)
