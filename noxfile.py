@@ -1,5 +1,5 @@
 """Sessions: ``nox -s tests`` (the test suite), ``nox -s demo`` (2-rank GPT training),
-``nox -s docs`` (strict docs build), ``nox -s bench`` (every strategy and policy against DDP and FSDP2),
+``nox -s docs`` (strict docs build), ``nox -s soak`` (long fuzz and soak runs), ``nox -s bench`` (every strategy and policy against DDP and FSDP2),
 ``nox -s microbench`` (pytest-benchmark micro-benchmarks of the collectives on 2 gloo ranks;
 pass pytest-benchmark options after ``--``, e.g. ``--benchmark-compare``)."""
 
@@ -26,6 +26,15 @@ def tests(session: nox.Session) -> None:
     """Unit tests of every package plus the cross-package parity, counting and demo tests."""
     install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "rich>=13", "transformers>=5.24,<5.25")
     session.run("pytest", *session.posargs)
+
+
+@nox.session(default=False)
+def soak(session: nox.Session) -> None:
+    """The long runs of the robustness tests: the random user-action driver with more seeds and longer
+    sequences, and the 1,000-step heap and hook soak at every stage (``ZERO_SOAK=1``)."""
+    install_zero(session, "pytest>=8", "pytest-timeout>=2.3")
+    session.run("pytest", "tests/test_fuzz.py", "tests/test_robust.py::test_long_run_keeps_heap_and_hooks_flat",
+                "-p", "no:cacheprovider", *session.posargs, env={"ZERO_SOAK": "1"})
 
 
 @nox.session

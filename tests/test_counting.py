@@ -38,6 +38,12 @@ def padding_on_rank(chunk, rank, world):
     return chunk["size"] // world - chunk["real"][rank]
 
 
+# See [Note: lockstep rounds]: one flag all-reduce of a 12-byte tag and its complement per communicating phase.
+LOCKSTEP_BYTES = 2 * 12
+LOCKSTEP_ROUNDS_STAGES_1_2 = 2  # the backward, the optimizer step
+LOCKSTEP_ROUNDS_STAGE_3 = 3  # and the forward, which gathers
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_one_rank_sends_nothing(strategy):
     result = run_distributed(train_sharded, 1, "gpt", steps=2, config=gpt_config(strategy))[0]
@@ -61,9 +67,10 @@ def test_zero3_collectives_and_bytes_per_step(strategy, world):
             data = step["all_gather"]["bytes_sent"] + step["reduce_scatter"]["bytes_sent"]
             assert data == (world - 1) * padded * (2 * 4 + 4) // world  # the ZeRO-3 formula plus padding
             # agreement rounds: at most one per gather plus a drain per pass and one gradient-presence
-            # exchange (prefetched chunks need none); the same on every rank and every step
+            # exchange (prefetched chunks need none), and three lockstep rounds (forward, backward, step);
+            # the same on every rank and every step
             assert step["control"] == results[0].step_stats[0]["control"]
-            assert step["control"]["calls"] <= 2 * n_groups + 3
+            assert step["control"]["calls"] <= 2 * n_groups + 3 + LOCKSTEP_ROUNDS_STAGE_3
             assert set(step) == {"all_gather", "reduce_scatter", "control"}
 
 
@@ -122,7 +129,11 @@ def test_stages_1_and_2_send_what_ddp_sends(strategy, stage, world, precision):
             assert step["reduce_scatter"] == {"calls": n_chunks, "bytes_sent": (world - 1) * padded * b_g // world}
             # the only all-gathers: updated parameters after the step; nothing is gathered in forward or backward
             assert step["all_gather"] == {"calls": n_groups, "bytes_sent": (world - 1) * padded * b_p // world}
-            assert step["control"]["calls"] == 1  # which parameters got gradients; no gather agreement
+            # which parameters got gradients, and the lockstep rounds of the backward and the step; no gather agreement
+            assert step["control"]["calls"] == 1 + LOCKSTEP_ROUNDS_STAGES_1_2
+            assert step["control"]["bytes_sent"] == (
+                ring_bytes_sent(CollectiveKind.ALL_REDUCE, sum(c["params"] for c in chunks), world)
+                + LOCKSTEP_ROUNDS_STAGES_1_2 * ring_bytes_sent(CollectiveKind.ALL_REDUCE, LOCKSTEP_BYTES, world))
             if precision == "fp32":  # the same volume as DDP's one ring all-reduce of fp32 gradients
                 ddp = ring_bytes_sent(CollectiveKind.ALL_REDUCE, padded * 4, world)
                 assert step["reduce_scatter"]["bytes_sent"] + step["all_gather"]["bytes_sent"] == ddp

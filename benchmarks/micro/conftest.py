@@ -137,7 +137,7 @@ class Scenario:
 
     def rounds(self) -> list[dict[str, dict[str, int]]]:
         """The counters of every round (the first record is what came before the first round)."""
-        return [self.comm.stats.summary(step) for step in self.comm.stats.steps[1:]]
+        return [self.comm.stats.summary(step) for step in list(self.comm.stats.steps)[1:]]
 
     def info(self) -> dict[str, Any]:
         return {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -185,6 +186,18 @@ class TorchCommBackend(CommBackend):
             return [obj]
         # Objects are small setup metadata; count the call, not the pickled bytes.
         self.stats.record(CollectiveKind.OBJECT, 0)
-        out: list[Any] = [None] * self._world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        # torch's all_gather_object waits with the process group's default timeout (30 minutes), not ours: the
+        # pickled bytes travel as two tensor all-gathers (lengths, then the padded bytes), each waited on here.
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self._control_device)
+        lengths = torch.empty(self._world, dtype=torch.int64, device=self._control_device)
+        what = f"object all-gather (setup or checkpoint metadata, {data.numel()} bytes)"
+        work = dist.all_gather_single(lengths, torch.tensor([data.numel()], device=self._control_device),
+                                      group=self.group, async_op=True)
+        self._wait(work, what)
+        width = int(lengths.max().item())
+        padded = torch.zeros(width, dtype=torch.uint8, device=self._control_device)
+        padded[: data.numel()] = data
+        out = torch.empty(width * self._world, dtype=torch.uint8, device=self._control_device)
+        self._wait(dist.all_gather_single(out, padded, group=self.group, async_op=True), what)
+        rows = out.view(self._world, width).cpu()
+        return [pickle.loads(rows[r, : int(n)].numpy().tobytes()) for r, n in enumerate(lengths.tolist())]

@@ -25,6 +25,7 @@ from zero_core.errors import (
     GradientLostError,
     PluginNotFoundError,
     RanksDisagreeError,
+    RanksOutOfStepError,
     ZeroError,
     ZeroSetupError,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "PluginNotFoundError",
     "Precision",
     "RanksDisagreeError",
+    "RanksOutOfStepError",
     "Registry",
     "ShardPlan",
     "ShardStrategy",

@@ -1,5 +1,7 @@
 """Marks the engine's own work, so a memory tracer can tell model data from activations.
 
+It also runs that work outside ``torch.inference_mode()`` (see :func:`engine_work`).
+
 Everything the engine allocates (gathered buffers, gradient buffers, collective copies,
 optimizer states) is model data that placement policies account exactly; everything
 else a step allocates (activations, temporaries of the user's compute) is non-model
@@ -13,6 +15,8 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
+
+import torch
 
 __all__ = ["engine_work", "engine_work_context", "in_engine_work"]
 
@@ -35,6 +39,11 @@ def engine_work(method: F) -> F:
         global _depth
         _depth += 1
         try:
+            if torch.is_inference_mode_enabled():
+                # Buffers made inside inference_mode are inference tensors, which training may never update in
+                # place: a gathered buffer or a shard moved during an evaluation must be an ordinary tensor.
+                with torch.inference_mode(False), torch.no_grad():
+                    return method(*args, **kwargs)
             return method(*args, **kwargs)
         finally:
             _depth -= 1

@@ -20,12 +20,28 @@ those have been accumulated, and is reduced when it is ready and every chunk bef
 it in the order has been reduced. When the backward ends, the remaining chunks are
 reduced in order, with zeros for gradients that never came. No chunk ever waits for
 a gradient that cannot arrive.
+
+[Note: step transactions]
+Every way out of forward, backward and step must leave an engine that can save a
+checkpoint, evaluate, or train on as plain PyTorch would. A forward that raises is undone
+at once (``abort_forward``). A forward whose backward never comes needs nothing: which
+parameters its graph reaches is kept until the next optimizer step, so a later backward
+through it (or a second backward through a retained graph) reduces correctly, each
+backward adding its mean gradient. A backward that raises is the hard case: the autograd
+engine drops the queued end-of-backward callback, and nothing tells the engine. So every
+entry point (the next forward, ``optimizer.step()``, ``zero_grad()``, each collective
+verb) first *settles*: if the state is still BACKWARD while no backward runs on this
+thread, the reductions issued are completed, their results and every gradient of that
+backward dropped, and the chunks released (``_abort_backward``). Until then the modules
+hold the sharded parameters with the optimizer's gradients untouched, because a backward
+never registers the full parameters (only a recomputation does).
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,9 +55,11 @@ from zero_core._accounting import engine_work
 from zero_core._accounting import engine_work_context as _engine_work
 from zero_core._devices import by_device
 from zero_core._group import GatherGroup, build_groups
+from zero_core._lockstep import Lockstep
+from zero_core._released import ReleasedParameter
 from zero_core._scaler import LossScaler
 from zero_core._schedule import GatherScheduler
-from zero_core._state import TrainingState
+from zero_core._state import ChunkState, TrainingState
 from zero_core._waiter import ReductionWaiter
 from zero_core.chunk import Chunk, to_local
 from zero_core.errors import GradientLostError, ZeroError
@@ -59,6 +77,11 @@ __all__ = ["Engine"]
 def _tensors(obj: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(obj)
     return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread now."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _reachable_params(outputs: Sequence[torch.Tensor]) -> set[int]:
@@ -82,6 +105,28 @@ def _reachable_params(outputs: Sequence[torch.Tensor]) -> set[int]:
             found.add(id(variable))
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return found
+
+
+class _ZeroGradHook:
+    """Runs ``before()`` ahead of every ``optimizer.zero_grad()`` (torch's optimizers have no hook for it).
+
+    The instance attribute shadows the class's method; ``remove()`` takes it away again."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, before: Any) -> None:
+        self._optimizer = optimizer
+        original = optimizer.zero_grad
+
+        @functools.wraps(original)
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            before()
+            return original(*args, **kwargs)
+
+        self._installed = zero_grad
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if self._optimizer.__dict__.get("zero_grad") is self._installed:
+            del self._optimizer.__dict__["zero_grad"]
 
 
 class Engine:
@@ -126,6 +171,15 @@ class Engine:
             for pname, p in m._parameters.items():
                 if p is not None and id(p) in self._chunk_of:
                     self._registrations.append((m, pname, self._chunk_of[id(p)], self._slot_of[id(p)]))
+        self._by_chunk: dict[int, list[tuple[nn.Module, str, int]]] = {}
+        for m, pname, chunk, i in self._registrations:
+            self._by_chunk.setdefault(chunk.index, []).append((m, pname, i))
+        # What the modules hold, inside forward and backward, for parameters of chunks not gathered.
+        # See [Note: parameters used outside their module].
+        self._stand_ins = {(c.index, i): ReleasedParameter(self, c, i) for c in chunks if not c.persistent
+                           for i in range(len(c.slots))}
+        # Chunks whose parameters a forward with a graph read outside their modules: gathered when backward begins.
+        self._exposed: set[int] = set()
         # Chunks reduced in this order on every rank. See [Note: gradient reduction order]. Recomputed when a
         # step's first forward begins, since parameters may be frozen or unfrozen between steps.
         self._reduce_order: list[Chunk] = [c for c in reversed(chunks) if c.requires_grad]
@@ -140,6 +194,13 @@ class Engine:
         self._grad_hooked: set[int] = set()
         # Stages 1 and 2 never gather during a pass, so they need no agreement rounds either.
         sharded_params = any(not c.persistent for c in chunks)
+        self._forward_gathers = sharded_params
+        # Every communicating phase begins with a round that checks the ranks are in the same one.
+        self._lockstep = Lockstep(comm, enabled=not config.static_graph)
+        # Forwards that built a graph since the last backward: ranks must agree on it when a backward begins,
+        # which catches a rank that skipped a backward even where forwards do not communicate (stages 1, 2).
+        self._graph_forwards = 0
+        self._window_open = False
         pool = chunks[0].pool if chunks else None
         self.groups: list[GatherGroup] = build_groups(chunks, gather_groups, pool) if pool is not None else []
         self._scheduler = GatherScheduler(self.groups, comm, placement, agree=not config.static_graph and sharded_params)
@@ -157,8 +218,11 @@ class Engine:
         self.state = TrainingState.IDLE
         # Modules that ran in the current forward, per chunk index.
         self._ran: dict[int, set[int]] = {}
-        # Parameters still expected to get a gradient in the pending backward, per chunk index.
+        # Parameters a gradient may reach from the graphs the forwards since the last optimizer step built, per
+        # chunk index. Kept until the step, so a second backward through a graph knows them too.
         self._expected: dict[int, set[int]] = {}
+        # Of those, the ones the running backward still waits for.
+        self._waiting: dict[int, set[int]] = {}
         self._ready: dict[int, bool] = {}
         self._reduced: set[int] = set()
         self._next_reduce = 0
@@ -194,6 +258,7 @@ class Engine:
                 self._hook_gradient(slot.param)
         self._handles.append(self.optimizer.register_step_pre_hook(self._before_step))
         self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+        self._handles.append(_ZeroGradHook(self.optimizer, self.discard_accumulation))
 
     def _hook_gradient(self, param: torch.Tensor) -> None:
         """Watch ``param``'s gradient accumulation; a frozen one is watched once it is unfrozen."""
@@ -217,11 +282,14 @@ class Engine:
         self.reduce_comm.close()
 
     # -- which parameters the modules hold ----------------------------------------------
-    def use_unsharded(self) -> None:
+    def use_unsharded(self, *, stand_ins: bool = True) -> None:
         """Register the unsharded parameters in the modules (forward and backward run on them).
 
         Each takes its sharded parameter's ``requires_grad``, so freezing or unfreezing
-        through ``model.parameters()`` between steps applies to the next forward."""
+        through ``model.parameters()`` between steps applies to the next forward.
+
+        ``stand_ins=False`` registers every unsharded parameter whatever its chunk holds
+        (``gathered_parameters`` points them at full copies of its own)."""
         if self._unsharded:
             return
         for chunk in self.chunks:
@@ -231,8 +299,41 @@ class Engine:
                     unsharded.requires_grad_(seg.param.requires_grad)
                     self._hook_gradient(unsharded)
         for m, name, chunk, i in self._registrations:
-            m._parameters[name] = chunk.slots[i].param
+            real = chunk.is_gathered or not stand_ins
+            m._parameters[name] = chunk.slots[i].param if real else self._stand_ins[(chunk.index, i)]
         self._unsharded = True
+
+    def _show(self, chunks: Sequence[Chunk]) -> None:
+        """Inside forward and backward: register each chunk's real parameters if it is gathered, else stand-ins."""
+        if not self._unsharded:
+            return
+        for chunk in chunks:
+            gathered = chunk.is_gathered
+            for m, name, i in self._by_chunk.get(chunk.index, ()):
+                m._parameters[name] = chunk.slots[i].param if gathered else self._stand_ins[(chunk.index, i)]
+
+    @engine_work
+    def gather_on_demand(self, chunk: Chunk, slot: int) -> nn.Parameter:
+        """A stand-in's values were read: gather its chunk now. See [Note: parameters used outside their module]."""
+        name = chunk.slots[slot].name
+        if not self._unsharded or self.state not in (TrainingState.FORWARD, TrainingState.BACKWARD):
+            raise ZeroError(
+                f"parameter {name!r} was read from a reference kept from inside a forward or backward, where it "
+                "stood for a parameter that was not gathered; read model parameters again between steps "
+                "(they are then the sharded parameters), or inside model.gathered_parameters()"
+            )
+        if chunk.index in self._reduced and self.state is TrainingState.BACKWARD:
+            raise GradientLostError(
+                f"parameter {name!r} was read in backward after its chunk {chunk.index} was reduced; its gradient "
+                "would be lost. Read it inside the forward of the module that owns it"
+            )
+        if not chunk.is_gathered:
+            self._gather([chunk])
+        if self.state is TrainingState.BACKWARD:
+            chunk.prepare_gradients()
+        elif torch.is_grad_enabled():
+            self._exposed.add(chunk.index)
+        return chunk.slots[slot].param
 
     def use_sharded(self) -> None:
         """Register the sharded parameters in the modules: what the user and the optimizer see between steps."""
@@ -252,6 +353,7 @@ class Engine:
         self.placement.before_compute(chunks, backward=self.state is TrainingState.BACKWARD)
         with torch.profiler.record_function("ZeRO::all_gather"):
             self._scheduler.gather(chunks)
+        self._show(chunks)
 
     @engine_work
     def _release(self, chunks: Sequence[Chunk]) -> None:
@@ -260,15 +362,17 @@ class Engine:
             chunk.release()
         if done:
             self.placement.after_release(done)
+            self._show(done)
 
     # -- forward -------------------------------------------------------------------
     def pre_forward_root(self) -> None:
         """The wrapped model's forward begins."""
-        if self.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
+        if self.state is TrainingState.FORWARD or (self.state is TrainingState.BACKWARD and _in_backward()):
             raise ZeroError(
                 f"the wrapped model was called while the engine is in {self.state.value}; "
                 "do not call the model from inside its own forward or from a backward hook"
             )
+        self.settle()
         if self._gathered_context:
             raise ZeroError(
                 "the model was called inside model.gathered_parameters(): the modules hold the context's full "
@@ -277,6 +381,8 @@ class Engine:
         if self.state is TrainingState.IDLE and not any(c.has_unreduced_gradients for c in self.chunks):
             # a step's first forward (no no_sync() accumulation open): parameters may have been (un)frozen since
             self._reduce_order = [c for c in reversed(self.chunks) if c.requires_grad]
+        if self._forward_gathers:
+            self._lockstep.begin("forward", self.step_count)
         self.use_unsharded()
         self._set_state(TrainingState.FORWARD)
         self._ran = {}
@@ -284,43 +390,111 @@ class Engine:
 
     def post_forward_root(self, outputs: Any) -> None:
         """The wrapped model's forward returned ``outputs``."""
-        self._scheduler.drain()
-        self._release(self.chunks)
-        tensors = [t for t in _tensors(outputs) if t.requires_grad and t.grad_fn is not None]
-        if torch.is_grad_enabled() and tensors and self._reduce_order:
-            try:
+        try:
+            self._scheduler.drain()
+            self._release(self.chunks)
+            tensors = [t for t in _tensors(outputs) if t.requires_grad and t.grad_fn is not None]
+            graph = torch.is_grad_enabled() and bool(tensors) and bool(self._reduce_order)
+            if graph:
                 reachable = _reachable_params(tensors)
-            except GradientLostError:
-                self.abort_forward()
-                raise
-            for chunk in self._reduce_order:
-                ids = {id(s.param) for s in chunk.slots if id(s.param) in reachable}
-                self._expected.setdefault(chunk.index, set()).update(ids)
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._enter_backward, mode="any")
-            self._set_state(TrainingState.BACKWARD_PENDING)
-        else:
-            self._set_state(TrainingState.BACKWARD_PENDING if self._expected else TrainingState.IDLE)
+                for chunk in self._reduce_order:
+                    ids = {id(s.param) for s in chunk.slots if id(s.param) in reachable}
+                    self._expected.setdefault(chunk.index, set()).update(ids)
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._enter_backward, mode="any")
+                self._graph_forwards += 1
+        except BaseException:
+            self.abort_forward()
+            raise
+        self._set_state(TrainingState.BACKWARD_PENDING if graph else TrainingState.IDLE)
         self.use_sharded()
 
     def abort_forward(self) -> None:
-        """The wrapped model's forward raised: free what it gathered so the next step starts clean."""
+        """The wrapped model's forward raised: free what it gathered so the next step starts clean.
+
+        Gathers in flight are completed first (every rank issued them), never left to write later."""
+        for chunk in self.chunks:
+            if chunk.state is ChunkState.GATHERING:
+                chunk.wait()
         self._release(self.chunks)
-        self._set_state(TrainingState.BACKWARD_PENDING if self._expected else TrainingState.IDLE)
+        self._set_state(TrainingState.IDLE)
         self.use_sharded()
 
-    def _pre_forward(self, chunks: tuple[Chunk, ...], module: nn.Module, args: Any) -> None:
-        if self.state is TrainingState.IDLE:
-            raise ZeroError(
-                f"{type(module).__name__} ran outside the wrapped model's forward, but its parameters are sharded; "
-                "call the model returned by zero_core.shard, not one of its submodules"
-            )
+    def settle(self) -> None:
+        """Bring the engine back to IDLE from wherever an earlier exit left it. See [Note: step transactions].
+
+        A backward that raised (autograd then drops the queued end-of-backward callback) is
+        undone; a forward whose backward never came (a validation forward with gradients
+        enabled) needs nothing: its graph may still be backwarded later.
+        """
+        if self.state is TrainingState.BACKWARD and not _in_backward():
+            self._abort_backward()
         if self.state is TrainingState.BACKWARD_PENDING:
+            self._set_state(TrainingState.IDLE)
+
+    def _abort_backward(self) -> None:
+        """A backward raised: complete the collectives it started, then drop everything it produced.
+
+        Reductions are completed (every rank that got as far issued them) and their results
+        discarded, so the failed backward contributes nothing; gradients accumulated before
+        it in a ``no_sync()`` window share its buffers and are discarded with it (warned).
+        """
+        accumulating = self._window_open
+        error: BaseException | None = None
+        try:
+            for chunk in self.chunks:
+                if chunk.state is ChunkState.GATHERING:
+                    chunk.wait()
+            self.reduce_comm.flush()
+            self._waiter.join()
+        except BaseException as err:  # noqa: BLE001 - the state is reset first, then this is raised
+            error = err
+        finally:
+            for chunk in self.chunks:
+                chunk.discard_gradients()
+            self._release(self.chunks)
+            self._waiting, self._ready = {}, {}
+            self._callback_queued = False
+            self._set_state(TrainingState.IDLE)
+            self.use_sharded()
+        if accumulating:
+            warnings.warn(
+                "a backward raised inside a no_sync() accumulation: the gradients accumulated in that window were "
+                "discarded along with the failed backward's; start the accumulation again", stacklevel=3)
+        if error is not None:
+            raise ZeroError(
+                f"a backward raised earlier, and completing the collectives it had started failed: {error}. The "
+                "ranks probably failed at different points of that backward; restart from the last checkpoint"
+            ) from error
+
+    def discard_accumulation(self) -> None:
+        """``zero_grad()``: gradients a ``no_sync()`` window accumulated and never reduced are dropped, as in DDP."""
+        if self.state is TrainingState.BACKWARD and _in_backward():
+            raise ZeroError("zero_grad() was called during backward; call it before the forward or after the step")
+        self.settle()
+        for chunk in self.chunks:
+            if chunk.has_unreduced_gradients:
+                chunk.discard_gradients()
+
+    def _pre_forward(self, chunks: tuple[Chunk, ...], module: nn.Module, args: Any) -> None:
+        if self.state in (TrainingState.IDLE, TrainingState.BACKWARD_PENDING):
+            if not _in_backward():
+                raise ZeroError(
+                    f"{type(module).__name__} ran outside the wrapped model's forward, but its parameters are "
+                    "sharded; call the model returned by zero_core.shard, not one of its submodules"
+                )
             self._enter_backward()  # activation checkpointing recomputes before any other backward hook
+        if self.state is TrainingState.BACKWARD:
+            self.use_unsharded()  # a recomputation reads the modules' parameters
         self._gather(chunks)
 
     def _post_forward(self, chunks: tuple[Chunk, ...], module_id: int, module: nn.Module, args: Any, outputs: Any) -> None:
         if self.state is not TrainingState.FORWARD:
             return  # recomputation under activation checkpointing: keep gathered for the backward
+        returned = {self._chunk_of[id(t)].index for t in _tensors(outputs) if id(t) in self._chunk_of}
+        if returned:  # a module returned one of its parameters: its caller reads it after this hook
+            if torch.is_grad_enabled():
+                self._exposed.update(returned)
+            chunks = tuple(c for c in chunks if c.index not in returned)
         for chunk in chunks:
             ran = self._ran.setdefault(chunk.index, set())
             ran.add(module_id)
@@ -328,7 +502,9 @@ class Engine:
                 self._ran[chunk.index] = set()
                 self._release([chunk])
         if torch.is_grad_enabled():
-            tensors = [t for t in _tensors(outputs) if t.requires_grad]
+            # Not on leaves (a module that returns one of its parameters): a hook on a leaf stays for good,
+            # one more every step.
+            tensors = [t for t in _tensors(outputs) if t.requires_grad and t.grad_fn is not None]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, functools.partial(self._pre_backward, chunks), mode="any"
@@ -338,12 +514,23 @@ class Engine:
     def _enter_backward(self, *_: Any) -> None:
         if self.state is TrainingState.BACKWARD:
             return
-        self.use_unsharded()  # recomputation under activation checkpointing reads the modules' parameters
+        forwards, self._graph_forwards = self._graph_forwards, 0
+        # a no_sync() window's gradients share this backward's buffers: a failure here loses them too
+        self._window_open = any(c.has_unreduced_gradients for c in self._reduce_order)
+        self._lockstep.begin(f"backward after {forwards} forward(s) with gradients", self.step_count)
+        # The modules keep the sharded parameters in backward (autograd reads the unsharded ones it saved), so a
+        # backward that raises leaves them as they are between steps; only a recomputation swaps (_pre_forward).
         self._set_state(TrainingState.BACKWARD)
-        self._ready = {c.index: not self._expected.get(c.index) for c in self._reduce_order}
+        self._waiting = {index: set(ids) for index, ids in self._expected.items()}
+        self._ready = {c.index: not self._waiting.get(c.index) for c in self._reduce_order}
         self._reduced = set()
         self._next_reduce = 0
         self._scheduler.begin_pass(reverse=True)
+        exposed = [c for c in self.chunks if c.index in self._exposed and not c.persistent]
+        if exposed:  # see [Note: parameters used outside their module]
+            self._gather(exposed)
+            for chunk in exposed:
+                chunk.prepare_gradients()
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -367,10 +554,10 @@ class Engine:
                 "parameter's gradient does not flow through the wrapped model's outputs."
             )
         chunk.got_grad[self._slot_of[id(param)]] = True
-        expected = self._expected.get(chunk.index)
-        if expected is not None:
-            expected.discard(id(param))
-            if not expected:
+        waiting = self._waiting.get(chunk.index)
+        if waiting is not None:
+            waiting.discard(id(param))
+            if not waiting:
                 self._ready[chunk.index] = True
         if self.sync_gradients:
             self._reduce_ready()
@@ -417,7 +604,7 @@ class Engine:
                 self._publish_gradients()
             self._release(self.chunks)
         finally:
-            self._expected = {}
+            self._waiting = {}
             self._ready = {}
             self._callback_queued = False
             self._set_state(TrainingState.IDLE)
@@ -428,8 +615,9 @@ class Engine:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._in_substep:
             return
-        if self.state is TrainingState.BACKWARD:
+        if self.state is TrainingState.BACKWARD and _in_backward():
             raise ZeroError("optimizer.step() was called during backward; call it after loss.backward() returns")
+        self.settle()
         if not self.sync_gradients:
             raise ZeroError(
                 "optimizer.step() was called inside model.no_sync(): this backward's gradients were not reduced. "
@@ -440,6 +628,7 @@ class Engine:
                 "optimizer.step() after a backward inside model.no_sync(): the accumulated gradients were never "
                 "reduced. Run the last micro-batch's forward and backward outside no_sync(), then step"
             )
+        self._lockstep.begin("optimizer.step()", self.step_count)
         if self.scaler is not None:
             self._check_overflow()
         self.placement.before_step(self.chunks)
@@ -527,6 +716,8 @@ class Engine:
                         if pending is not None:
                             pending.wait()
         self.placement.after_step(self.chunks)
+        self._expected = {}  # graphs built before the step cannot be backwarded after it
+        self._exposed = set()
         self.step_count += 1
         finished = self.comm.stats.end_step()
         self.hook.zero_after_step(engine=self, stats=self.comm.stats.summary(finished))
@@ -574,11 +765,15 @@ class Engine:
         report["grads"] = sum(grad_storages.values())
         return report
 
-    def require_idle(self, what: str) -> None:
-        if self.state is not TrainingState.IDLE:
-            raise ZeroError(f"{what} needs an idle engine (between steps), but it is in {self.state.value}")
+    def require_idle(self, what: str, *, collective: bool = True) -> None:
+        """Settle the engine for ``what`` between steps; a collective verb begins with a lockstep round."""
         if self._closed:
             raise ZeroError(f"{what} was called after model.close(); the engine no longer holds the model")
+        if self.state is TrainingState.FORWARD or (self.state is TrainingState.BACKWARD and _in_backward()):
+            raise ZeroError(f"{what} needs an idle engine (between steps), but it is in {self.state.value}")
+        self.settle()
+        if collective:
+            self._lockstep.begin(what, self.step_count)
 
     @torch.no_grad()
     def iter_full_chunks(self) -> Iterator[tuple[Chunk, torch.Tensor]]:

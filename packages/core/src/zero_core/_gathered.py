@@ -29,7 +29,7 @@ def gathered_parameters(engine: Engine, *, writable: bool = False) -> Iterator[N
             for slot, seg in zip(chunk.slots, chunk.segments):
                 slot.param.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 slot.param.requires_grad_(seg.param.requires_grad)
-    engine.use_unsharded()
+    engine.use_unsharded(stand_ins=False)
     engine._gathered_context = True
     try:
         yield

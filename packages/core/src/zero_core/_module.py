@@ -49,6 +49,11 @@ class ZeroModule:
         engine.post_forward_root(outputs)
         return outputs
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``; gradients a ``no_sync()`` window accumulated are discarded too, as with DDP."""
+        self._zero_engine.discard_accumulation()
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+
     @property
     def engine(self) -> Engine:
         """The runtime that drives this model's chunks."""

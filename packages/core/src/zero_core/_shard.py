@@ -231,13 +231,13 @@ def _check_reduce_group(reduce_group: Any, group: Any, comm: Any) -> Any:
 
 
 def _new_group_like(group: Any, comm: Any) -> Any:
-    """A second process group over the same ranks (collective: every rank calls it)."""
+    """A second process group over the same ranks (collective: every rank calls it), with zero's timeout."""
     if group is None or comm.world_size == 1:
         return group
     import torch.distributed as dist
 
     ranks = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks, backend=dist.get_backend(group))
+    return dist.new_group(ranks, backend=dist.get_backend(group), timeout=comm.timeout)
 
 
 def _data_parallel_mesh(group: Any, device: torch.device) -> Any:

@@ -73,6 +73,7 @@ def load_pre_hook(engine: Engine, module: nn.Module, state_dict: dict[str, Any],
     if prefix:  # only the root's own call converts; children see the converted values
         return
     _require_between_steps(engine, "load_state_dict")
+    engine.require_idle("load_state_dict")  # collective: it publishes the kept full buffers afterwards
     if local_metadata.get("assign_to_params_buffers", False):
         raise ZeroError(
             "model.load_state_dict(..., assign=True) would replace the sharded parameters the optimizer holds; "

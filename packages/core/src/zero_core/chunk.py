@@ -723,6 +723,17 @@ class Chunk:
             if slot.param.grad is None and slot.param.requires_grad:
                 slot.param.grad = self._grad_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
+    def discard_gradients(self) -> None:
+        """Drop every gradient not yet handed to the optimizer: the running backward's, a ``no_sync()`` window's,
+        a reduction's result. The sharded parameters' gradients stay as they are."""
+        flat, self._grad_flat = self._grad_flat, None
+        if flat is not None and flat is not self.grad_full:
+            self.pool.give(flat)
+        for slot in self.slots:
+            slot.param.grad = None
+        self.reduced_grad = None
+        self.got_grad = [False] * len(self.slots)
+
     def _take_grad_buffer(self) -> torch.Tensor:
         if self.stage != 1:
             return self.pool.take(self.size, self.dtype, self.device)

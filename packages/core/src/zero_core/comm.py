@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -66,13 +67,21 @@ class CollectiveCount:
 class CommStats:
     """Counters of one rank, split into setup and per-step records.
 
-    ``current`` accumulates until :meth:`end_step`; each finished step is appended
-    to ``steps``. What happened before the first step (``end_setup``) lands in ``setup``.
+    ``current`` accumulates until :meth:`end_step`; each finished step is appended to
+    ``steps``, which keeps the last ``window`` steps only (a long run must not grow
+    memory), while ``totals`` and ``step_count`` count every step ever finished,
+    exactly. What happened before the first step (``end_setup``) lands in ``setup``.
     """
 
+    window: int = 256
     current: dict[CollectiveKind, CollectiveCount] = field(default_factory=dict)
     setup: dict[CollectiveKind, CollectiveCount] = field(default_factory=dict)
-    steps: list[dict[CollectiveKind, CollectiveCount]] = field(default_factory=list)
+    steps: deque[dict[CollectiveKind, CollectiveCount]] = field(init=False)
+    totals: dict[CollectiveKind, CollectiveCount] = field(default_factory=dict)
+    step_count: int = 0
+
+    def __post_init__(self) -> None:
+        self.steps = deque(maxlen=self.window)
 
     def record(self, kind: CollectiveKind, bytes_sent: int) -> None:
         self.current.setdefault(kind, CollectiveCount()).add(bytes_sent)
@@ -83,6 +92,11 @@ class CommStats:
     def end_step(self) -> dict[CollectiveKind, CollectiveCount]:
         finished, self.current = self.current, {}
         self.steps.append(finished)
+        self.step_count += 1
+        for kind, count in finished.items():
+            total = self.totals.setdefault(kind, CollectiveCount())
+            total.calls += count.calls
+            total.bytes_sent += count.bytes_sent
         return finished
 
     @staticmethod

@@ -9,6 +9,7 @@ __all__ = [
     "GradientLostError",
     "PluginNotFoundError",
     "RanksDisagreeError",
+    "RanksOutOfStepError",
     "ZeroError",
     "ZeroSetupError",
 ]
@@ -35,6 +36,12 @@ class ZeroSetupError(ZeroError, ValueError):
 
 class RanksDisagreeError(ZeroError):
     """Ranks hold different models or configurations."""
+
+
+class RanksOutOfStepError(ZeroError):
+    """Ranks reached different collective phases (one skipped a backward, stepped or saved alone).
+
+    Raised on every rank, naming what each was doing. See [Note: lockstep rounds]."""
 
 
 class CollectiveTimeoutError(ZeroError, TimeoutError):

@@ -1,0 +1,234 @@
+"""A seeded random driver of user actions, checked against plain PyTorch after every action.
+
+Each rank runs the sharded model and, beside it, the plain model on the whole batch, and
+applies the same random sequence of actions to both: forward and backward, validation
+forwards (with gradients, under ``no_grad``, under ``inference_mode``), optimizer steps,
+both ``zero_grad``s with both ``set_to_none`` values, ``no_sync()`` micro-batches,
+gradient clipping, freezing and unfreezing a parameter, saving and loading a checkpoint,
+and an exception injected in forward or in backward. After every action every parameter
+must equal the plain model's (fp32, 1e-5 of each tensor's largest magnitude), and every
+loss the plain loss. A rule-based generator keeps the sequence meaningful (no
+checkpoint while gradients are pending, no clipping of a half-accumulated window); a
+step inside an open ``no_sync()`` window is generated on purpose and must raise.
+
+A sequence is a list of action names drawn up front from a seed, identical on every rank
+and in the failure message, so a failing seed replays exactly. ``nox -s soak``
+(``ZERO_SOAK=1``) runs more seeds and longer sequences.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import zero_core
+from zero_core import ChunkPolicy, ZeroConfig, ZeroError, shard
+from zero_core.testing import run_distributed
+
+SOAK = bool(os.environ.get("ZERO_SOAK"))
+ACTIONS_PER_RUN = 400 if SOAK else 90
+SEEDS = range(6) if SOAK else range(1)
+WORLD = 2
+BATCH = 8
+RTOL = 1e-5
+
+
+class Fuzzed(nn.Module):
+    """Layers, plus a parameter read outside its module (a stand-in at stage 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.mid = nn.Linear(8, 8)
+        self.query = nn.Embedding(2, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(torch.tanh(self.inp(x)))) + self.query.weight.mean(0)
+        return self.head(h)
+
+
+FREEZABLE = ("mid.weight", "query.weight", "head.bias")
+
+
+class Boom(Exception):
+    pass
+
+
+def generate(seed: int, n: int) -> list[str]:
+    """A random action sequence that a correct training loop could run (see the module docstring)."""
+    rng = random.Random(seed)
+    actions: list[str] = []
+    grads = False  # the optimizer's gradients are set (a backward outside no_sync since the last zero_grad)
+    window = False  # a no_sync() window holds accumulated, unreduced gradients
+    frozen: set[str] = set()
+    while len(actions) < n:
+        choices = ["forward_backward"] * 4 + ["no_sync_forward_backward"] * 2 + ["step"] * 3 + [
+            "zero_grad_optimizer_none", "zero_grad_optimizer_zeros", "zero_grad_model_none", "zero_grad_model_zeros",
+            "forward_only", "eval_no_grad", "eval_inference_mode", "raise_in_forward"]
+        if not window:
+            choices += ["raise_in_backward"]
+        if grads and not window:
+            choices += ["clip"]
+        if not grads and not window:
+            choices += ["freeze", "unfreeze", "save", "load"]
+        action = rng.choice(choices)
+        if action == "freeze":
+            options = [n for n in FREEZABLE if n not in frozen]
+            if not options:
+                continue
+            name = rng.choice(options)
+            frozen.add(name)
+            action = f"freeze:{name}"
+        elif action == "unfreeze":
+            if not frozen:
+                continue
+            name = rng.choice(sorted(frozen))
+            frozen.discard(name)
+            action = f"unfreeze:{name}"
+        elif action == "forward_backward":
+            grads, window = True, False
+        elif action == "no_sync_forward_backward":
+            window = True
+        elif action.startswith("zero_grad"):
+            grads = action.endswith("zeros") and grads  # zeroed gradients still count as present
+            window = False
+        actions.append(action)
+    return actions
+
+
+def _batch(i: int, world: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + i)
+    x, y = torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+    n = BATCH // world
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _mean(value: torch.Tensor, world: int) -> float:
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / world
+
+
+def _raise_in_backward(module, args, output):
+    def fail(grad):
+        raise Boom("injected in backward")
+    output.register_hook(fail)
+
+
+def _raise_in_forward(module, args, output):
+    raise Boom("injected in forward")
+
+
+def drive(actions: list[str], *, stage: int, strategy: str, directory: str) -> int:
+    """Apply ``actions`` to the sharded model and to the plain one; check after each. Returns the count applied."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(3)
+    plain = Fuzzed()
+    sharded = copy.deepcopy(plain)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    chunk = ChunkPolicy(chunk_size=64) if strategy == "chunk" else ChunkPolicy()
+    model, opt = shard(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9),
+                       config=ZeroConfig(stage=stage, strategy=strategy, chunk=chunk))
+    saved: tuple[dict, dict] | None = None
+    window = False  # a no_sync() window is open
+
+    def both_forward(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = _batch(i, world, rank)
+        xs, ys = _batch(i, 1, 0)
+        return F.cross_entropy(model(x), y), F.cross_entropy(plain(xs), ys)
+
+    for i, action in enumerate(actions):
+        where = f"action {i} ({action}) of {actions}"
+        name = action.split(":", 1)[1] if ":" in action else None
+        if action == "forward_backward":
+            loss, ref = both_forward(i)
+            loss.backward()
+            ref.backward()
+            window = False
+            assert abs(_mean(loss, world) - ref.item()) <= RTOL * max(abs(ref.item()), 1e-6), where
+        elif action == "no_sync_forward_backward":
+            with model.no_sync():
+                loss, ref = both_forward(i)
+                loss.backward()
+            ref.backward()
+            window = True
+        elif action == "step":
+            if window:
+                with pytest.raises(ZeroError, match="no_sync"):  # a clear error, and nothing changed
+                    opt.step()
+            else:
+                opt.step()
+                plain_opt.step()
+        elif action.startswith("zero_grad"):
+            set_to_none = action.endswith("none")
+            window = False
+            (opt if "optimizer" in action else model).zero_grad(set_to_none=set_to_none)
+            (plain_opt if "optimizer" in action else plain).zero_grad(set_to_none=set_to_none)
+        elif action == "forward_only":  # a validation forward with gradients enabled, never backwarded
+            loss, ref = both_forward(i)
+            assert abs(_mean(loss, world) - ref.item()) <= RTOL * max(abs(ref.item()), 1e-6), where
+        elif action in ("eval_no_grad", "eval_inference_mode"):
+            with torch.no_grad() if action == "eval_no_grad" else torch.inference_mode():
+                loss, ref = both_forward(i)
+            assert abs(_mean(loss, world) - ref.item()) <= RTOL * max(abs(ref.item()), 1e-6), where
+        elif action == "clip":
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            ref_total = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+            assert abs(_full(total).item() - ref_total.item()) <= 1e-4 * max(ref_total.item(), 1e-6), where
+        elif action.startswith("freeze") or action.startswith("unfreeze"):
+            flag = action.startswith("unfreeze")
+            model.get_parameter(name).requires_grad_(flag)
+            plain.get_parameter(name).requires_grad_(flag)
+        elif action == "save":
+            zero_core.save_checkpoint(model, opt, directory)
+            saved = (copy.deepcopy(plain.state_dict()), copy.deepcopy(plain_opt.state_dict()))
+        elif action == "load":
+            if saved is None:
+                continue
+            zero_core.load_checkpoint(model, opt, directory)
+            plain.load_state_dict(saved[0])
+            plain_opt.load_state_dict(saved[1])
+        elif action == "raise_in_forward":
+            handle = model.mid.register_forward_hook(_raise_in_forward)
+            with pytest.raises(Boom):
+                model(_batch(i, world, rank)[0])
+            handle.remove()
+        elif action == "raise_in_backward":  # the failed backward contributes nothing: plain skips it
+            handle = model.mid.register_forward_hook(_raise_in_backward)
+            loss, _ = both_forward(i)
+            handle.remove()
+            with pytest.raises(Boom):
+                loss.backward()
+        else:
+            raise AssertionError(f"unknown action {action!r}")
+        for pname, p in plain.named_parameters():
+            got, ref = _full(model.get_parameter(pname)), p.detach()
+            scale = max(ref.abs().max().item(), 1e-6)
+            assert (got - ref).abs().max().item() <= RTOL * scale, f"{pname} differs after {where}"
+    return len(actions)
+
+
+CONFIGS = [pytest.param(stage, strategy, id=f"{strategy}-stage{stage}")
+           for strategy, stage in [("chunk", 1), ("chunk", 2), ("chunk", 3), ("tensor", 3)]]
+
+
+@pytest.mark.parametrize(("stage", "strategy"), CONFIGS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_user_actions_match_plain_pytorch(stage, strategy, seed, tmp_path):
+    actions = generate(seed, ACTIONS_PER_RUN)
+    applied = run_distributed(drive, WORLD, actions, stage=stage, strategy=strategy, directory=str(tmp_path),
+                              timeout=600 if SOAK else 120)
+    assert applied == [len(actions)] * WORLD
