@@ -282,16 +282,20 @@ EVAL_CONFIGS = [
     pytest.param(dict(stage=stage, strategy=strategy, placement=placement), id=f"{strategy}-stage{stage}-{placement}")
     for strategy, stage, placement in [
         ("chunk", 2, "device"), ("chunk", 3, "device"), ("tensor", 3, "device"), ("tensor", 2, "device"),
-        ("chunk", 3, "host"), ("chunk", 3, "gemini"),
+        ("chunk", 1, "device"), ("chunk", 3, "host"), ("chunk", 3, "static"), ("chunk", 3, "gemini"),
     ]
 ]
-# A device budget of a few chunks: gemini moves shards between device and host around the evaluations.
-GEMINI_OPTIONS = {"device_budget_mb": 0.004}
+PLACEMENT_OPTIONS = {
+    # half the parameters kept gathered, the other half and the optimizer states offloaded
+    "static": {"shard_param_frac": 0.5, "offload_optim_frac": 1.0, "offload_param_frac": 0.5},
+    # a device budget of a few chunks: gemini moves shards between device and host around the evaluations
+    "gemini": {"device_budget_mb": 0.004},
+}
 
 
 @pytest.mark.parametrize("options", EVAL_CONFIGS)
 def test_evaluation_under_inference_mode_and_no_grad(options):
-    extra = {"placement_options": GEMINI_OPTIONS} if options["placement"] == "gemini" else {}
+    extra = {"placement_options": PLACEMENT_OPTIONS[options["placement"]]} if options["placement"] in PLACEMENT_OPTIONS else {}
     _check(_train_with_evaluation, _config(**options, **extra))
 
 
@@ -399,7 +403,7 @@ def _stalled_peer():
     model = _build()
     model, opt = shard(model, _sgd(model), config=_config(2, collective_timeout_s=2))
     if rank == 1:
-        time.sleep(8)  # a stalled peer: never joins
+        time.sleep(4)  # a stalled peer: never joins (rank 0 gives up after 2 s)
         return None
     start = time.monotonic()
     with pytest.raises(CollectiveTimeoutError) as info:

@@ -33,8 +33,9 @@ def clip_grad_norm_(model: ZeroModule, max_norm: float, norm_type: float = 2.0) 
     if not isinstance(model, ZeroModule):
         raise ZeroError(f"clip_grad_norm_ takes the model zero_core.shard returned, got {type(model).__name__}")
     engine = model.engine
-    if engine.state is TrainingState.BACKWARD:
+    if engine.state is TrainingState.BACKWARD and torch._C._current_graph_task_id() != -1:
         raise ZeroError("clip_grad_norm_ was called during backward; call it after loss.backward() returns")
+    engine.settle()  # a backward that raised earlier is undone first: it contributes nothing
     # each element of a Shard(0) gradient belongs to exactly one rank; a replicated (0-dim) one counts on rank 0 only
     grads = [to_local(seg.param.grad) for chunk in engine.chunks for seg in chunk.segments
              if seg.param.grad is not None and (not chunk.slots[seg.slot].replicated or chunk.rank == 0)]

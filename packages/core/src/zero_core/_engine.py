@@ -118,7 +118,7 @@ class _ZeroGradHook:
 
         @functools.wraps(original)
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            before()
+            before(kwargs.get("set_to_none", args[0] if args else True))
             return original(*args, **kwargs)
 
         self._installed = zero_grad
@@ -466,14 +466,22 @@ class Engine:
                 "ranks probably failed at different points of that backward; restart from the last checkpoint"
             ) from error
 
-    def discard_accumulation(self) -> None:
-        """``zero_grad()``: gradients a ``no_sync()`` window accumulated and never reduced are dropped, as in DDP."""
+    def discard_accumulation(self, set_to_none: bool = True) -> None:
+        """``zero_grad()``: gradients a ``no_sync()`` window accumulated and never reduced are dropped, as in DDP.
+
+        With ``set_to_none=False``, a parameter the window gave a gradient on this rank keeps a
+        zero gradient, as its ``.grad`` would in one process (momentum then still acts on it)."""
         if self.state is TrainingState.BACKWARD and _in_backward():
             raise ZeroError("zero_grad() was called during backward; call it before the forward or after the step")
         self.settle()
         for chunk in self.chunks:
-            if chunk.has_unreduced_gradients:
-                chunk.discard_gradients()
+            if not chunk.has_unreduced_gradients:
+                continue
+            if not set_to_none:
+                for seg in chunk.segments:
+                    if chunk.got_grad[seg.slot] and seg.param.grad is None and seg.param.requires_grad:
+                        seg.param.grad = chunk.wrap(seg.slot, torch.zeros_like(seg.local))
+            chunk.discard_gradients()
 
     def _pre_forward(self, chunks: tuple[Chunk, ...], module: nn.Module, args: Any) -> None:
         if self.state in (TrainingState.IDLE, TrainingState.BACKWARD_PENDING):

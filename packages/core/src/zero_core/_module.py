@@ -51,7 +51,7 @@ class ZeroModule:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``; gradients a ``no_sync()`` window accumulated are discarded too, as with DDP."""
-        self._zero_engine.discard_accumulation()
+        self._zero_engine.discard_accumulation(set_to_none)
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     @property
