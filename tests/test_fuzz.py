@@ -5,7 +5,7 @@ applies the same random sequence of actions to both: forward and backward, valid
 forwards (with gradients, under ``no_grad``, under ``inference_mode``), optimizer steps,
 both ``zero_grad``s with both ``set_to_none`` values, ``no_sync()`` micro-batches,
 gradient clipping, freezing and unfreezing a parameter, saving and loading a checkpoint,
-and an exception injected in forward or in backward. After every action every parameter
+and an exception injected in forward, in backward or in the optimizer step. After every action every parameter
 must equal the plain model's (fp32, 1e-5 of each tensor's largest magnitude), and every
 loss the plain loss. A rule-based generator keeps the sequence meaningful (no
 checkpoint while gradients are pending, no clipping of a half-accumulated window); a
@@ -75,7 +75,7 @@ def generate(seed: int, n: int) -> list[str]:
             "zero_grad_optimizer_none", "zero_grad_optimizer_zeros", "zero_grad_model_none", "zero_grad_model_zeros",
             "forward_only", "eval_no_grad", "eval_inference_mode", "raise_in_forward"]
         if not window:
-            choices += ["raise_in_backward"]
+            choices += ["raise_in_backward", "raise_in_step"]
         if grads and not window:
             choices += ["clip"]
         if not grads and not window:
@@ -126,6 +126,10 @@ def _raise_in_backward(module, args, output):
     def fail(grad):
         raise Boom("injected in backward")
     output.register_hook(fail)
+
+
+def _raise_in_step(optimizer, args, kwargs):
+    raise Boom("injected in optimizer.step()")
 
 
 def _raise_in_forward(module, args, output):
@@ -206,6 +210,11 @@ def drive(actions: list[str], *, stage: int, strategy: str, directory: str) -> i
             handle = model.mid.register_forward_hook(_raise_in_forward)
             with pytest.raises(Boom):
                 model(_batch(i, world, rank)[0])
+            handle.remove()
+        elif action == "raise_in_step":  # a step pre-hook raises after the engine prepared the step: nothing changes
+            handle = opt.register_step_pre_hook(_raise_in_step)
+            with pytest.raises(Boom):
+                opt.step()
             handle.remove()
         elif action == "raise_in_backward":  # the failed backward contributes nothing: plain skips it
             handle = model.mid.register_forward_hook(_raise_in_backward)

@@ -152,14 +152,25 @@ def _train_backward_raises(setup, world, rank, *, directory=None):
     ``zero_grad`` and ``interrupt``: the loop saves a checkpoint in its ``except``, clears the
     gradients and goes on, which in plain PyTorch discards what the failed backward accumulated.
     ``keep``: no zero_grad; the failed backward must contribute nothing, so the plain run skips it.
+    ``step_raises``: a step pre-hook raises after the engine's own pre-hook ran; nothing is updated,
+    the gradients stay and add to the next backward's.
     The head's gradient has accumulated (and at stage 3 its chunk may be reduced) when the hook fires.
     """
     results = {}
-    for variant in ("zero_grad", "keep", "interrupt"):
+    for variant in ("zero_grad", "keep", "interrupt", "step_raises"):
         model = _build()
         model, opt = setup(model, _sgd(model))
         losses = []
         for step in range(4):
+            if step == 1 and variant == "step_raises":  # a step pre-hook raises after the engine prepared the step
+                _loss(model, step, world, rank).backward()
+                handle = opt.register_step_pre_hook(lambda *args: _raiser(Boom)(None))
+                with pytest.raises(Boom):
+                    opt.step()
+                handle.remove()
+                if world > 1:
+                    zero_core.save_checkpoint(model, opt, f"{directory}/{variant}")
+                continue  # no zero_grad: the next backward adds to the gradients, as in one process
             if step == 1:
                 error = KeyboardInterrupt if variant == "interrupt" else Boom
                 if world > 1 or variant != "keep":

@@ -232,6 +232,8 @@ class Engine:
         # gradients, which the user's own step must skip and which come back after it.
         self._stepped: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._in_substep = False
+        # Between the engine's step pre-hook and its post-hook: still set later means the step raised.
+        self._step_open = False
 
         self._install_hooks()
         self.use_sharded()
@@ -423,9 +425,12 @@ class Engine:
         """Bring the engine back to IDLE from wherever an earlier exit left it. See [Note: step transactions].
 
         A backward that raised (autograd then drops the queued end-of-backward callback) is
-        undone; a forward whose backward never came (a validation forward with gradients
+        undone, and so is an optimizer step that raised after the engine prepared it; a forward
+        whose backward never came (a validation forward with gradients
         enabled) needs nothing: its graph may still be backwarded later.
         """
+        if self._step_open:
+            self._abort_step()
         if self.state is TrainingState.BACKWARD and not _in_backward():
             self._abort_backward()
         if self.state is TrainingState.BACKWARD_PENDING:
@@ -640,6 +645,7 @@ class Engine:
         if self.scaler is not None:
             self._check_overflow()
         self.placement.before_step(self.chunks)
+        self._step_open = True
 
     def _check_overflow(self) -> None:
         """See [Note: one overflow check per step]."""
@@ -711,24 +717,47 @@ class Engine:
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._in_substep:
             return
+        self._step_open = False
         for param, grad in self._stepped:
             param.grad = grad
         self._stepped = []
         self.loss_scaled = False
         skipped = self.scaler is not None and self.scaler.last_step_skipped
-        if not skipped and self._refresh_after_step:
-            with torch.profiler.record_function("ZeRO::publish_parameters"):
-                # one group at a time: each all-gather's receive buffer is free again before the next one takes it
-                for group in self._refresh_after_step:
-                    for pending in group.publish_parameters(self.comm):
-                        if pending is not None:
-                            pending.wait()
+        if not skipped:
+            self._publish_kept_buffers()
         self.placement.after_step(self.chunks)
         self._expected = {}  # graphs built before the step cannot be backwarded after it
         self._exposed = set()
         self.step_count += 1
         finished = self.comm.stats.end_step()
         self.hook.zero_after_step(engine=self, stats=self.comm.stats.summary(finished))
+
+    def _publish_kept_buffers(self) -> None:
+        """Refresh the full buffers stages 1 and 2 keep from the updated master shards (collective)."""
+        if not self._refresh_after_step:
+            return
+        with torch.profiler.record_function("ZeRO::publish_parameters"):
+            # one group at a time: each all-gather's receive buffer is free again before the next one takes it
+            for group in self._refresh_after_step:
+                for pending in group.publish_parameters(self.comm):
+                    if pending is not None:
+                        pending.wait()
+
+    @engine_work
+    def _abort_step(self) -> None:
+        """``optimizer.step()`` raised after the engine prepared it (a hook, an optimizer error).
+
+        What the optimizer already updated stays (as in one process); gradients set aside for
+        a placement policy's early step come back, the kept full buffers are refreshed from the
+        masters (so forward sees what the optimizer holds), and the placement policy puts
+        everything back where it keeps it. The step is not counted."""
+        self._step_open = False
+        self._in_substep = False
+        for param, grad in self._stepped:
+            param.grad = grad
+        self._stepped = []
+        self._publish_kept_buffers()
+        self.placement.after_step(self.chunks)
 
     # -- inspection ----------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:
