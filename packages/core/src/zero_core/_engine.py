@@ -25,9 +25,10 @@ a gradient that cannot arrive.
 Every way out of forward, backward and step must leave an engine that can save a
 checkpoint, evaluate, or train on as plain PyTorch would. A forward that raises is undone
 at once (``abort_forward``). A forward whose backward never comes needs nothing: which
-parameters its graph reaches is kept until the next optimizer step, so a later backward
-through it (or a second backward through a retained graph) reduces correctly, each
-backward adding its mean gradient. A backward that raises is the hard case: the autograd
+parameters its graph reaches joins what the next backward waits for, and a backward with
+no forward since the previous one (a second backward through a retained graph) waits for
+what the previous one did; each backward reduces every chunk once and adds its mean
+gradient. A backward that raises is the hard case: the autograd
 engine drops the queued end-of-backward callback, and nothing tells the engine. So every
 entry point (the next forward, ``optimizer.step()``, ``zero_grad()``, each collective
 verb) first *settles*: if the state is still BACKWARD while no backward runs on this
@@ -218,9 +219,10 @@ class Engine:
         self.state = TrainingState.IDLE
         # Modules that ran in the current forward, per chunk index.
         self._ran: dict[int, set[int]] = {}
-        # Parameters a gradient may reach from the graphs the forwards since the last optimizer step built, per
-        # chunk index. Kept until the step, so a second backward through a graph knows them too.
+        # Parameters a gradient may reach from the graphs the forwards since the last backward built, per chunk
+        # index; the last backward's are kept, for a second backward through a retained graph.
         self._expected: dict[int, set[int]] = {}
+        self._last_expected: dict[int, set[int]] = {}
         # Of those, the ones the running backward still waits for.
         self._waiting: dict[int, set[int]] = {}
         self._ready: dict[int, bool] = {}
@@ -390,6 +392,7 @@ class Engine:
         self._ran = {}
         self._scheduler.begin_pass(reverse=False)
 
+    @engine_work  # its drain may serve other ranks' gathers: buffers made then must not be inference tensors
     def post_forward_root(self, outputs: Any) -> None:
         """The wrapped model's forward returned ``outputs``."""
         try:
@@ -410,6 +413,7 @@ class Engine:
         self._set_state(TrainingState.BACKWARD_PENDING if graph else TrainingState.IDLE)
         self.use_sharded()
 
+    @engine_work
     def abort_forward(self) -> None:
         """The wrapped model's forward raised: free what it gathered so the next step starts clean.
 
@@ -485,7 +489,8 @@ class Engine:
             if not set_to_none:
                 for seg in chunk.segments:
                     if chunk.got_grad[seg.slot] and seg.param.grad is None and seg.param.requires_grad:
-                        seg.param.grad = chunk.wrap(seg.slot, torch.zeros_like(seg.local))
+                        device = chunk.grad_device or seg.local.device  # where reduced gradients would land
+                        seg.param.grad = chunk.wrap(seg.slot, torch.zeros_like(seg.local, device=device))
             chunk.discard_gradients()
 
     def _pre_forward(self, chunks: tuple[Chunk, ...], module: nn.Module, args: Any) -> None:
@@ -534,7 +539,10 @@ class Engine:
         # The modules keep the sharded parameters in backward (autograd reads the unsharded ones it saved), so a
         # backward that raises leaves them as they are between steps; only a recomputation swaps (_pre_forward).
         self._set_state(TrainingState.BACKWARD)
-        self._waiting = {index: set(ids) for index, ids in self._expected.items()}
+        # a backward with no forward since the last one runs through a kept graph: it reaches what that one did
+        expected = self._expected if forwards else self._last_expected
+        self._last_expected, self._expected = expected, {}
+        self._waiting = {index: set(ids) for index, ids in expected.items()}
         self._ready = {c.index: not self._waiting.get(c.index) for c in self._reduce_order}
         self._reduced = set()
         self._next_reduce = 0
@@ -616,6 +624,12 @@ class Engine:
                 self.placement.after_backward(self.chunks)
                 self._publish_gradients()
             self._release(self.chunks)
+        except BaseException:
+            # nothing of this backward reaches the optimizer, and nothing stays gathered or lent
+            for chunk in self.chunks:
+                chunk.discard_gradients()
+            self._release(self.chunks)
+            raise
         finally:
             self._waiting = {}
             self._ready = {}
@@ -644,8 +658,8 @@ class Engine:
         self._lockstep.begin("optimizer.step()", self.step_count)
         if self.scaler is not None:
             self._check_overflow()
+        self._step_open = True  # before the policy's own early steps, which _abort_step must undo too
         self.placement.before_step(self.chunks)
-        self._step_open = True
 
     def _check_overflow(self) -> None:
         """See [Note: one overflow check per step]."""
@@ -726,7 +740,7 @@ class Engine:
         if not skipped:
             self._publish_kept_buffers()
         self.placement.after_step(self.chunks)
-        self._expected = {}  # graphs built before the step cannot be backwarded after it
+        self._expected, self._last_expected = {}, {}  # graphs built before the step cannot be backwarded after it
         self._exposed = set()
         self.step_count += 1
         finished = self.comm.stats.end_step()

@@ -35,8 +35,9 @@ _SHAPE_AND_DTYPE = {
     torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.element_size,
     torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.__len__,
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__, torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.layout.__get__, torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined]
 }
+_REQUIRES_GRAD = torch.Tensor.requires_grad.__get__  # type: ignore[attr-defined]
 # Answered from the real parameter's device.
 _DEVICE = {torch.Tensor.device.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.is_cpu.__get__,  # type: ignore[attr-defined]
            torch.Tensor.get_device}
@@ -82,6 +83,8 @@ class ReleasedParameter(nn.Parameter):
         if func in _SHAPE_AND_DTYPE and len(args) >= 1 and isinstance(args[0], ReleasedParameter):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func is _REQUIRES_GRAD and len(args) == 1 and isinstance(args[0], ReleasedParameter):
+            return args[0]._zero_chunk.slots[args[0]._zero_slot].param.requires_grad  # follows freezing
         if func in _DEVICE and len(args) == 1 and isinstance(args[0], ReleasedParameter):
             device = args[0]._zero_chunk.device
             return func(torch.empty(0, device=device))
