@@ -30,13 +30,15 @@ from zero_core.errors import (
     ZeroSetupError,
 )
 from zero_core.placement import ChunkParts, DevicePlacementPolicy, HostPlacementPolicy, PlacementContext, PlacementPolicy
-from zero_core.strategy import ShardPlan, ShardStrategy, round_up
+from zero_core.mesh import MeshSpec, Topology
+from zero_core.strategy import ChunkPlan, Reduction, ShardPlan, ShardStrategy, round_up
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "CheckpointError",
     "Chunk",
     "ChunkParts",
+    "ChunkPlan",
     "ChunkPolicy",
     "ChunkSpec",
     "ChunkState",
@@ -54,6 +56,7 @@ __all__ = [
     "LossScale",
     "LossScaler",
     "MemoryTier",
+    "MeshSpec",
     "ParamInfo",
     "ParamSlot",
     "PlacementContext",
@@ -62,10 +65,12 @@ __all__ = [
     "Precision",
     "RanksDisagreeError",
     "RanksOutOfStepError",
+    "Reduction",
     "Registry",
     "ShardPlan",
     "ShardStrategy",
     "Sharded",
+    "Topology",
     "TrainingState",
     "ZeroConfig",
     "ZeroError",

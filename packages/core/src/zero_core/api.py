@@ -220,6 +220,12 @@ class ZeroConfig:
             as DDP does, so ranks that initialised differently still train one model.
         check_ranks_agree: Compare the model's structure across ranks at setup and fail
             with the first difference instead of hanging or training garbage.
+        reshard_after_forward: At stage 3, what a forward that builds a graph leaves for
+            the backward (FSDP2's argument): ``True`` frees the full parameters (the backward
+            gathers them again), ``False`` keeps them until the backward has used them (one
+            gather per step, more memory), an int ``k`` keeps a copy sharded over groups of
+            ``k`` ranks, so the backward's gathers stay inside those groups (ZeRO++'s hpZ;
+            ``k`` divides the shard group size). Strategies apply it to the chunks they plan.
         static_graph: Promise that every rank runs the same modules in the same order
             in every forward and backward (no data-dependent branches, every module's
             output reaches the loss on every rank). Skips the scalar agreement round
@@ -240,6 +246,7 @@ class ZeroConfig:
     sync_module_states: bool = True
     check_ranks_agree: bool = True
     static_graph: bool = False
+    reshard_after_forward: bool | int = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -277,6 +284,9 @@ class ZeroConfig:
         timeout = self.collective_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"ZeroConfig.collective_timeout_s must be a positive number of seconds, got {timeout!r}.")
+        from zero_core.strategy import check_reshard_after_forward
+
+        check_reshard_after_forward(self.reshard_after_forward, "ZeroConfig.reshard_after_forward")
         for name in ("sync_module_states", "check_ranks_agree", "static_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"ZeroConfig.{name} must be True or False, got {getattr(self, name)!r}.")

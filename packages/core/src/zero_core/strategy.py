@@ -1,32 +1,109 @@
 """The shard strategy interface.
 
-A shard strategy decides the layout: which parameters share a chunk, in what order,
-and how large each chunk is. The engine in zero-core runs every layout the same way
-(gather before use, release after, reduce-scatter gradients, update shards), so a
-strategy is small and its correctness follows from the plan it returns.
+A shard strategy decides the plan: which parameters share a chunk, in what order, how
+large each chunk is, and per chunk (:class:`ChunkPlan`) the mesh it lives on, how its
+gradients are reduced and when it is resharded after forward. The engine in zero-core
+runs whatever plan it returns (gather before use, release after, reduce gradients,
+update shards), so a strategy is small and its correctness follows from the plan.
 
 Subclass :class:`zero_core.testing.ShardStrategyConformance` to test a strategy.
 """
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from zero_core.chunk import ChunkSpec, ParamInfo
+from zero_core.errors import ConfigError
+from zero_core.mesh import MeshSpec, Topology
 
 if TYPE_CHECKING:
     import pluggy
 
     from zero_core.api import ZeroConfig
 
-__all__ = ["ShardPlan", "ShardStrategy", "round_up"]
+__all__ = ["ChunkPlan", "Reduction", "ShardPlan", "ShardStrategy", "round_up"]
 
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+class Reduction(enum.Enum):
+    """How a chunk's gradients are summed over the ranks (always divided by every data-parallel rank)."""
+
+    #: Reduce-scatter over the shard group: each rank keeps the sum of its shard. Needs a mesh without replicas.
+    REDUCE_SCATTER = "reduce_scatter"
+    #: Reduce-scatter over the shard group, then all-reduce the shard across the replicate group (HSDP).
+    REDUCE_SCATTER_ALL_REDUCE = "reduce_scatter+all_reduce"
+    #: All-reduce the full gradient over the shard group, then across replicas; each rank keeps its shard
+    #: (twice a reduce-scatter's traffic: for a shard group of one rank, plain data parallelism, it is the only way).
+    ALL_REDUCE = "all_reduce"
+
+    @classmethod
+    def for_mesh(cls, mesh: MeshSpec) -> Reduction:
+        """The cheapest reduction that leaves every replica the same mean."""
+        if mesh.shard_size == 1:
+            return cls.ALL_REDUCE
+        return cls.REDUCE_SCATTER if mesh.replicate_size == 1 else cls.REDUCE_SCATTER_ALL_REDUCE
+
+
+ReshardAfterForward = bool | int
+
+
+def check_reshard_after_forward(value: object, owner: str = "reshard_after_forward") -> None:
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, int) or value < 2:
+        raise ConfigError(
+            f"{owner} must be True (reshard after forward), False (keep gathered until backward) or a group size "
+            f"above 1 (keep a copy sharded over that many ranks for backward), got {value!r}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkPlan:
+    """Where one chunk lives and how the engine runs it. See [Note: meshes] in ``zero_core.mesh``.
+
+    Attributes:
+        mesh: The mesh the chunk is sharded on (its size must divide by ``mesh.shard_size``).
+        reduction: How its gradients are reduced; ``None`` takes :meth:`Reduction.for_mesh`.
+        reshard_after_forward: At stage 3, what a forward that builds a graph leaves for the
+            backward: ``True`` frees the full buffer (the backward gathers again), ``False``
+            keeps it until the backward has used it (no second gather, more memory), an int
+            ``k`` keeps a copy sharded over groups of ``k`` ranks of the shard group, so the
+            backward gathers inside the group only (ZeRO++'s hpZ, FSDP2's int).
+    """
+
+    mesh: MeshSpec
+    reduction: Reduction | None = None
+    reshard_after_forward: ReshardAfterForward = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, MeshSpec):
+            raise ConfigError(f"ChunkPlan.mesh must be a zero_core.MeshSpec, got {type(self.mesh).__name__}")
+        reduction = Reduction.for_mesh(self.mesh) if self.reduction is None else self.reduction
+        if not isinstance(reduction, Reduction):
+            raise ConfigError(f"ChunkPlan.reduction must be a zero_core.Reduction, got {reduction!r}")
+        if reduction is Reduction.REDUCE_SCATTER and self.mesh.replicate_size > 1:
+            raise ConfigError(
+                f"Reduction.REDUCE_SCATTER on {self.mesh} would leave its {self.mesh.replicate_size} replicas with "
+                "different gradients; use REDUCE_SCATTER_ALL_REDUCE"
+            )
+        if reduction is Reduction.REDUCE_SCATTER_ALL_REDUCE and self.mesh.shard_size == 1:
+            raise ConfigError(f"{self.mesh} shards nothing (shard groups of 1 rank): use Reduction.ALL_REDUCE")
+        object.__setattr__(self, "reduction", reduction)
+        check_reshard_after_forward(self.reshard_after_forward, "ChunkPlan.reshard_after_forward")
+        k = self.reshard_after_forward
+        if not isinstance(k, bool) and (k < 2 or k >= self.mesh.shard_size or self.mesh.shard_size % k):
+            raise ConfigError(
+                f"ChunkPlan.reshard_after_forward={k} must be a divisor of the shard group size "
+                f"{self.mesh.shard_size} below it (or True / False)"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +117,14 @@ class ShardPlan:
         chunks: The chunks, in order.
         gather_groups: Runs of consecutive chunk indices whose all-gathers travel as one
             collective (see [Note: gather groups] in ``zero_core._group``); every chunk in
-            exactly one run, one parameter dtype per run. ``None``: each chunk alone.
+            exactly one run, one parameter dtype and one chunk plan per run. ``None``: each chunk alone.
+        chunk_plans: One :class:`ChunkPlan` per chunk. ``None``: every chunk on the default
+            mesh, reduced by :meth:`Reduction.for_mesh`, resharded as ``ZeroConfig`` says.
     """
 
     chunks: tuple[ChunkSpec, ...]
     gather_groups: tuple[tuple[int, ...], ...] | None = None
+    chunk_plans: tuple[ChunkPlan, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -54,14 +134,30 @@ class ShardPlan:
     def padded_numel(self) -> int:
         return sum(c.size for c in self.chunks)
 
-    def validate(self, params: Sequence[ParamInfo], world_size: int) -> None:
-        """Check the invariants the engine relies on; raise ``ValueError`` naming the first broken one."""
+    def plans(self, default: ChunkPlan) -> tuple[ChunkPlan, ...]:
+        """Each chunk's plan, ``default`` where the strategy gave none."""
+        return self.chunk_plans if self.chunk_plans is not None else (default,) * len(self.chunks)
+
+    def validate(self, params: Sequence[ParamInfo], world_size: int, topology: Topology | None = None) -> None:
+        """Check the invariants the engine relies on; raise ``ValueError`` naming the first broken one.
+
+        ``world_size`` is the default mesh's shard group size; with ``chunk_plans`` each
+        chunk's size must divide by its own mesh's shard size instead."""
         seen: dict[int, int] = {}
+        if self.chunk_plans is not None:
+            if len(self.chunk_plans) != len(self.chunks):
+                raise ValueError(f"the plan has {len(self.chunks)} chunks but {len(self.chunk_plans)} chunk plans")
+            for i, cp in enumerate(self.chunk_plans):
+                if not isinstance(cp, ChunkPlan):
+                    raise ValueError(f"chunk plan {i} is a {type(cp).__name__}, not a zero_core.ChunkPlan")
+                if topology is not None and sorted(cp.mesh.ranks) != sorted(topology.default.ranks):
+                    raise ValueError(f"chunk {i} is planned on {cp.mesh}, which does not span every data-parallel rank")
         for i, spec in enumerate(self.chunks):
             if not spec.params:
                 raise ValueError(f"chunk {i} of the plan holds no parameter")
-            if spec.size % world_size:
-                raise ValueError(f"chunk {i} has size {spec.size}, not a multiple of the world size {world_size}")
+            shard_size = self.chunk_plans[i].mesh.shard_size if self.chunk_plans is not None else world_size
+            if spec.size % shard_size:
+                raise ValueError(f"chunk {i} has size {spec.size}, not a multiple of its shard group size {shard_size}")
             if spec.used > spec.size:
                 raise ValueError(f"chunk {i} holds {spec.used} elements but its size is {spec.size}")
             keys = {p.key for p in spec.params}
@@ -90,6 +186,8 @@ class ShardPlan:
             dtypes = {self.chunks[k].params[0].param.dtype for k in members}
             if len(dtypes) > 1:
                 raise ValueError(f"gather group {g} mixes parameter dtypes {sorted(map(str, dtypes))}; one all-gather carries one dtype")
+            if self.chunk_plans is not None and len({self.chunk_plans[k] for k in members}) > 1:
+                raise ValueError(f"gather group {g} mixes chunk plans (meshes or resharding); one all-gather runs on one group")
             expected += len(members)
         if expected != len(self.chunks):
             raise ValueError(f"the gather groups cover chunks 0..{expected - 1} but the plan has {len(self.chunks)} chunks")
@@ -114,9 +212,14 @@ class ShardStrategy(ABC):
         world_size: int,
         config: ZeroConfig,
         hook: pluggy.HookRelay | None = None,
+        topology: Topology | None = None,
     ) -> ShardPlan:
         """Lay ``params`` (in the order they should be packed) out into chunks.
 
-        ``hook`` is the engine's plugin hook relay, for strategies that let plugins
-        override part of the plan (for example ``zero_plan_chunks``).
+        ``world_size`` is the default mesh's shard group size. ``topology`` holds the meshes
+        the user gave (``None``: one 1-D mesh of ``world_size`` ranks); a strategy that
+        returns no ``chunk_plans`` puts every chunk on the default mesh, so one that
+        supports per-module meshes must return them. ``hook`` is the engine's plugin hook
+        relay, for strategies that let plugins override part of the plan (for example
+        ``zero_plan_chunks``).
         """
