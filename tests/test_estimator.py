@@ -2,7 +2,8 @@
 
 The measured side is the bench's own worker (benchmarks/zero_bench/worker.py) on the quick
 run's model and configurations (every registered strategy at every stage, every comm backend
-and placement policy), so the figures the bench reports are the figures checked here.
+and placement policy, and an HSDP mesh at 4 ranks), so the figures the bench reports are the
+figures checked here.
 """
 
 import sys
@@ -11,7 +12,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_core import ChunkPolicy, ConfigError, Precision, ZeroConfig, ZeroPlugins, estimate
+from zero_core import (
+    ChunkPlan,
+    ChunkPolicy,
+    ChunkSpec,
+    CollectiveKind,
+    ConfigError,
+    MeshSpec,
+    Precision,
+    Reduction,
+    ShardPlan,
+    ShardStrategy,
+    Topology,
+    ZeroConfig,
+    ZeroPlugins,
+    estimate,
+    hookimpl,
+    ring_bytes_sent,
+    round_up,
+)
 from zero_core.testing import run_distributed, train_sharded
 from zero_core.testing.gpt import GPT, GPTConfig
 from zero_core.testing.parity import make_optimizer
@@ -147,3 +166,159 @@ def test_bucketed_reduce_scatter_calls_follow_the_bucket_rule():
 def test_bad_input_is_named(model, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         estimate(model, **kwargs)
+
+
+# ---- meshes: (R, S) shards every chunk over S ranks and replicates it over R (see [Note: estimating a mesh])
+
+
+def test_estimate_equals_the_measurements_on_a_2x2_mesh():
+    """HSDP at 4 ranks through the bench's worker: state per rank, and bytes and calls per collective,
+    the replicas' all-reduces included, equal what the run counts."""
+    configs = [BenchConfig(name=f"{strategy}-s{stage}-hsdp2x2", kind="zero", strategy=strategy, stage=stage, mesh=[2, 2]).as_dict()
+               for strategy, stage in (("chunk", 1), ("chunk", 3), ("tensor", 3))]
+    records = run_distributed(run_all, 4, configs, steps=2, timeout=300)[0]
+    for config, record in zip(configs, records):
+        name = config["name"]
+        assert record["status"] == "ok", (name, record["error"])
+        fresh = estimate(quick_model(), mesh_shape=(2, 2), config=zero_config(config, QUICK))
+        assert record["model_state_by_kind"] == list(fresh.per_rank), name
+        sent = {k: v["bytes_sent"] for k, v in record["collectives_per_step"].items() if k != "control"}
+        calls = {k: v["calls"] for k, v in record["collectives_per_step"].items() if k != "control"}
+        assert sent == fresh.bytes_sent and calls == fresh.calls, name
+        assert fresh.bytes_sent["all_reduce"] > 0 and calls["all_reduce"] > 0, name
+        assert record["bytes_sent_by_group"] == [fresh.bytes_sent_by_group] * 4, name
+        assert record["bytes_sent_per_step"] == [fresh.total_bytes_sent] * 4, name
+        assert record["model_state_by_tier"] == list(fresh.tiers), name
+
+
+def test_mesh_formulas():
+    psi, r, s = 7_000_000_000, 16, 8
+    hsdp = estimate(psi, mesh_shape=(r, s))  # fp32 Adam, stage 3
+    assert (hsdp.world_size, hsdp.mesh_shape, len(hsdp.per_rank)) == (r * s, (r, s), r * s)
+    assert hsdp.formula["model_state_bytes"] == 16 * psi // s  # a world of S ranks
+    assert hsdp.max_model_state_bytes == estimate(psi, world_size=s).max_model_state_bytes
+    # the shard group's traffic is an S-rank world's; the replicas all-reduce each fp32 gradient shard
+    assert hsdp.formula["bytes_sent_shard"] == 3 * (s - 1) * 4 * psi // s
+    assert hsdp.formula["bytes_sent_replicate"] == 2 * (r - 1) * 4 * psi // (r * s)
+    assert hsdp.formula["bytes_sent"] == hsdp.formula["bytes_sent_shard"] + hsdp.formula["bytes_sent_replicate"]
+    shard_bytes = hsdp.padded_params // s * 4
+    assert hsdp.bytes_sent["all_reduce"] == ring_bytes_sent(CollectiveKind.ALL_REDUCE, shard_bytes, r)
+    plain = estimate(psi, world_size=s)
+    assert {k: hsdp.bytes_sent[k] for k in ("all_gather", "reduce_scatter")} == plain.bytes_sent
+    assert hsdp.bytes_sent_by_group == {"shard": plain.total_bytes_sent, "replicate": hsdp.bytes_sent["all_reduce"]}
+    bf16 = estimate(psi, mesh_shape=(r, s), config=ZeroConfig(precision=Precision(compute="bf16", reduce="bf16")))
+    assert bf16.formula["bytes_sent_replicate"] == 2 * (r - 1) * 2 * psi // (r * s)  # reduced in bf16
+    assert bf16.formula["model_state_bytes"] == 16 * psi // s
+    # a 1-D mesh, or (1, S), is plain sharding: no all-reduce at all
+    for same in (estimate(psi, mesh_shape=(s,)), estimate(psi, mesh_shape=(1, s)), estimate(psi, world_size=s, mesh_shape=(s,))):
+        assert same.mesh_shape == (1, s) and same.bytes_sent == plain.bytes_sent and same.formula == plain.formula
+        assert same.bytes_sent_by_group == {"shard": plain.total_bytes_sent, "replicate": 0}
+
+
+def test_mesh_of_one_rank_per_row_is_data_parallelism():
+    """(W, 1): nothing to gather or reduce-scatter; the whole gradient is all-reduced over the W ranks."""
+    w, psi = 4, 1_000_003
+    dp = estimate(psi, mesh_shape=(w, 1))
+    assert dp.bytes_sent == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 2 * (w - 1) * 4 * psi // w}
+    assert dp.formula["model_state_bytes"] == 16 * psi and dp.max_model_state_bytes == 16 * psi
+    model = quick_model()
+    e = estimate(model, mesh_shape=(w, 1), config=ZeroConfig(chunk=ChunkPolicy(search_interval=128)))
+    one = estimate(model, world_size=1, config=ZeroConfig(chunk=ChunkPolicy(search_interval=128)))
+    assert list(e.per_rank) == [one.per_rank[0]] * w
+    assert e.calls["all_gather"] == e.calls["reduce_scatter"] == e.bytes_sent["all_gather"] == e.bytes_sent["reduce_scatter"] == 0
+    assert e.calls["all_reduce"] >= 1
+    # one call per chunk; each fp32 payload is a multiple of 4 bytes, so the per-chunk rings add up exactly
+    assert e.bytes_sent["all_reduce"] == ring_bytes_sent(CollectiveKind.ALL_REDUCE, 4 * one.padded_params, w)
+
+
+def test_mesh_on_a_model_is_the_shard_groups_world_plus_all_reduces():
+    model = quick_model()
+    config = ZeroConfig(chunk=ChunkPolicy(chunk_size=4096), comm="bucketed", reduce_bucket_mb=25.0)
+    hsdp = estimate(model, mesh_shape=(2, 2), config=config)
+    two = estimate(model, world_size=2, config=config)
+    assert list(hsdp.per_rank) == [two.per_rank[0], two.per_rank[1]] * 2  # rank r holds shard r % S
+    assert {k: hsdp.bytes_sent[k] for k in two.bytes_sent} == two.bytes_sent
+    assert {k: hsdp.calls[k] for k in two.calls} == two.calls and two.calls["reduce_scatter"] == 1  # bucketed
+    # never bucketed: one all-reduce per chunk; over 2 replicas it sends each shard once, as the reduce-scatter did
+    assert hsdp.calls["all_reduce"] > 1
+    assert hsdp.bytes_sent["all_reduce"] == two.bytes_sent["reduce_scatter"]
+
+
+def test_inter_node_bytes():
+    psi = 7_000_000_000
+    bf16 = ZeroConfig(precision=Precision(compute="bf16"))
+    hsdp = estimate(psi, mesh_shape=(16, 8), config=bf16)
+    full = estimate(psi, world_size=128, config=bf16)
+    assert hsdp.inter_node_bytes(8) == hsdp.bytes_sent_by_group["replicate"]  # gathers stay in the node
+    assert full.inter_node_bytes(8) == round(full.total_bytes_sent / 8)  # 16 of a ring's 128 edges join two nodes
+    assert estimate(psi, world_size=8).inter_node_bytes(8) == 0
+    assert full.inter_node_bytes(1) == full.total_bytes_sent and full.inter_node_bytes(128) == 0
+    # shard groups of two nodes: an eighth of their ring crosses, and all of each replica ring
+    wide = estimate(psi, mesh_shape=(8, 16), config=bf16)
+    assert wide.inter_node_bytes(8) == round(wide.bytes_sent_by_group["shard"] / 8 + wide.bytes_sent_by_group["replicate"])
+    with pytest.raises(ConfigError, match="gpus_per_node >= 1"):
+        full.inter_node_bytes(0)
+
+
+class _Recording(ShardStrategy):
+    """One chunk per parameter; records what it was asked, returns the chunk plans it is told to."""
+
+    name = "recording"
+    seen: list = []
+    chunk_plan = None
+
+    def plan(self, params, *, world_size, config, hook=None, topology=None):
+        type(self).seen.append((world_size, topology))
+        specs = tuple(ChunkSpec((p,), round_up(p.numel, world_size)) for p in params)
+        plans = None if self.chunk_plan is None else (self.chunk_plan(topology),) * len(specs)
+        return ShardPlan(specs, chunk_plans=plans)
+
+
+class _Plugin:
+    @hookimpl
+    def zero_register_shard_strategies(self, registry):
+        registry.add("recording", _Recording)
+
+
+def test_the_strategy_plans_for_the_shard_group_on_the_mesh():
+    plugins = ZeroPlugins.load([_Plugin()])
+    config = ZeroConfig(strategy="recording")
+    _Recording.seen, _Recording.chunk_plan = [], None
+    e = estimate(quick_model(), mesh_shape=(2, 4), config=config, plugins=plugins)
+    assert _Recording.seen == [(4, Topology.of(MeshSpec.of_shape((2, 4))))]
+    assert e.calls["all_reduce"] == len(list(quick_model().parameters()))
+    # chunk plans on the default mesh with its reduction are what the estimator models; others are refused
+    _Recording.chunk_plan = staticmethod(lambda topology: ChunkPlan(mesh=topology.default))
+    assert estimate(quick_model(), mesh_shape=(2, 4), config=config, plugins=plugins).bytes_sent == e.bytes_sent
+    _Recording.chunk_plan = staticmethod(lambda topology: ChunkPlan(mesh=topology.default, reduction=Reduction.ALL_REDUCE))
+    with pytest.raises(ConfigError, match="chunks on the one mesh"):
+        estimate(quick_model(), mesh_shape=(2, 4), config=config, plugins=plugins)
+    _Recording.chunk_plan = None
+
+
+def test_reshard_after_forward_other_than_true_is_refused_at_stage_3():
+    for value in (False, 2):
+        with pytest.raises(ConfigError, match="reshard_after_forward=True only"):
+            estimate(quick_model(), mesh_shape=(2, 4), config=ZeroConfig(reshard_after_forward=value))
+        with pytest.raises(ConfigError, match="reshard_after_forward=True only"):
+            estimate(10**6, world_size=4, config=ZeroConfig(reshard_after_forward=value))
+    # no release, nothing to reshard: stage 2 and a shard group of one rank
+    estimate(10**6, world_size=4, config=ZeroConfig(stage=2, reshard_after_forward=False))
+    estimate(10**6, mesh_shape=(4, 1), config=ZeroConfig(reshard_after_forward=False))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({}, "world_size=N .* or mesh_shape"),
+    ({"mesh_shape": (2, 0)}, "positive ints"),
+    ({"mesh_shape": (2, 2, 2)}, "positive ints"),
+    ({"mesh_shape": ()}, "positive ints"),
+    ({"mesh_shape": "22"}, "positive ints"),
+    ({"mesh_shape": 4}, "positive ints"),
+    ({"mesh_shape": (2.0, 2)}, "positive ints"),
+    ({"mesh_shape": (True, 2)}, "positive ints"),
+    ({"mesh_shape": (2, 2), "world_size": 8}, "spans 4 ranks"),
+    ({"mesh_shape": (2, 2), "world_size": 0}, "world_size >= 1"),
+])
+def test_bad_mesh_is_named(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        estimate(10**6, **kwargs)

@@ -3,7 +3,8 @@
 Every registered strategy runs at every stage (with the strategy's own comm backend and the
 ``device`` placement); every other registered comm backend and placement policy runs once with
 the ``chunk`` strategy at stage 3 (or the first strategy registered, when ``chunk`` is not
-installed); DDP and FSDP2 are the references. A plugin that registers a strategy, backend or
+installed); every mesh given (``--meshes``, e.g. ``2x2`` for HSDP) runs that strategy at every
+stage on its own ranks; DDP and FSDP2 are the references, at every world size the rows use. A plugin that registers a strategy, backend or
 policy is picked up with no change here. Policies whose defaults cannot run on this machine get
 options with ``--placement-options NAME=JSON``; the built-in offloading policies have presets
 that offload everything (``static``) or keep half the model states on the device (``gemini``).
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from zero_core import ZeroPlugins
 
-__all__ = ["MODELS", "BenchConfig", "ModelSize", "discover"]
+__all__ = ["MODELS", "BenchConfig", "ModelSize", "discover", "mesh_name"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +50,12 @@ MODELS = {
 
 @dataclass(frozen=True, kw_only=True)
 class BenchConfig:
-    """One row of the table. ``kind`` is ``zero``, ``ddp`` or ``fsdp2``; the rest applies to ``zero``."""
+    """One row of the table. ``kind`` is ``zero``, ``ddp`` or ``fsdp2``; the rest applies to ``zero``.
+
+    ``mesh``: ``[R, S]`` (or ``[S]``) shards over a ``DeviceMesh`` of that shape, passed to
+    ``shard(mesh=)``; ``world_size``: the ranks the row runs on (``None``: ``--world-size``;
+    ``R * S`` for a mesh row).
+    """
 
     name: str
     kind: str
@@ -58,6 +65,18 @@ class BenchConfig:
     placement: str = "device"
     placement_options: dict[str, Any] = field(default_factory=dict)
     precision: str = "fp32"
+    mesh: list[int] | None = None
+    world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mesh is not None:
+            mesh = [int(n) for n in self.mesh]
+            if self.kind != "zero" or len(mesh) not in (1, 2) or min(mesh) < 1:
+                raise ValueError(f"{self.name}: a mesh is [shard] or [replicate, shard] of a zero row, got {self.mesh}")
+            if self.world_size not in (None, math.prod(mesh)):
+                raise ValueError(f"{self.name}: mesh {mesh} spans {math.prod(mesh)} ranks, not world_size {self.world_size}")
+            object.__setattr__(self, "mesh", mesh)
+            object.__setattr__(self, "world_size", math.prod(mesh))
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -82,10 +101,18 @@ def _preset(policy: str, state_mib: float, size: ModelSize) -> dict[str, Any]:
     return {}
 
 
+def mesh_name(mesh: list[int] | tuple[int, ...]) -> str:
+    """``hsdp2x2`` for a mesh that shards and replicates, ``mesh1x4`` (``mesh4``, ``mesh4x1``) otherwise."""
+    hybrid = len(mesh) == 2 and mesh[0] > 1 and mesh[1] > 1
+    return ("hsdp" if hybrid else "mesh") + "x".join(map(str, mesh))
+
+
 def discover(*, plugins: ZeroPlugins, strategies: list[str] | None, stages: list[int], policies: list[str] | None,
              comms: list[str] | None, references: list[str], precision: str, state_mib: float, size: ModelSize,
-             placement_options: dict[str, dict[str, Any]]) -> list[BenchConfig]:
-    """The configurations to run, in table order: references first, then each strategy's stages, then variants."""
+             placement_options: dict[str, dict[str, Any]], meshes: list[tuple[int, ...]] = (),
+             world_size: int | None = None) -> list[BenchConfig]:
+    """The configurations to run, in table order: references first, then each strategy's stages, then variants,
+    then each mesh's stages (after the references at its world size, when that differs from ``world_size``)."""
     configs = [BenchConfig(name=ref, kind=ref) for ref in references]
     strategy_names = plugins.strategies.names() if strategies is None else strategies
     for name in strategy_names:
@@ -111,4 +138,13 @@ def discover(*, plugins: ZeroPlugins, strategies: list[str] | None, stages: list
         options = placement_options.get(policy, _preset(policy, state_mib, size))
         configs.append(BenchConfig(name=f"{base}-s3-{policy}{tag}", kind="zero", strategy=base, stage=3, placement=policy,
                                    placement_options=json.loads(json.dumps(options)), precision=precision))
+    sizes = {world_size}
+    for mesh in meshes:
+        ranks = math.prod(mesh)
+        if ranks not in sizes:  # the loss check and the ratios need plain PyTorch on the same ranks and data
+            sizes.add(ranks)
+            configs += [BenchConfig(name=f"{ref}-{ranks}ranks", kind=ref, world_size=ranks) for ref in references]
+        for stage in stages:
+            configs.append(BenchConfig(name=f"{base}-s{stage}-{mesh_name(mesh)}{tag}", kind="zero", strategy=base, stage=stage,
+                                       mesh=list(mesh), precision=precision))
     return configs

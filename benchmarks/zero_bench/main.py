@@ -3,11 +3,12 @@
     nox -s bench -- --quick                     # the tiny model, 6 steps: under 5 minutes on 2 CPU cores
     nox -s bench                                # GPT-2 small's shape, 10 steps
     nox -s bench -- --model demo --world-size 4 --strategies chunk --stages 3 --policies device,gemini
+    nox -s bench -- --quick --meshes 2x2,1x4,4x1   # mesh rows: HSDP 2x2, full sharding 1x4, plain DP 4x1
     nox -s bench -- --quick --compare benchmarks/results/baseline.json --threshold 0.15
     nox -s bench -- --compare-only benchmarks/results/baseline.json   # no run: latest.json against it
 
 Each configuration trains in its own torchrun launch (so peak memory is its own), for the same steps
-on the same data. Results go to ``benchmarks/results/latest.json`` (schema in docs/benchmarks.md), a
+on the same data (a mesh row, and the references beside it, on the mesh's own ranks). Results go to ``benchmarks/results/latest.json`` (schema in docs/benchmarks.md), a
 Markdown table to stdout and ``latest.md``, and the plot to ``latest.png``. The exit status is 1 when
 any configuration failed, trained a different model (losses disagree), or regressed against
 ``--compare``; 0 otherwise.
@@ -79,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--comms", default=None, help="comma-separated comm backends (default: every registered one)")
     p.add_argument("--references", default="ddp,fsdp2", help="comma-separated references among ddp, fsdp2 ('' for none)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="compute dtype of the zero runs")
+    p.add_argument("--meshes", default="2x2,1x4",
+                   help="comma-separated device meshes RxS (or S), each run at every stage on its own R*S ranks, "
+                        "e.g. 2x2 (HSDP: shard over 2, replicate over 2); '' for none")
     p.add_argument("--placement-options", action="append", default=[], metavar="NAME=JSON",
                    help='options of one placement policy, e.g. lru=\'{"device_chunks": 2}\' (repeatable)')
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="relative loss tolerance of fp32 runs against DDP")
@@ -118,6 +122,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--references takes ddp and/or fsdp2, got {bad}")
     if args.precision != "fp32" and args.references:
         print("note: the references train in fp32; 16-bit zero runs are checked against them with --loss-rtol-16")
+    meshes = []
+    for item in (m for m in args.meshes.split(",") if m):
+        try:
+            mesh = tuple(int(n) for n in item.lower().split("x"))
+        except ValueError:
+            mesh = ()
+        if len(mesh) not in (1, 2) or min(mesh) < 1:
+            p.error(f"--meshes takes comma-separated shapes RxS (replicate x shard) or S, e.g. 2x2,1x4; got {item!r}")
+        meshes.append(mesh)
+    args.meshes = meshes
     options = {}
     for item in args.placement_options:
         name, sep, text = item.partition("=")
@@ -219,8 +233,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = discover(plugins=plugins, strategies=args.strategies and args.strategies.split(","), stages=args.stages,
                        policies=args.policies and args.policies.split(","), comms=args.comms and args.comms.split(","),
                        references=args.references, precision=args.precision, state_mib=state_mib, size=size,
-                       placement_options=args.placement_options)
-    print(f"bench: {len(configs)} configurations x {args.world_size} ranks, model {args.model} ({cfg.num_params / 1e6:.2f}M "
+                       placement_options=args.placement_options, meshes=args.meshes, world_size=args.world_size)
+    mesh_rows = sum(c.world_size not in (None, args.world_size) for c in configs)
+    print(f"bench: {len(configs)} configurations x {args.world_size} ranks"
+          f"{f' ({mesh_rows} on their own ranks)' if mesh_rows else ''}, model {args.model} ({cfg.num_params / 1e6:.2f}M "
           f"parameters), {args.steps} steps ({args.warmup} warm-up), {machine()['backend']}", flush=True)
     # collectives give up well before the launch is killed, so a stuck rank reports which collective hung
     spec = {"model": size.options(), "steps": args.steps, "warmup": args.warmup, "timeout_s": max(10.0, 0.8 * args.timeout)}
@@ -231,7 +247,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="zero-bench-") as tmp:
             for config in configs:
                 progress.start(config.name)
-                record = {"name": config.name, "config": config.as_dict(), **launch(config, spec, args.world_size, args.timeout, Path(tmp))}
+                world = config.world_size or args.world_size
+                record = {"name": config.name, "config": config.as_dict(), "world_size": world,
+                          **launch(config, spec, world, args.timeout, Path(tmp))}
                 records.append(record)
                 progress.finish(config.name, record)
     finally:
@@ -257,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     records = result["records"]
     text = table(records)
     m = result["model"]
-    title = (f"{m['preset']} GPT ({m['params'] / 1e6:.2f}M params), {result['world_size']} ranks, {result['machine']['backend']}, "
+    own = sorted({r["world_size"] for r in records} - {result["world_size"]})
+    ranks = f"{result['world_size']} ranks" + (f" ({', '.join(map(str, own))} for the mesh rows)" if own else "")
+    title = (f"{m['preset']} GPT ({m['params'] / 1e6:.2f}M params), {ranks}, {result['machine']['backend']}, "
              f"torch {result['machine']['torch']}")
     print(f"\n{title}; median of steps {args.warmup + 1}..{args.steps}\n\n{text}\n")
     for r in records:

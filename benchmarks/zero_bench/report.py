@@ -6,21 +6,43 @@ import math
 from typing import Any
 
 MiB = 2**20
+DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def world_size(r: dict[str, Any]) -> int | None:
+    """The ranks a record ran on (its own, for a mesh row or a reference at another size)."""
+    return r.get("world_size") or r["config"].get("world_size")
+
+
+def _references(records: list[dict[str, Any]]) -> dict[Any, dict[str, dict[str, Any]]]:
+    """The reference rows that ran, by world size, then kind (``ddp``, ``fsdp2``)."""
+    refs: dict[Any, dict[str, dict[str, Any]]] = {}
+    for r in records:
+        kind = r["config"]["kind"]
+        if kind in ("ddp", "fsdp2") and r.get("median_step_s") is not None:
+            refs.setdefault(world_size(r), {}).setdefault(kind, r)
+    return refs
+
+
 def check_losses(records: list[dict[str, Any]], *, rtol: float, rtol_16: float) -> str | None:
-    """Mark every record ``losses_agree``; return the reference row's name (DDP, else FSDP2; None: unchecked).
+    """Mark every record ``losses_agree``; return the reference rows' names (DDP, else FSDP2, at each
+    world size, comma-separated; None: unchecked).
 
     Only plain PyTorch is a reference: a bug every zero row shared would pass against a zero row.
-    A loss that is not finite never agrees.
+    A row is checked against the reference on its own ranks (the same global batch); a row whose
+    world size no reference ran at is unchecked. A loss that is not finite never agrees.
     """
     ok = [r for r in records if r["status"] == "ok"]
-    reference = next((r for name in ("ddp", "fsdp2") for r in ok if r["name"] == name), None)
+    by_world = {}
+    for world, refs in _references(ok).items():
+        by_world[world] = refs.get("ddp") or refs.get("fsdp2")
+    used = []
     for r in records:
+        reference = by_world.get(world_size(r))
         if r["status"] != "ok" or reference is None:
             r["losses_agree"] = None
             continue
@@ -33,17 +55,19 @@ def check_losses(records: list[dict[str, Any]], *, rtol: float, rtol_16: float) 
         r["losses_agree"] = len(r["losses"]) == len(reference["losses"]) and worst <= tol
         if not r["losses_agree"]:
             r["status"] = "WRONG LOSSES"
-    return None if reference is None else reference["name"]
+        if reference["name"] not in used:
+            used.append(reference["name"])
+    return ", ".join(used) or None
 
 
 def add_ratios(records: list[dict[str, Any]]) -> None:
     """Step time and peak memory against DDP and FSDP2; measured state and traffic against theory."""
-    by_name = {r["name"]: r for r in records if r.get("median_step_s") is not None}
-    ddp, fsdp2 = by_name.get("ddp"), by_name.get("fsdp2")
+    refs = _references(records)
     for r in records:
         if r.get("median_step_s") is None:
             r["ratios"] = {}
             continue
+        ddp, fsdp2 = (refs.get(world_size(r), {}).get(kind) for kind in ("ddp", "fsdp2"))
         mem = max(r["peak_memory_mib"])
         r["ratios"] = {
             "step_vs_ddp": _ratio(r["median_step_s"], ddp and ddp["median_step_s"]),
@@ -66,14 +90,39 @@ def _calls(r: dict[str, Any]) -> str:
                                                                   if kv[0] in short else 9))
 
 
+def _groups(r: dict[str, Any]) -> str:
+    """The largest rank's bytes sent per step by group: shard (AG + RS) / replicate (AR), in MiB."""
+    groups = r.get("bytes_sent_by_group")
+    if not groups:
+        return "–"
+    return f"{max(g['shard'] for g in groups) / MiB:.2f} / {max(g['replicate'] for g in groups) / MiB:.2f}"
+
+
+def _vs_estimate(r: dict[str, Any]) -> str:
+    """``exact`` when the measured bytes (state by kind per rank, sent by collective) equal zero_core.estimate's."""
+    predicted = r.get("estimate")
+    if not predicted:
+        return "–"
+    sent = {k: v["bytes_sent"] for k, v in (r.get("collectives_per_step") or {}).items() if k in DATA_KINDS}
+    state_ok = r["model_state_by_kind"] == predicted["model_state_by_kind"]
+    sent_ok = sent == predicted["bytes_sent"]
+    if state_ok and sent_ok:
+        return "exact"
+    wrong = ([] if state_ok else ["state"]) + ([] if sent_ok else ["sent"])
+    groups = predicted.get("bytes_sent_by_group")
+    told = "" if not groups else f" (est. {groups['shard'] / MiB:.2f} / {groups['replicate'] / MiB:.2f})"
+    return "DIFFERS: " + ", ".join(wrong) + told
+
+
 def table(records: list[dict[str, Any]]) -> str:
-    """One row per configuration, in run order (references, strategies by stage, then variants)."""
+    """One row per configuration, in run order (references, strategies by stage, variants, then mesh rows)."""
     head = ("| config | status | step ms | tokens/s | peak mem/rank MiB | above start | step vs DDP | step vs FSDP2 | mem vs DDP | mem vs FSDP2 "
-            "| model state/rank MiB | state vs theory | sent/step/rank MiB | sent vs theory | collectives/step |")
+            "| model state/rank MiB | state vs theory | sent/step/rank MiB | sent vs theory | shard / replicate MiB | vs estimate "
+            "| collectives/step |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         if r.get("median_step_s") is None:
-            rows.append(f"| {r['name']} | {r['status']}: {r.get('error') or ''} |" + " |" * 13)
+            rows.append(f"| {r['name']} | {r['status']}: {r.get('error') or ''} |" + " |" * 15)
             continue
         q = r["ratios"]
         above = max(p - s for p, s in zip(r["peak_memory_mib"], r["start_memory_mib"]))
@@ -81,5 +130,5 @@ def table(records: list[dict[str, Any]]) -> str:
             f"| {r['name']} | {r['status']} | {1000 * r['median_step_s']:.1f} | {r['tokens_per_s']:,.0f} "
             f"| {max(r['peak_memory_mib']):.0f} | {above:.0f} | {_x(q['step_vs_ddp'])} | {_x(q['step_vs_fsdp2'])} | {_x(q['memory_vs_ddp'])} "
             f"| {_x(q['memory_vs_fsdp2'])} | {max(r['model_state_bytes']) / MiB:.2f} | {_x(q['state_vs_theory'])} "
-            f"| {max(r['bytes_sent_per_step']) / MiB:.2f} | {_x(q['sent_vs_theory'])} | {_calls(r)} |")
+            f"| {max(r['bytes_sent_per_step']) / MiB:.2f} | {_x(q['sent_vs_theory'])} | {_groups(r)} | {_vs_estimate(r)} | {_calls(r)} |")
     return "\n".join(rows)

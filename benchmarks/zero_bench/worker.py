@@ -65,6 +65,20 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def device_mesh(device: torch.device, shape: list[int]) -> Any:
+    """The ``DeviceMesh`` a mesh row shards over: ``(replicate, shard)``, or ``(shard,)``, over every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    return init_device_mesh(device.type, tuple(shape), mesh_dim_names=names)
+
+
+def by_group(comm: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Bytes sent by group: ``shard`` (all-gathers and reduce-scatters), ``replicate`` (all-reduces)."""
+    sent = {k: v["bytes_sent"] for k, v in comm.items()}
+    return {"shard": sent.get("all_gather", 0) + sent.get("reduce_scatter", 0), "replicate": sent.get("all_reduce", 0)}
+
+
 def zero_config(config: dict[str, Any], model: dict[str, int]) -> ZeroConfig:
     precision = config["precision"]
     return ZeroConfig(strategy=config["strategy"], stage=config["stage"], comm=config["comm"],
@@ -141,8 +155,10 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
         if kind == "zero":
             zcfg = zero_config(config, model)
             optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
-            predicted = estimate(net, world_size=world, config=zcfg, optimizer=optimizer)
-            net, optimizer = shard(net, optimizer, config=zcfg)
+            mesh = config.get("mesh")
+            predicted = estimate(net, world_size=world, mesh_shape=None if mesh is None else tuple(mesh), config=zcfg,
+                                 optimizer=optimizer)
+            net, optimizer = shard(net, optimizer, config=zcfg, **({} if mesh is None else {"mesh": device_mesh(device, mesh)}))
         elif kind == "ddp":
             net = torch.nn.parallel.DistributedDataParallel(net.to(device), gradient_as_bucket_view=True)
             count_ddp(net, counter)
@@ -217,6 +233,7 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
     theory = reference_theory(kind, params, world) if kind != "zero" else {
         "model_state_bytes": predicted.formula["model_state_bytes"], "bytes_sent": predicted.formula["bytes_sent"]}
     record.update({
+        "world_size": world,
         "losses": losses,
         "step_times_s": times,
         "median_step_s": median,
@@ -228,12 +245,14 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
         "model_state_by_tier": [r["tiers"] for r in everyone],
         "bytes_sent_per_step": [sum(v["bytes_sent"] for k, v in r["comm"].items() if k in DATA_KINDS) for r in everyone],
         "control_bytes_per_step": [sum(v["bytes_sent"] for k, v in r["comm"].items() if k not in DATA_KINDS) for r in everyone],
+        "bytes_sent_by_group": [by_group(r["comm"]) for r in everyone],
         "collective_calls_per_step": {k: v["calls"] for k, v in everyone[0]["comm"].items()},
         "collectives_per_step": everyone[0]["comm"],
         "theory": theory,
         "estimate": None if kind != "zero" else {
             "model_state_by_kind": list(predicted.per_rank), "model_state_by_tier": None if predicted.tiers is None else list(predicted.tiers),
-            "bytes_sent": predicted.bytes_sent, "calls": predicted.calls, "padded_params": predicted.padded_params},
+            "bytes_sent": predicted.bytes_sent, "bytes_sent_by_group": predicted.bytes_sent_by_group, "calls": predicted.calls,
+            "padded_params": predicted.padded_params, "mesh_shape": list(predicted.mesh_shape)},
     })
     return record
 

@@ -1,8 +1,11 @@
-"""The plugin manager: entry-point discovery, registries, blocking, in-process plugins."""
+"""The plugin manager: core's own plugin, entry-point discovery, registries, blocking, in-process plugins, plugin-owned hookspecs."""
+
+import importlib.metadata
 
 import pytest
 
-from zero_core import ChunkSpec, PluginNotFoundError, Registry, ZeroConfig, ZeroPlugins, hookimpl, shard
+from zero_core import ENTRY_POINT_GROUP, ChunkSpec, PluginNotFoundError, Registry, ZeroConfig, ZeroPlugins, _default_plugins, hookimpl, shard
+from zero_core.plugin import hookspec
 from zero_core.testing.zoo import get_case
 
 
@@ -46,6 +49,58 @@ def test_autoload_can_be_disabled_and_plugins_passed_in(monkeypatch):
     import zero_strategy_chunk.plugin
 
     assert "chunk" in ZeroPlugins.load([zero_strategy_chunk.plugin]).strategies
+
+
+def test_core_policies_exist_without_autoload(monkeypatch):
+    monkeypatch.setenv("ZERO_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert ZeroPlugins.load().placement_policies.names() == ["device", "host"]
+
+
+def test_core_policies_exist_without_entry_point_metadata(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda: [])  # what pluggy reads entry points from
+    plugins = ZeroPlugins.load()
+    assert plugins.placement_policies.names() == ["device", "host"] and len(plugins.strategies) == 0
+
+
+def test_core_entry_point_is_skipped_once_registered_directly():
+    assert "zero-core" in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP).names
+    manager = ZeroPlugins.load().manager  # would raise "already registered" had pluggy loaded the entry point too
+    assert manager.get_plugin("zero-core") is _default_plugins
+    assert [name for name, plugin in manager.list_name_plugin() if plugin is _default_plugins] == ["zero-core"]
+
+
+@pytest.mark.parametrize("autoload", [True, False])
+def test_blocking_zero_core_blocks_its_direct_registration(monkeypatch, autoload):
+    monkeypatch.setenv("ZERO_BLOCKED_PLUGINS", "zero-core")
+    if not autoload:
+        monkeypatch.setenv("ZERO_DISABLE_PLUGIN_AUTOLOAD", "1")
+    plugins = ZeroPlugins.load()
+    assert "device" not in plugins.placement_policies and plugins.manager.get_plugin("zero-core") is None
+
+
+class OwnHookspecs:
+    """A plugin that specifies a hook of its own, the way zero-strategy-chunk adds ``zero_plan_chunks``."""
+
+    @staticmethod
+    @hookspec(firstresult=True)
+    def my_plugin_pick(options):
+        """Return one of ``options``."""
+
+    @hookimpl
+    def zero_add_hookspecs(self, plugin_manager):
+        plugin_manager.add_hookspecs(OwnHookspecs)
+
+
+class PicksLast:
+    @hookimpl
+    def my_plugin_pick(self, options):
+        return options[-1]
+
+
+def test_a_plugin_adds_its_own_hookspecs_for_other_plugins(monkeypatch):
+    monkeypatch.setenv("ZERO_DISABLE_PLUGIN_AUTOLOAD", "1")
+    hook = ZeroPlugins.load([PicksLast(), OwnHookspecs()]).manager.hook  # implemented before it is specified
+    assert hook.my_plugin_pick(options=[1, 2, 3]) == 3
 
 
 class OneChunkPerParameter:

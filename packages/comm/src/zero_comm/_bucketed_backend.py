@@ -15,13 +15,13 @@ from zero_core import CommBackend, CommStats
 
 if TYPE_CHECKING:
     from zero_core import ZeroConfig
-    from zero_core.comm import Pending
+    from zero_core.plugin import Pending
 
 __all__ = ["BucketedCommBackend"]
 
 
 class _QueuedReduceScatter:
-    """The :class:`~zero_core.comm.Pending` of a bucketed reduce-scatter.
+    """The :class:`~zero_core.plugin.Pending` of a bucketed reduce-scatter.
 
     A wait on the thread that queued the input flushes first: that thread is the only one
     that launches collectives, so it would otherwise wait for a launch that cannot come, and

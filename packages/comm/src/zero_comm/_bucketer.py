@@ -57,7 +57,7 @@ from zero_core import ZeroError
 
 if TYPE_CHECKING:
     from zero_core import CommBackend
-    from zero_core.comm import Pending
+    from zero_core.plugin import Pending
 
 __all__ = ["Bucket", "BucketCallbackError", "BucketError", "BucketState", "ReduceScatterBucketer", "Ticket"]
 
@@ -273,7 +273,7 @@ class Bucket:
 
 
 class Ticket:
-    """The handle of one :meth:`ReduceScatterBucketer.reduce_scatter_async` (a :class:`zero_core.comm.Pending`)."""
+    """The handle of one :meth:`ReduceScatterBucketer.reduce_scatter_async` (a :class:`zero_core.plugin.Pending`)."""
 
     def __init__(self, bucketer: ReduceScatterBucketer, collective: _Collective, comm: CommBackend,
                  *, input_released: bool) -> None:

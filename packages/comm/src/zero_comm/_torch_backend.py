@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core import CollectiveKind, CollectiveTimeoutError, CommBackend, ring_bytes_sent
-from zero_core.chunk import BufferPool
-from zero_core.comm import Pending
+from zero_core.plugin import BufferPool, Pending
 
 __all__ = ["TorchCommBackend"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -36,11 +37,16 @@ def clip_grad_norm_(model: ZeroModule, max_norm: float, norm_type: float = 2.0) 
     if engine.state is TrainingState.BACKWARD and torch._C._current_graph_task_id() != -1:
         raise ZeroError("clip_grad_norm_ was called during backward; call it after loss.backward() returns")
     engine.settle()  # a backward that raised earlier is undone first: it contributes nothing
-    # each element of a Shard(0) gradient belongs to exactly one rank; a replicated (0-dim) one counts on rank 0 only
+    # each element of a Shard(0) gradient belongs to exactly one rank of its shard group, and counts in the first
+    # replica only (HSDP's other replicas hold the same shard); a replicated (0-dim) one counts on rank 0 only
+    def counts(chunk: Any, slot: int) -> bool:
+        first_replica = chunk.groups is None or chunk.groups.replicate_rank == 0
+        return first_replica and (not chunk.slots[slot].replicated or chunk.rank == 0)
+
     grads = [to_local(seg.param.grad) for chunk in engine.chunks for seg in chunk.segments
-             if seg.param.grad is not None and (not chunk.slots[seg.slot].replicated or chunk.rank == 0)]
+             if seg.param.grad is not None and counts(chunk, seg.slot)]
     replicated = [to_local(seg.param.grad) for chunk in engine.chunks for seg in chunk.segments
-                  if seg.param.grad is not None and chunk.slots[seg.slot].replicated and chunk.rank != 0]
+                  if seg.param.grad is not None and not counts(chunk, seg.slot)]
     device = engine.device
     # Shards may live on different devices (offloaded to the host, or partly): each device reduces its
     # own gradients, and only one float64 scalar per device travels to the compute device.

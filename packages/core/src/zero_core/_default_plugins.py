@@ -1,6 +1,8 @@
 """zero-core's own plugin: the ``device`` and ``host`` placement policies.
 
-Registered through the ``zero`` entry-point group like any third-party plugin.
+:meth:`zero_core.ZeroPlugins.load` registers it directly under its entry-point name
+``zero-core``, so these policies exist even with plugin autoload disabled; the entry point
+stays, so it is listed and blocked (``ZERO_BLOCKED_PLUGINS=zero-core``) like any other.
 """
 
 from __future__ import annotations

@@ -157,6 +157,16 @@ class Engine:
         # [Note: gradient reduction order] while all-gathers follow [Note: agreeing on all-gathers],
         # and a rank blocked on one stream must never hold up the other.
         self.reduce_comm = reduce_comm
+        # The chunks' own groups beyond these two (meshes, see [Note: one group per direction of traffic]).
+        self._mesh_comms: list[CommBackend] = []
+        for chunk in chunks:
+            if chunk.groups is None:
+                continue
+            g = chunk.groups
+            for comm_ in (g.gather, g.reduce, g.reduce_all, g.replicate, g.sub):
+                if comm_ is not None and comm_ is not comm and comm_ is not reduce_comm and \
+                        all(comm_ is not c for c in self._mesh_comms):
+                    self._mesh_comms.append(comm_)
         self.strategy = strategy
         self.placement = placement
         self.config = config
@@ -282,8 +292,8 @@ class Engine:
         self._handles.clear()
         self._waiter.close()
         self.placement.close()
-        self.comm.close()
-        self.reduce_comm.close()
+        for comm in (self.comm, self.reduce_comm, *self._mesh_comms):
+            comm.close()
 
     # -- which parameters the modules hold ----------------------------------------------
     def use_unsharded(self, *, stand_ins: bool = True) -> None:
@@ -453,7 +463,7 @@ class Engine:
             for chunk in self.chunks:
                 if chunk.state is ChunkState.GATHERING:
                     chunk.wait()
-            self.reduce_comm.flush()
+            self._flush_reductions()
             self._waiter.join()
         except BaseException as err:  # noqa: BLE001 - the state is reset first, then this is raised
             error = err
@@ -583,6 +593,12 @@ class Engine:
         if self.sync_gradients:
             self._reduce_ready()
 
+    def _flush_reductions(self) -> None:
+        """Every reduce group launches what a bucketing backend still holds (on every rank, in one order)."""
+        self.reduce_comm.flush()
+        for comm in self._mesh_comms:
+            comm.flush()
+
     def _reduce_ready(self) -> None:
         while self._next_reduce < len(self._reduce_order):
             chunk = self._reduce_order[self._next_reduce]
@@ -619,7 +635,7 @@ class Engine:
             if self.sync_gradients:
                 while self._next_reduce < len(self._reduce_order):
                     self._reduce(self._reduce_order[self._next_reduce])
-                self.reduce_comm.flush()  # a bucketing backend launches what it still holds
+                self._flush_reductions()
                 self._waiter.join()
                 self.placement.after_backward(self.chunks)
                 self._publish_gradients()
@@ -841,7 +857,8 @@ class Engine:
                     full = chunk.full
                 else:
                     received = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-                    self.comm.all_gather(received, chunk.shard.to(chunk.device))
+                    gather = chunk.groups.gather if chunk.groups is not None else self.comm
+                    gather.all_gather(received, chunk.shard.to(chunk.device))
                     full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
                     torch.split_with_sizes_copy(received.view(chunk.world_size, chunk.shard_size), chunk._split, dim=1,
                                                 out=chunk._regions(full))

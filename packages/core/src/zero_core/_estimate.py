@@ -16,14 +16,26 @@ What it counts, per rank, between steps (the same definitions as
 * ``optimizer_states``: per-element optimizer state of the shard's real elements (Adam:
   two fp32 moments, 8 bytes per fp32 master element; padding holds none);
 * bytes sent per step by the data collectives (all-gathers of parameters, reduce-scatters
-  of gradients), counted the ring way (``ring_bytes_sent``); the scalar agreement rounds a
-  dynamic graph needs are not predicted (they are a few bytes per gather).
+  of gradients, and on a mesh with replicas the all-reduces of the reduced shards), counted
+  the ring way (``ring_bytes_sent``); the scalar agreement rounds a dynamic graph needs are
+  not predicted (they are a few bytes per gather).
+
+[Note: estimating a mesh]
+``mesh_shape=(R, S)`` lays the ``R * S`` ranks out as :meth:`MeshSpec.of_shape` does (rows of
+``S`` consecutive ranks). Every chunk is sharded over a row, so the strategy plans for a world
+of ``S`` ranks (``world_size=S``, ``topology`` the one mesh) and every rank holds what a rank
+of an ``S``-rank world holds: shard index ``rank % S``. The all-gathers and reduce-scatters
+are those of an ``S``-rank world (none when ``S == 1``); then each reduced chunk's shard-sized
+gradient (the whole chunk when ``S == 1``) is all-reduced over the ``R`` replicas, one call
+per chunk: ``ring_bytes_sent(ALL_REDUCE, shard_size * reduce_bytes, R)``.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -36,8 +48,9 @@ from zero_core.api import ZeroConfig
 from zero_core.chunk import ParamInfo, layout_slots, padded_shard_size
 from zero_core.comm import CollectiveKind, ring_bytes_sent
 from zero_core.errors import ConfigError
+from zero_core.mesh import MeshSpec, Topology
 from zero_core.placement import ChunkParts
-from zero_core.strategy import round_up
+from zero_core.strategy import ChunkPlan, Reduction, round_up
 
 __all__ = ["Estimate", "estimate"]
 
@@ -51,29 +64,37 @@ class Estimate:
     Attributes:
         params: Unique parameter elements (``Psi``).
         padded_params: Elements in all chunks (``Psi`` plus padding); ``Psi`` rounded up to
-            the world size when estimated from a count.
-        world_size: Ranks.
+            the shard group size when estimated from a count.
+        world_size: Ranks (``R * S`` on a mesh).
+        mesh_shape: ``(R, S)``: ``R`` replicas of every chunk, each sharded over ``S`` ranks;
+            ``(1, world_size)`` for plain sharding.
         stage: ZeRO stage.
         per_rank: Model-state bytes by kind (``params``, ``grads``, ``optimizer_states``),
-            one mapping per rank; padding sits on the last ranks, so they may hold fewer
-            optimizer-state bytes.
+            one mapping per rank; padding sits on the last ranks of each shard group, so they
+            may hold fewer optimizer-state bytes.
         tiers: Model-state bytes by tier (``device``, ``host``, ``disk``) per rank, or
             ``None`` when the placement policy decides at run time (Gemini measures first).
         bytes_sent: Bytes one rank sends per step, by collective (``all_gather``,
-            ``reduce_scatter``); every rank sends the same.
+            ``reduce_scatter``, and ``all_reduce`` when ``R > 1``); every rank sends the same.
+        bytes_sent_by_group: The same bytes by the group they travel in: ``shard`` (the
+            all-gathers and reduce-scatters, inside a shard group of ``S`` ranks) and
+            ``replicate`` (the all-reduces, across the ``R`` replicas).
         calls: Collective calls per step, by collective; ``None`` when estimated from a
             count (the number of chunks and buckets depends on the model's layout).
-        formula: The closed formulas on ``Psi`` with no padding (``model_state_bytes`` per
-            rank and ``bytes_sent`` per step), the theory each measurement is compared with.
+        formula: The closed formulas on ``Psi`` with no padding, the theory each measurement
+            is compared with: ``model_state_bytes`` per rank, ``bytes_sent`` per step, and
+            that split by group as ``bytes_sent_shard`` and ``bytes_sent_replicate``.
     """
 
     params: int
     padded_params: int
     world_size: int
+    mesh_shape: tuple[int, int]
     stage: int
     per_rank: tuple[dict[str, int], ...] = field(repr=False)
     tiers: tuple[dict[str, int], ...] | None = field(repr=False)
     bytes_sent: dict[str, int]
+    bytes_sent_by_group: dict[str, int]
     calls: dict[str, int] | None
     formula: dict[str, int] = field(default_factory=dict)
 
@@ -89,6 +110,51 @@ class Estimate:
     @property
     def total_bytes_sent(self) -> int:
         return sum(self.bytes_sent.values())
+
+    def inter_node_bytes(self, gpus_per_node: int) -> int:
+        """Bytes per GPU per step that cross a node boundary, in a model of the cluster.
+
+        A planning figure, not a count of anything the engine does. The model:
+
+        * global rank ``r`` runs on node ``r // gpus_per_node``, and the mesh lays ranks out
+          row-major (shard groups are runs of ``S`` consecutive ranks, as
+          :meth:`MeshSpec.of_shape`);
+        * every collective runs as one ring through its group's ranks in rank order (a ring
+          ordered by node, as NCCL builds it), so each rank sends its whole share
+          (:attr:`bytes_sent`) to its successor, and the share of a group's bytes that crosses
+          nodes is the share of the ring's edges that join two nodes: ``k / n`` for a group of
+          ``n`` ranks over ``k > 1`` nodes in contiguous blocks, 0 inside one node, 1 for a
+          group with one rank per node;
+        * the result is averaged over the GPUs: with whole nodes, a node's inter-node egress
+          divided by ``gpus_per_node`` (with one NIC per GPU, the load of one NIC, as NCCL
+          spreads its rings over the NICs; in one ring only the GPU at the node's edge sends
+          across).
+
+        So with ``S == gpus_per_node`` (HSDP, one shard group per node) only the replicate
+        all-reduce crosses nodes: ``bytes_sent_by_group["replicate"]``. Full sharding over
+        ``W`` GPUs in whole nodes sends ``bytes_sent / gpus_per_node`` across nodes (for
+        ``W > gpus_per_node``; 0 in one node). Node-aware hierarchical algorithms can do a
+        little better than a ring (an all-gather needs only ``(W - g) / W`` of the payload
+        into each node, the ring carries ``(W - 1) / W``); this model does not assume them.
+        """
+        if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+            raise ConfigError(f"inter_node_bytes needs gpus_per_node >= 1, got {gpus_per_node!r}")
+        mesh = MeshSpec.of_shape(self.mesh_shape)
+        shard = _ring_crossing_share(mesh.shard_groups(), gpus_per_node)
+        replicate = _ring_crossing_share(mesh.replicate_groups(), gpus_per_node)
+        return round(self.bytes_sent_by_group["shard"] * shard + self.bytes_sent_by_group["replicate"] * replicate)
+
+
+def _ring_crossing_share(groups: Sequence[Sequence[int]], gpus_per_node: int) -> Fraction:
+    """Of the ring edges of these groups (each a ring in rank order), the share that joins two nodes."""
+    edges = crossing = 0
+    for group in groups:
+        if len(group) < 2:
+            continue
+        ring = sorted(group)
+        edges += len(ring)
+        crossing += sum(a // gpus_per_node != b // gpus_per_node for a, b in zip(ring, ring[1:] + ring[:1]))
+    return Fraction(crossing, edges) if edges else Fraction(0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +177,8 @@ def _bytes(dtype: torch.dtype | None, default: int) -> int:
 def estimate(
     model: nn.Module | int,
     *,
-    world_size: int,
+    world_size: int | None = None,
+    mesh_shape: Sequence[int] | None = None,
     config: ZeroConfig | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     optimizer_bytes_per_element: int = 8,
@@ -121,7 +188,11 @@ def estimate(
 
     Args:
         model: A model (its parameters may be on the meta device) or a parameter count.
-        world_size: Data-parallel ranks.
+        world_size: Data-parallel ranks (plain sharding over all of them).
+        mesh_shape: ``(R, S)``: shard every chunk over ``S`` ranks and replicate it over ``R``
+            (HSDP; what ``shard(..., mesh=)`` does with a 2-D mesh of that shape), or ``(S,)``
+            for plain sharding over ``S`` ranks. Give ``world_size`` or ``mesh_shape``, or
+            both when ``world_size == R * S``. See [Note: estimating a mesh].
         config: The :class:`ZeroConfig` to estimate (strategy, stage, precision, comm,
             placement and chunk policy); the default config when ``None``.
         optimizer: The optimizer the model would be sharded with; its parameter groups
@@ -131,23 +202,27 @@ def estimate(
         plugins: The plugin set to take strategies, comm backends and placements from.
 
     Raises:
-        ConfigError: A world size below 1, a negative count, a model with no parameters, or
-            ``ChunkPolicy(param_order="first_use")`` (that order needs a forward pass).
+        ConfigError: A world size below 1, a mesh shape that is not ``(S,)`` or ``(R, S)`` of
+            positive ints or disagrees with ``world_size``, a negative count, a model with no
+            parameters, ``ChunkPolicy(param_order="first_use")`` (that order needs a forward
+            pass), or a plan the estimator does not model (``reshard_after_forward`` other
+            than ``True`` at stage 3, chunks on another mesh or with another reduction).
     """
     config = config or ZeroConfig()
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"estimate needs world_size >= 1, got {world_size!r}")
+    mesh = _mesh(world_size, mesh_shape)
+    world, replicas, shards = mesh.size, mesh.replicate_size, mesh.shard_size
     if isinstance(optimizer_bytes_per_element, bool) or not isinstance(optimizer_bytes_per_element, int) \
             or optimizer_bytes_per_element < 0:
         raise ConfigError(f"optimizer_bytes_per_element must be a non-negative int, got {optimizer_bytes_per_element!r}")
     plugins = plugins or ZeroPlugins.load()
     compute = config.precision.compute
     reduce_bytes = _bytes(config.precision.reduce, 4)
+    released = config.stage == 3 and shards > 1  # chunks a shard group gathers for use and frees after
     if isinstance(model, int) and not isinstance(model, bool):
         if model < 1:
             raise ConfigError(f"estimate needs a positive parameter count, got {model}")
-        chunks = [_Layout(size=round_up(model, world_size), used=model, requires_grad=True, master_bytes=4,
-                          kept=config.stage < 3 or world_size == 1)]
+        _check_reshard(config.reshard_after_forward, released, "")
+        chunks = [_Layout(size=round_up(model, shards), used=model, requires_grad=True, master_bytes=4, kept=not released)]
         groups: list[list[int]] | None = None
         psi = model
         comm_cls = None
@@ -155,33 +230,75 @@ def estimate(
         if config.chunk.param_order == "first_use":
             raise ConfigError("estimate lays parameters out in registration order; ChunkPolicy(param_order='first_use') "
                               "needs a forward pass, so estimate with param_order='registration' (the bytes differ only by padding)")
-        chunks, groups, psi = _plan(model, optimizer, world_size, config, plugins)
+        chunks, groups, psi = _plan(model, optimizer, mesh, config, plugins)
         strategy = plugins.strategies.get(config.strategy)
         comm_cls = plugins.comm_backends.get(config.comm or strategy.comm)
     else:
         raise ConfigError(f"estimate needs an nn.Module or a parameter count, got {type(model).__name__}")
 
+    # Every rank holds what a rank of an S-rank world holds: shard index rank % S (see [Note: estimating a mesh]).
     compute_bytes = [_bytes(compute, c.master_bytes) for c in chunks]
     policy = plugins.placement_policies.get(config.placement).from_config(config)
-    placed = [_placement(chunks, rank, world_size, policy, optimizer_bytes_per_element) for rank in range(world_size)]
+    placed = [_placement(chunks, rank, shards, policy, optimizer_bytes_per_element) for rank in range(shards)]
     copies = policy.copies_kept_shard(resolve_device(config))
-    per_rank = tuple(_rank_bytes(chunks, compute_bytes, rank, world_size, config.stage, optimizer_bytes_per_element,
-                                 reduce_bytes=reduce_bytes, separate=_separate(chunks, placed[rank], copies))
-                     for rank in range(world_size))
-    tiers = _tiers(placed, per_rank)
-    sent, calls = _traffic(chunks, compute_bytes, groups, world_size, config, reduce_bytes, comm_cls)
+    by_shard = [_rank_bytes(chunks, compute_bytes, rank, shards, config.stage, optimizer_bytes_per_element,
+                            reduce_bytes=reduce_bytes, separate=_separate(chunks, placed[rank], copies))
+                for rank in range(shards)]
+    tiers_by_shard = _tiers(placed, by_shard)
+    per_rank = tuple(dict(by_shard[rank % shards]) for rank in range(world))
+    tiers = None if tiers_by_shard is None else tuple(dict(tiers_by_shard[rank % shards]) for rank in range(world))
+    sent, calls = _traffic(chunks, compute_bytes, groups, shards, replicas, config, reduce_bytes, comm_cls)
     master = chunks[0].master_bytes
-    formula_chunk = [_Layout(size=psi, used=psi, requires_grad=True, master_bytes=master, kept=config.stage < 3 or world_size == 1)]
-    formula_rank = _rank_bytes(formula_chunk, [_bytes(compute, master)], 0, world_size, config.stage,
+    formula_chunk = [_Layout(size=psi, used=psi, requires_grad=True, master_bytes=master, kept=not released)]
+    formula_rank = _rank_bytes(formula_chunk, [_bytes(compute, master)], 0, shards, config.stage,
                                optimizer_bytes_per_element, reduce_bytes=reduce_bytes, exact=False)
-    formula_sent, _ = _traffic(formula_chunk, [_bytes(compute, master)], None, world_size, config, reduce_bytes, None,
+    formula_sent, _ = _traffic(formula_chunk, [_bytes(compute, master)], None, shards, replicas, config, reduce_bytes, None,
                                exact=False)
-    return Estimate(params=psi, padded_params=sum(c.size for c in chunks), world_size=world_size, stage=config.stage,
-                    per_rank=per_rank, tiers=tiers, bytes_sent=sent, calls=calls,
-                    formula={"model_state_bytes": sum(formula_rank.values()), "bytes_sent": sum(formula_sent.values())})
+    by_group, formula_by_group = _by_group(sent), _by_group(formula_sent)
+    return Estimate(params=psi, padded_params=sum(c.size for c in chunks), world_size=world, mesh_shape=(replicas, shards),
+                    stage=config.stage, per_rank=per_rank, tiers=tiers, bytes_sent=sent, bytes_sent_by_group=by_group,
+                    calls=calls,
+                    formula={"model_state_bytes": sum(formula_rank.values()), "bytes_sent": sum(formula_sent.values()),
+                             "bytes_sent_shard": formula_by_group["shard"],
+                             "bytes_sent_replicate": formula_by_group["replicate"]})
 
 
-def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, world_size: int, config: ZeroConfig,
+def _mesh(world_size: int | None, mesh_shape: Sequence[int] | None) -> MeshSpec:
+    """The mesh to estimate on, from ``world_size`` and/or ``mesh_shape``."""
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ConfigError(f"estimate needs world_size >= 1, got {world_size!r}")
+    if mesh_shape is None:
+        if world_size is None:
+            raise ConfigError("estimate needs world_size=N (plain sharding over N ranks) or mesh_shape=(R, S) "
+                              "(S ranks shard each chunk, R replicas of them)")
+        return MeshSpec.of_shape((world_size,))
+    if isinstance(mesh_shape, (str, bytes)) or not isinstance(mesh_shape, Sequence) or len(mesh_shape) not in (1, 2) \
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in mesh_shape):
+        raise ConfigError(f"estimate's mesh_shape must be (shard,) or (replicate, shard) of positive ints, e.g. (16, 8) "
+                          f"for 16 nodes of 8 GPUs that shard inside each node; got {mesh_shape!r}")
+    mesh = MeshSpec.of_shape(tuple(mesh_shape))
+    if world_size is not None and world_size != mesh.size:
+        raise ConfigError(f"estimate got world_size={world_size} but mesh_shape={tuple(mesh_shape)} spans {mesh.size} "
+                          "ranks; give one of them, or a mesh of world_size ranks")
+    return mesh
+
+
+def _check_reshard(value: object, released: bool, where: str) -> None:
+    if released and value is not True:
+        raise ConfigError(f"estimate predicts stage 3 with reshard_after_forward=True only{where}; got {value!r}, "
+                          "which changes the backward's gathers (estimate with True for the model states, which "
+                          "it does not change between steps)")
+
+
+def _accepts_topology(plan: Any) -> bool:
+    try:
+        parameters = inspect.signature(plan).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "topology" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: MeshSpec, config: ZeroConfig,
           plugins: ZeroPlugins) -> tuple[list[_Layout], list[list[int]], int]:
     named = list(model.named_parameters(remove_duplicate=True))
     if not named:
@@ -192,8 +309,18 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, world_size:
             group_of.update({id(p): g for p in group["params"]})
     params = [ParamInfo(name, p, group_of.get(id(p), 0 if optimizer is None else None)) for name, p in named]
     strategy = plugins.strategies.get(config.strategy)()
-    plan = strategy.plan(params, world_size=world_size, config=config, hook=plugins.manager.hook)
-    plan.validate(params, world_size)
+    world_size = mesh.shard_size  # the strategy plans for the default mesh's shard group
+    topology = Topology.of(mesh)
+    # A strategy written before meshes takes no topology; it puts every chunk on the default mesh.
+    extra = {"topology": topology} if _accepts_topology(strategy.plan) else {}
+    plan = strategy.plan(params, world_size=world_size, config=config, hook=plugins.manager.hook, **extra)
+    plan.validate(params, world_size, topology)
+    default = ChunkPlan(mesh=mesh, reshard_after_forward=config.reshard_after_forward)
+    chunk_plans = plan.plans(default)
+    for i, cp in enumerate(chunk_plans):
+        if cp.mesh != mesh or cp.reduction is not Reduction.for_mesh(mesh):
+            raise ConfigError(f"estimate predicts chunks on the one mesh it is given ({mesh}, {Reduction.for_mesh(mesh).value}); "
+                              f"strategy {config.strategy!r} planned chunk {i} on {cp.mesh} with {cp.reduction.value}")
     groups = [list(g) for g in plan.gather_groups] if plan.gather_groups else [[i] for i in range(len(plan.chunks))]
     keep: set[int] = set()
     if config.stage == 3:
@@ -206,8 +333,10 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, world_size:
         slots, _ = layout_slots([(p.name, p.param) for p in spec.params], world_size)
         size = world_size * padded_shard_size([p.param.shape for p in spec.params], world_size, spec.size)
         real = tuple(sum(s.local_rows(r) * s.row for s in slots) for r in range(world_size))
+        kept = config.stage < 3 or world_size == 1 or i in keep
+        _check_reshard(chunk_plans[i].reshard_after_forward, not kept, f" (chunk {i})")
         chunks.append(_Layout(size=size, used=spec.used, requires_grad=first.requires_grad, master_bytes=first.element_size(),
-                              kept=config.stage < 3 or world_size == 1 or i in keep, real=real))
+                              kept=kept, real=real))
     return chunks, groups, plan.numel
 
 
@@ -223,7 +352,7 @@ def _rank_bytes(chunks: Sequence[_Layout], compute_bytes: Sequence[int], rank: i
     out = dict.fromkeys(_KINDS, 0)
     for i, (chunk, b) in enumerate(zip(chunks, compute_bytes)):
         m = chunk.master_bytes
-        shard = chunk.size // world if exact else chunk.size / world
+        shard = chunk.size // world if exact else Fraction(chunk.size, world)
         real = _real(chunk, rank, shard)
         # a kept full buffer in the master dtype holds the shard as a view, unless the placement moved the shard away
         view = chunk.kept and b == m and not (separate and separate[i])
@@ -273,36 +402,50 @@ def _tiers(placed: Sequence[list[tuple[ChunkParts, Any]] | None], per_rank: Sequ
     return tuple(result)
 
 
+def _by_group(sent: dict[str, int]) -> dict[str, int]:
+    return {"shard": sent["all_gather"] + sent["reduce_scatter"], "replicate": sent.get("all_reduce", 0)}
+
+
 def _traffic(chunks: Sequence[_Layout], compute_bytes: Sequence[int], groups: Sequence[Sequence[int]] | None, world: int,
-             config: ZeroConfig, reduce_bytes: int, comm_cls: Any, *, exact: bool = True) -> tuple[dict[str, int], dict[str, int] | None]:
-    if world == 1:
-        return {"all_gather": 0, "reduce_scatter": 0}, ({"all_gather": 0, "reduce_scatter": 0} if groups is not None else None)
+             replicas: int, config: ZeroConfig, reduce_bytes: int, comm_cls: Any, *,
+             exact: bool = True) -> tuple[dict[str, int], dict[str, int] | None]:
+    """Bytes and calls per step: gathers and reduce-scatters over a shard group of ``world`` ranks, then
+    (``replicas > 1``) one all-reduce per reduced chunk of its shard over the replicas."""
+    kinds = ("all_gather", "reduce_scatter") + (("all_reduce",) if replicas > 1 else ())
+    sent: dict[str, Fraction | int] = dict.fromkeys(kinds, 0)
+    calls = dict.fromkeys(kinds, 0)
 
-    def ring(kind: CollectiveKind, payload: float) -> float:
+    def ring(kind: CollectiveKind, payload: Fraction | int, n: int) -> Fraction | int:
         if exact:
-            return ring_bytes_sent(kind, int(payload), world)
-        return (world - 1) * payload / world
+            return ring_bytes_sent(kind, int(payload), n)
+        return (2 if kind is CollectiveKind.ALL_REDUCE else 1) * Fraction(n - 1, n) * payload
 
-    gather_groups = groups if groups is not None else [[i] for i in range(len(chunks))]
-    sent = {"all_gather": 0.0, "reduce_scatter": 0.0}
-    calls = {"all_gather": 0, "reduce_scatter": 0}
-    for group in gather_groups:
-        # A group with a chunk that is released after use is gathered whole for forward and again for backward.
-        if not all(chunks[i].kept for i in group):
-            payload = sum(chunks[i].size * compute_bytes[i] for i in group)
-            sent["all_gather"] += 2 * ring(CollectiveKind.ALL_GATHER, payload)
-            calls["all_gather"] += 2
-        # After the step, the trainable kept members are refreshed from their updated shards in one all-gather.
-        refreshed = [i for i in group if chunks[i].kept and chunks[i].requires_grad]
-        if refreshed:
-            sent["all_gather"] += ring(CollectiveKind.ALL_GATHER, sum(chunks[i].size * compute_bytes[i] for i in refreshed))
-            calls["all_gather"] += 1
     reduced = [c for c in reversed(chunks) if c.requires_grad]  # the engine reduces in reverse plan order
-    for chunk in reduced:
-        sent["reduce_scatter"] += ring(CollectiveKind.REDUCE_SCATTER, chunk.size * reduce_bytes)
-    if comm_cls is not None:
-        calls["reduce_scatter"] = comm_cls.estimate_reduce_scatter_calls(
-            [c.size // world for c in reduced], element_size=reduce_bytes, world_size=world, config=config)
-    else:
-        calls["reduce_scatter"] = len(reduced)
+    if world > 1:
+        gather_groups = groups if groups is not None else [[i] for i in range(len(chunks))]
+        for group in gather_groups:
+            # A group with a chunk that is released after use is gathered whole for forward and again for backward.
+            if not all(chunks[i].kept for i in group):
+                payload = sum(chunks[i].size * compute_bytes[i] for i in group)
+                sent["all_gather"] += 2 * ring(CollectiveKind.ALL_GATHER, payload, world)
+                calls["all_gather"] += 2
+            # After the step, the trainable kept members are refreshed from their updated shards in one all-gather.
+            refreshed = [i for i in group if chunks[i].kept and chunks[i].requires_grad]
+            if refreshed:
+                sent["all_gather"] += ring(CollectiveKind.ALL_GATHER, sum(chunks[i].size * compute_bytes[i] for i in refreshed),
+                                           world)
+                calls["all_gather"] += 1
+        for chunk in reduced:
+            sent["reduce_scatter"] += ring(CollectiveKind.REDUCE_SCATTER, chunk.size * reduce_bytes, world)
+        if comm_cls is not None:
+            calls["reduce_scatter"] = comm_cls.estimate_reduce_scatter_calls(
+                [c.size // world for c in reduced], element_size=reduce_bytes, world_size=world, config=config)
+        else:
+            calls["reduce_scatter"] = len(reduced)
+    if replicas > 1:
+        # HSDP: each reduced shard (the whole chunk when world == 1) is all-reduced across the replicas, one call a chunk.
+        for chunk in reduced:
+            shard = chunk.size // world if exact else Fraction(chunk.size, world)
+            sent["all_reduce"] += ring(CollectiveKind.ALL_REDUCE, shard * reduce_bytes, replicas)
+        calls["all_reduce"] = len(reduced)
     return {k: round(v) for k, v in sent.items()}, (calls if groups is not None else None)

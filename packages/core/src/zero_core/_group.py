@@ -35,6 +35,8 @@ class GatherGroup:
         first = self.chunks[0]
         self.dtype, self.device, self.world_size = first.dtype, first.device, first.world_size
         self.shard_numel = sum(c.shard_size for c in self.chunks)
+        # The members share one chunk plan (ShardPlan.validate): their own shard group, when shard() gave one.
+        self.comm: CommBackend | None = first.groups.gather if first.groups is not None else None
 
     @property
     def refreshed(self) -> tuple[Chunk, ...]:
@@ -49,6 +51,7 @@ class GatherGroup:
 
     def gather(self, comm: CommBackend, *, async_op: bool = False, keep: bool = True) -> None:
         """All-gather the group; members not gathered yet are filled unless ``keep=False`` (a gather only peers need)."""
+        comm = self.comm or comm
         targets = [c for c in self.chunks if not c.is_gathered] if keep else []
         if len(self.chunks) == 1:
             if targets:
@@ -75,6 +78,7 @@ class GatherGroup:
 
     def publish_parameters(self, comm: CommBackend) -> list[Pending | None]:
         """After a step, bring the kept full buffers of trainable members up to date (see ``Chunk.publish_parameters``)."""
+        comm = self.comm or comm
         refreshed = self.refreshed
         if len(refreshed) <= 1 or self.world_size == 1:
             return [c.publish_parameters(comm, async_op=True) for c in refreshed]

@@ -19,6 +19,9 @@ __all__ = ["ENTRY_POINT_GROUP", "ZeroPlugins", "hookimpl"]
 ENTRY_POINT_GROUP = "zero"
 hookimpl = pluggy.HookimplMarker("zero")
 
+# The name of zero-core's own entry point (packages/core/pyproject.toml): blocking it blocks the direct registration too.
+_CORE_PLUGIN_NAME = "zero-core"
+
 # Which distribution ships each built-in name, for "pip install X" hints.
 _INSTALL_HINTS = {
     "chunk": "zero-strategy-chunk",
@@ -37,9 +40,12 @@ class ZeroPlugins:
     Built per engine, never at import time, so tests and several engines in one
     process never see each other's plugins.
 
-    Loading order: entry points of the ``zero`` group (unless the environment variable
-    ``ZERO_DISABLE_PLUGIN_AUTOLOAD`` is set; names in ``ZERO_BLOCKED_PLUGINS``,
-    comma-separated, are skipped), then the ``plugins`` passed in.
+    Loading order: zero-core's own plugin under its entry-point name ``zero-core``, then
+    entry points of the ``zero`` group (unless the environment variable
+    ``ZERO_DISABLE_PLUGIN_AUTOLOAD`` is set), then the ``plugins`` passed in. Names in
+    ``ZERO_BLOCKED_PLUGINS``, comma-separated, are skipped, ``zero-core`` included. Then
+    plugins add the hook specifications they own (``zero_add_hookspecs``) and every
+    implementation is checked against its specification.
     """
 
     manager: pluggy.PluginManager
@@ -53,11 +59,19 @@ class ZeroPlugins:
         pm.add_hookspecs(hookspecs)
         for name in filter(None, (n.strip() for n in os.environ.get("ZERO_BLOCKED_PLUGINS", "").split(","))):
             pm.set_blocked(name)
+        # Registered directly, not only through its entry point, so `device` and `host` exist
+        # with autoload disabled or without installed metadata (a source checkout on sys.path).
+        # pluggy skips an entry point whose name is already registered, so it is not loaded twice.
+        if not pm.is_blocked(_CORE_PLUGIN_NAME):
+            from zero_core import _default_plugins  # imported here: it imports hookimpl from this module
+
+            pm.register(_default_plugins, name=_CORE_PLUGIN_NAME)
         if not os.environ.get("ZERO_DISABLE_PLUGIN_AUTOLOAD"):
             pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
         for plugin in plugins:
             if not pm.is_registered(plugin):
                 pm.register(plugin)
+        pm.hook.zero_add_hookspecs.call_historic(kwargs={"plugin_manager": pm})
         pm.check_pending()
         strategies: Registry[type[ShardStrategy]] = Registry("shard strategy", install_hint=_INSTALL_HINTS)
         comm: Registry[type[CommBackend]] = Registry("comm backend", install_hint=_INSTALL_HINTS)

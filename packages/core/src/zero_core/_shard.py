@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import inspect
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -14,6 +15,7 @@ from zero_core._engine import Engine
 from zero_core._layout import ModelLayout, check_names, fill_from_source, publish_kept
 from zero_core._lazy import LazyRecording, find_recording, release_if_unused
 from zero_core._materialize import materialize
+from zero_core._meshes import MeshGroups
 from zero_core._module import ZeroModule, adopt
 from zero_core._plugins import ZeroPlugins
 from zero_core._scaler import LossScaler
@@ -22,7 +24,9 @@ from zero_core._sources import open_source
 from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk
 from zero_core.errors import CheckpointError, ConfigError, ZeroSetupError
+from zero_core.mesh import MeshSpec, Topology
 from zero_core.placement import PlacementContext
+from zero_core.strategy import ChunkPlan, ShardPlan, ShardStrategy
 
 __all__ = ["Sharded", "shard"]
 
@@ -40,6 +44,8 @@ def shard(
     *,
     config: ZeroConfig | None = None,
     process_group: Any = None,
+    mesh: Any = None,
+    module_meshes: Mapping[str, Any] | None = None,
     reduce_process_group: Any = None,
     example_inputs: Any = None,
     plugins: Iterable[object] = (),
@@ -54,7 +60,17 @@ def shard(
             It is re-pointed, in place, at this rank's parameter shards and returned.
         config: What to build; defaults to ``ZeroConfig()`` (chunked ZeRO-3 on the compute device).
         process_group: The data-parallel group; default: the world group, or a single
-            process when ``torch.distributed`` is not initialised.
+            process when ``torch.distributed`` is not initialised. The same as a 1-D ``mesh``.
+        mesh: A ``torch.distributed.device_mesh.DeviceMesh`` to shard over, FSDP2's
+            convention: 1-D shards over all its ranks; 2-D (``mesh_dim_names`` such as
+            ``("replicate", "shard")``) shards over the second dimension and replicates over
+            the first (hybrid sharding, HSDP: gathers stay inside a row, gradients are
+            reduce-scattered in the row and all-reduced across rows). It must span every
+            rank of the default process group. See [Note: meshes].
+        module_meshes: Module names (as in ``model.named_modules()``) to meshes: the
+            parameters under each such module go on that mesh instead (the longest name
+            wins); chunks never mix meshes, and each chunk gathers and reduces on its own
+            mesh's groups. Each mesh spans the same ranks as ``mesh``.
         reduce_process_group: The group gradient reduce-scatters run on: another group over
             the same ranks as ``process_group`` (they run concurrently with all-gathers, so
             they must not share one). Default: a new group made with ``new_group``.
@@ -98,7 +114,7 @@ def shard(
             "to record the order; or use param_order='registration'"
         )
 
-    group = resolve_group(process_group)
+    group = _resolve_mesh_group(process_group, mesh)
     plugins_ = ZeroPlugins.load(plugins)
     plugins_.manager.hook.zero_configure.call_historic(kwargs={"config": config})
     strategy = plugins_.strategies.get(config.strategy)()
@@ -116,19 +132,30 @@ def shard(
     source, complete = _open_load_source(model, load_from, load_strict, comm) if load_from is not None else (None, False)
     if config.chunk.param_order == "first_use":
         params = first_use_order(model, params, example_inputs, comm, meta=recording is not None)
-    plan = strategy.plan(params, world_size=comm.world_size, config=config, hook=plugins_.manager.hook)
-    plan.validate(params, comm.world_size)
+    topology = _topology(model, group, mesh, module_meshes, comm)
+    plan = _plan(strategy, params, topology, config, plugins_.manager.hook)
+    chunk_plans = plan.plans(ChunkPlan(mesh=topology.default, reshard_after_forward=config.reshard_after_forward))
 
     groups = tuple(tuple(g) for g in plan.gather_groups) if plan.gather_groups else tuple((i,) for i in range(len(plan.chunks)))
     keep = placement.keep_gathered(plan.chunks, groups) if config.stage == 3 else set()
     chunks = []
     pool = BufferPool()
-    mesh = _data_parallel_mesh(group, device)
+    default_mesh = mesh if mesh is not None and mesh.ndim == 1 else _data_parallel_mesh(group, device)
+    mesh_groups = MeshGroups(
+        world_comm=comm, world_reduce_comm=reduce_comm, default=topology.default, default_mesh=default_mesh,
+        make_comm=lambda g: _shared_stats(comm_cls.from_config(g, timeout=timeout, config=config), comm),
+        device=device, rank=_global_rank(comm),
+    )
     for index, spec in enumerate(plan.chunks):
-        chunk = Chunk(index, spec, rank=comm.rank, world_size=comm.world_size, device=device, pool=pool,
-                      stage=config.stage, compute_dtype=config.precision.compute,
+        chunk_groups = mesh_groups.for_plan(chunk_plans[index])
+        if chunk_groups.device_mesh is not None and chunk_groups.device_mesh is not default_mesh:
+            _register_dtensor_ops()
+        chunk = Chunk(index, spec, rank=chunk_groups.shard_rank, world_size=chunk_plans[index].mesh.shard_size,
+                      device=device, pool=pool, stage=config.stage, compute_dtype=config.precision.compute,
                       reduce_dtype=config.precision.reduce,
-                      gradient_predivide_factor=config.precision.gradient_predivide_factor, keep_gathered=index in keep, mesh=mesh)
+                      gradient_predivide_factor=config.precision.gradient_predivide_factor, keep_gathered=index in keep,
+                      mesh=chunk_groups.device_mesh, replicas=chunk_plans[index].mesh.replicate_size)
+        chunk.plan, chunk.groups = chunk_plans[index], chunk_groups
         if recording is None:
             chunk.pack(comm, broadcast_from_rank0=config.sync_module_states)
         else:
@@ -168,6 +195,105 @@ def shard(
     model._zero_sharded = True  # type: ignore[attr-defined]
     optimizer._zero_sharded = True  # type: ignore[attr-defined]
     return Sharded(adopt(model, engine), optimizer)
+
+
+def _resolve_mesh_group(process_group: Any, mesh: Any) -> Any:
+    """The group every rank's control rounds run on: the data-parallel group, from ``process_group`` or ``mesh``."""
+    if mesh is None:
+        return resolve_group(process_group)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if process_group is not None:
+        raise ZeroSetupError("pass either process_group= or mesh= to zero_core.shard, not both (a group is a 1-D mesh)")
+    if not isinstance(mesh, DeviceMesh):
+        raise ZeroSetupError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; build one with "
+            "init_device_mesh('cuda' or 'cpu', (replicate, shard), mesh_dim_names=('replicate', 'shard'))"
+        )
+    MeshSpec.of_device_mesh(mesh)  # 1-D or 2-D, or a clear error
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    import torch.distributed as dist
+
+    if sorted(mesh.mesh.flatten().tolist()) != list(range(dist.get_world_size())):
+        raise ZeroSetupError(
+            f"a 2-D mesh must span every rank of the default process group ({dist.get_world_size()} ranks), but it "
+            f"holds ranks {sorted(mesh.mesh.flatten().tolist())}; meshes with further (tensor-parallel) dimensions "
+            "are not supported"
+        )
+    return dist.group.WORLD
+
+
+def _global_rank(comm: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() and comm.world_size > 1 else 0
+
+
+def _group_ranks(group: Any, comm: Any) -> tuple[int, ...]:
+    if group is None or comm.world_size == 1:
+        return (_global_rank(comm),)
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _topology(model: nn.Module, group: Any, mesh: Any, module_meshes: Mapping[str, Any] | None, comm: Any) -> Topology:
+    """The user's meshes as specs: the model's, and one per named module."""
+    if mesh is not None:
+        default = MeshSpec.of_device_mesh(mesh)
+    else:
+        default = MeshSpec((comm.world_size,), _group_ranks(group, comm))
+    if not module_meshes:
+        return Topology(default)
+    if not isinstance(module_meshes, Mapping):
+        raise ZeroSetupError(f"module_meshes must map module names to DeviceMeshes, got {type(module_meshes).__name__}")
+    names = {name for name, _ in model.named_modules()}
+    specs = {}
+    for name, value in module_meshes.items():
+        if name not in names:
+            close = sorted(n for n in names if n and (n.startswith(name) or name.startswith(n)))[:5]
+            raise ZeroSetupError(
+                f"module_meshes names {name!r}, which is not a module of {type(model).__name__}"
+                + (f" (similar: {close})" if close else "") + "; use names from model.named_modules()"
+            )
+        specs[name] = value if isinstance(value, MeshSpec) else MeshSpec.of_device_mesh(value)
+    try:
+        return Topology.of(default, specs)
+    except ConfigError as err:
+        raise ZeroSetupError(str(err)) from None
+
+
+def _plan(strategy: ShardStrategy, params: list[Any], topology: Topology, config: ZeroConfig, hook: Any) -> ShardPlan:
+    """The strategy's plan for ``topology``, validated; a strategy that predates meshes gets the plain call."""
+    takes_topology = "topology" in inspect.signature(strategy.plan).parameters
+    nontrivial = topology.modules or topology.default.ndim > 1
+    if nontrivial and not takes_topology:
+        raise ZeroSetupError(
+            f"shard strategy {strategy.name!r} plans for one 1-D mesh only (its plan() takes no topology), but "
+            f"{'module_meshes' if topology.modules else 'a 2-D mesh'} was given; use a strategy that supports "
+            "meshes (chunk, tensor) or a 1-D mesh"
+        )
+    kwargs = {"topology": topology} if takes_topology else {}
+    plan = strategy.plan(params, world_size=topology.default.shard_size, config=config, hook=hook, **kwargs)
+    if topology.modules and plan.chunk_plans is None:
+        raise ZeroSetupError(
+            f"shard strategy {strategy.name!r} returned no chunk_plans, so module_meshes would be ignored; it must "
+            "give each chunk a ChunkPlan on its module's mesh"
+        )
+    plan.validate(params, topology.default.shard_size, topology)
+    return plan
+
+
+def _shared_stats(backend: Any, comm: Any) -> Any:
+    backend.stats = comm.stats  # one set of counters per engine
+    return backend
+
+
+def _register_dtensor_ops() -> None:
+    from zero_core._dtensor_ops import register_fused_optimizer_ops
+
+    register_fused_optimizer_ops()
 
 
 def _open_load_source(model: nn.Module, load_from: Any, strict: bool, comm: Any) -> tuple[Any, bool]:

@@ -296,7 +296,7 @@ class Chunk:
         self, index: int, spec: ChunkSpec, *, rank: int, world_size: int, device: torch.device,
         pool: BufferPool | None = None, stage: int = 3, compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None, gradient_predivide_factor: float = 1.0, keep_gathered: bool = False,
-        mesh: Any = None,
+        mesh: Any = None, replicas: int = 1,
     ) -> None:
         if spec.size % world_size:
             raise ValueError(f"chunk size {spec.size} is not a multiple of the world size {world_size}")
@@ -307,8 +307,15 @@ class Chunk:
         first = spec.params[0]
         # Identity and layout: fixed for the chunk's life.
         self.index = index
+        # ``rank`` and ``world_size`` are this rank's place in the chunk's shard group (see [Note: meshes] in
+        # zero_core.mesh); ``replicas`` copies of the shard group hold the same shards.
         self.world_size = world_size
         self.rank = rank
+        self.replicas = replicas
+        # The plan the strategy gave and the process groups it runs on (set by shard(); None for a chunk
+        # built on its own, whose collectives run on the comm each method is given).
+        self.plan: Any = None
+        self.groups: Any = None
         self.slots, pieces_numel = layout_slots([(p.name, p.param) for p in spec.params], world_size)
         # A chunk of one parameter needs no padding beyond its piece: then its full buffer and the ranks' shards
         # side by side are the same layout, and it gathers and reduces in place (no copy-out, no copy-in).
@@ -364,6 +371,11 @@ class Chunk:
         self.grad_full: torch.Tensor | None = None
         # Where reduced gradients go; None: where the master shard is. Set by placement policies.
         self.grad_device: torch.device | None = None
+
+    # -- which group a collective runs on -------------------------------------------------
+    def _comm(self, given: CommBackend, role: str = "gather") -> CommBackend:
+        """The chunk's own group for ``role`` when shard() gave it groups, else the one the caller passed."""
+        return given if self.groups is None else getattr(self.groups, role)
 
     # -- layout helpers ---------------------------------------------------------------
     def _regions(self, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -555,6 +567,7 @@ class Chunk:
         if self.persistent:
             return
         self._assert_state(ChunkState.SHARDED)
+        comm = self._comm(comm)
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
         if self._direct:  # the ranks' shards side by side are the full buffer
             pending = comm.all_gather(self.full, self._compute_shard(), async_op=async_op)
@@ -602,7 +615,7 @@ class Chunk:
     def gather_for_peers(self, comm: CommBackend) -> None:
         """Join an all-gather of this chunk that other ranks need, without changing local state."""
         scratch = self.pool.take(self.size, self.dtype, self.device, zeroed=False)
-        comm.all_gather(scratch, self._compute_shard())
+        self._comm(comm).all_gather(scratch, self._compute_shard())
         self.pool.give(scratch)
 
     def _compute_shard(self) -> torch.Tensor:
@@ -690,6 +703,7 @@ class Chunk:
         if not self.persistent:
             return None
         self._assert_state(ChunkState.GATHERED)
+        comm = self._comm(comm)
         send = self.refresh_own_slice()
         if self.world_size == 1:
             return None
@@ -749,14 +763,25 @@ class Chunk:
                 seg.param.grad = self.wrap(seg.slot, to_local(grad).clone())
         return self.grad_full.zero_()
 
-    def reduce_gradients(self, comm: CommBackend, *, loss_scale: float = 1.0) -> _Reduction:
+    def reduce_gradients(self, comm: CommBackend, *, loss_scale: float = 1.0, replicate: CommBackend | None = None,
+                         all_reduce: bool = False) -> _Reduction:
         """Start reducing this backward's parameter gradients to this rank's shard (mean over ranks).
+
+        ``comm`` reduces over the shard group: a reduce-scatter, or with ``all_reduce`` an
+        all-reduce of the whole gradient of which this rank keeps its shard. ``replicate``
+        then sums the shard over the replicas (HSDP); both run on the waiter thread's
+        ``complete()`` except the reduce-scatter, which is issued here.
 
         Returns the handle that completes it, leaving the result, in the master dtype and
         divided by ``loss_scale``, in ``reduced_grad``. Parameters that got no gradient on
         this rank contribute zeros. Gradients autograd placed elsewhere than the prepared
         buffer are copied in; every ``.grad`` is dropped.
         """
+        if self.groups is not None:
+            comm, replicate = self.groups.reduce, self.groups.replicate
+            all_reduce = self.groups.all_reduce
+            if all_reduce:
+                comm = self.groups.reduce_all
         flat, self._grad_flat = self._grad_flat, None
         if flat is None:
             flat = self._take_grad_buffer()
@@ -773,7 +798,7 @@ class Chunk:
                     if slot.replicated:
                         region.copy_(region[:1].expand_as(region))
         pooled = flat if flat is not self.grad_full else None
-        divisor = self.world_size * loss_scale
+        divisor = self.world_size * self.replicas * loss_scale
         if self.world_size == 1:  # one rank: the layouts coincide, the buffer itself becomes the gradient
             send = flat if flat.dtype == self.reduce_dtype else flat.to(self.reduce_dtype)
             if pooled is not None:
@@ -781,7 +806,10 @@ class Chunk:
                     self.pool.keep(pooled)
                 else:
                     self.pool.give(pooled)
-            return _Reduction(self, None, send, None, divisor)
+            if replicate is not None and self.predivide != 1.0:
+                send.div_(self.predivide)
+                divisor /= self.predivide
+            return _Reduction(self, None, send, None, divisor, replicate=replicate)
         if self._direct and flat.dtype == self.reduce_dtype:  # the gradient buffer is already rank-major: send it
             send = flat
         else:
@@ -796,12 +824,14 @@ class Chunk:
         if self.predivide != 1.0:
             send.div_(self.predivide)  # send is consumed by this reduction: dividing in place is safe
             divisor /= self.predivide
+        if all_reduce:  # the whole gradient is summed on the waiter thread; this rank then keeps its row
+            return _Reduction(self, None, send, pooled_send, divisor, replicate=replicate, all_reduce=comm)
         reduced = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
         pending = comm.reduce_scatter(reduced, send, async_op=True)
         if pooled_send is not None and getattr(pending, "input_released", False):
             self.pool.give(pooled_send)  # a bucketing backend copied it: reuse it for the next gradient now
             pooled_send = None
-        return _Reduction(self, pending, reduced, pooled_send, divisor)
+        return _Reduction(self, pending, reduced, pooled_send, divisor, replicate=replicate)
 
     def _grad_pieces(self, reduced: torch.Tensor) -> list[torch.Tensor]:
         """The reduced shard (master dtype, where gradients go) as one piece per slot; stage 1 keeps
@@ -895,15 +925,26 @@ class _Reduction:
 
     def __init__(
         self, chunk: Chunk, pending: Pending | None, reduced: torch.Tensor, pooled: torch.Tensor | None,
-        divisor: float,
+        divisor: float, *, replicate: CommBackend | None = None, all_reduce: CommBackend | None = None,
     ) -> None:
         self._chunk, self._pending, self._reduced, self._pooled = chunk, pending, reduced, pooled
         self._divisor = divisor
+        self._replicate, self._all_reduce = replicate, all_reduce
 
     def complete(self) -> None:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
+        if self._all_reduce is not None and self._reduced is not None:
+            # Reduction.ALL_REDUCE over the shard group: the rank-major sum, of which this rank keeps its row
+            comm, self._all_reduce = self._all_reduce, None
+            comm.all_reduce(self._reduced)
+            chunk = self._chunk
+            self._reduced = self._reduced.view(chunk.world_size, chunk.shard_size)[chunk.rank].clone()
+        if self._replicate is not None and self._reduced is not None:
+            # HSDP: the shard group's sum of this shard, summed again over the replicas that hold the same shard
+            replicate, self._replicate = self._replicate, None
+            replicate.all_reduce(self._reduced)
         if self._reduced is not None:
             # moved to where the master shard lives (the host, when offloaded), never copied and kept twice
             chunk = self._chunk

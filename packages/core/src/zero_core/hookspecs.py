@@ -1,14 +1,17 @@
-"""Hook specifications of the ``zero`` plugin system.
+"""Hook specifications of the ``zero`` plugin system that concern every plugin.
 
 Plugins implement these with ``@zero_core.hookimpl`` and are found through the
 ``zero`` entry-point group (built-in parts register exactly like third-party ones).
 Hooks fire at setup and at step boundaries; per-chunk decisions call methods on the
 objects the hooks registered, never ``pm.hook``, because hook calls cost time.
+
+A hook that only one plugin calls is specified by that plugin, which adds it in
+:func:`zero_add_hookspecs` (``zero_plan_chunks`` lives in ``zero_strategy_chunk.hookspecs``),
+so core does not change when a plugin's hooks do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -17,7 +20,6 @@ if TYPE_CHECKING:
     from zero_core._engine import Engine
     from zero_core._registry import Registry
     from zero_core.api import ZeroConfig
-    from zero_core.chunk import ChunkSpec, ParamInfo
     from zero_core.comm import CommBackend
     from zero_core.placement import PlacementPolicy
     from zero_core.strategy import ShardStrategy
@@ -25,15 +27,26 @@ if TYPE_CHECKING:
 hookspec = pluggy.HookspecMarker("zero")
 
 __all__ = [
+    "hookspec",
+    "zero_add_hookspecs",
     "zero_after_step",
     "zero_configure",
-    "zero_plan_chunks",
     "zero_register_comm_backends",
     "zero_register_placement_policies",
     "zero_register_shard_strategies",
 ]
 
 # -- registration: called once when an engine's plugin manager is built -------------
+
+
+@hookspec(historic=True)
+def zero_add_hookspecs(plugin_manager: pluggy.PluginManager) -> None:
+    """Add the hook specifications a plugin owns: ``plugin_manager.add_hookspecs(my_plugin.hookspecs)``.
+
+    Called after every plugin is registered and before implementations are checked
+    against specifications, so other plugins may implement the added hooks.
+    Historic: plugins registered later still receive the call.
+    """
 
 
 @hookspec
@@ -60,16 +73,6 @@ def zero_configure(config: ZeroConfig) -> None:
 
     Plugins may validate the config here and raise :class:`zero_core.ConfigError`.
     Historic: plugins registered later still receive the call.
-    """
-
-
-@hookspec(firstresult=True)
-def zero_plan_chunks(params: Sequence[ParamInfo], world_size: int, config: ZeroConfig) -> Sequence[ChunkSpec] | None:
-    """Pack ``params`` (in packing order) into chunks for chunk-based strategies.
-
-    zero-strategy-chunk implements the size search with ``trylast=True``, so a user
-    plugin can override the packing by returning its own list of chunk specs.
-    Stops at first non-None result.
     """
 
 

@@ -15,6 +15,7 @@ from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk, ChunkSpec, ParamInfo, ParamSlot, Segment, rewrap, to_local
 from zero_core.comm import CollectiveCount, CollectiveKind, CommBackend, CommStats, Pending, ring_bytes_sent
 from zero_core.errors import CollectiveTimeoutError, ConfigError, ZeroError
+from zero_core.hookspecs import hookspec
 from zero_core.mesh import MeshSpec, Topology
 from zero_core.placement import ChunkParts, PartTiers, PlacementContext, PlacementPolicy
 from zero_core.strategy import ChunkPlan, Reduction, ShardPlan, ShardStrategy, round_up
@@ -51,6 +52,7 @@ __all__ = [
     "ZeroConfig",
     "ZeroError",
     "hookimpl",
+    "hookspec",
     "in_engine_work",
     "rewrap",
     "ring_bytes_sent",

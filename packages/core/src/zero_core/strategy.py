@@ -160,6 +160,10 @@ class ShardPlan:
                 raise ValueError(f"chunk {i} has size {spec.size}, not a multiple of its shard group size {shard_size}")
             if spec.used > spec.size:
                 raise ValueError(f"chunk {i} holds {spec.used} elements but its size is {spec.size}")
+            if topology is not None and topology.modules:
+                meshes = {topology.mesh_for(p.name) for p in spec.params}
+                if len(meshes) > 1:
+                    raise ValueError(f"chunk {i} mixes parameters of modules on different meshes ({len(meshes)} meshes)")
             keys = {p.key for p in spec.params}
             if len(keys) > 1:
                 raise ValueError(f"chunk {i} mixes parameters of different dtype, requires_grad or optimizer group: {keys}")

@@ -10,8 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from zero_core import Chunk, MemoryTier, PlacementPolicy, TrainingState, ZeroConfig
-from zero_core.placement import PlacementContext
-from zero_core.chunk import rewrap
+from zero_core.plugin import PlacementContext, rewrap
 from zero_offload._tiers import DEVICE, DISK, HOST, Part, Tiers
 from zero_offload.config import TierConfig
 from zero_offload.errors import DiskTierError, TierBudgetError

@@ -33,8 +33,7 @@ from typing import Any
 import torch
 
 from zero_core import Chunk, MemoryTier
-from zero_core.chunk import rewrap, to_local
-from zero_core.placement import PlacementContext
+from zero_core.plugin import PlacementContext, rewrap, to_local
 from zero_offload._disk import DiskStore
 from zero_offload.config import TierConfig, mib
 from zero_offload.errors import DiskTierError, TierBudgetError
@@ -316,7 +315,7 @@ class Tiers:
         Step counts are left out: they stay in memory in every tier (a zero-dimensional
         parameter's moments are per-element states all the same).
         The value is this rank's local tensor (a DTensor state's); write a moved one back
-        with ``zero_core.chunk.rewrap``, so the state stays a DTensor like its parameter.
+        with ``zero_core.plugin.rewrap``, so the state stays a DTensor like its parameter.
         """
         return [(seg.param, state, key, to_local(value)) for seg in chunk.segments
                 for state in (self.optimizer.state.get(seg.param),) if state

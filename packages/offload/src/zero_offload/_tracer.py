@@ -10,7 +10,7 @@ reports the peak non-model bytes seen in it.
 - On CPU it counts tensor storage: a ``TorchDispatchMode`` sees every operator the step
   runs, forward and backward, and adds the bytes of each new storage an operator
   returns (not views or in-place results of its inputs), until that storage is freed.
-  Operators run by the engine itself (:func:`zero_core._accounting.in_engine_work`)
+  Operators run by the engine itself (:func:`zero_core.plugin.in_engine_work`)
   allocate model data and are skipped.
 - On CUDA it reads the caching allocator: the peak of ``memory_allocated`` since the
   last sample, minus the model data on the device; and, apart, the most the allocator
@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from zero_core._accounting import in_engine_work
+from zero_core.plugin import in_engine_work
 
 __all__ = ["MemoryTracer"]
 

@@ -14,6 +14,7 @@ Each test's docstring says what a failure usually means.
 
 from __future__ import annotations
 
+import inspect
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -24,8 +25,9 @@ from zero_core._state import ChunkState, MemoryTier
 from zero_core.api import ChunkPolicy, ZeroConfig
 from zero_core.chunk import Chunk, ChunkSpec, ParamInfo
 from zero_core.comm import CollectiveKind, CommBackend
+from zero_core.mesh import MeshSpec, Topology
 from zero_core.placement import PlacementPolicy
-from zero_core.strategy import ShardStrategy
+from zero_core.strategy import ChunkPlan, ShardPlan, ShardStrategy
 from zero_core.testing.distributed import run_distributed
 from zero_core.testing.zoo import ZOO, get_case
 
@@ -206,28 +208,126 @@ class ChunkConformance:
 
 
 class ShardStrategyConformance:
-    """Tests for a :class:`~zero_core.ShardStrategy`; set ``strategy_class`` (and ``config`` if needed)."""
+    """Tests for a :class:`~zero_core.ShardStrategy`; set ``strategy_class`` (and ``config``, ``world_sizes`` if needed).
+
+    Plans are made for every zoo model at each of ``world_sizes`` ranks, once without a
+    topology (one 1-D mesh) and once for each of several user topologies: 1-D, every
+    ``(replicate, shard)`` layout, ranks in a non-default order, and a per-module mesh.
+    A strategy whose ``plan`` takes no ``topology`` argument is planned for the 1-D mesh
+    only, without one, as :func:`zero_core.shard` does (it refuses other meshes for it).
+    Strategies that read the environment (for example a shard group size) set it in a
+    fixture of their test module.
+    """
 
     strategy_class: ClassVar[type[ShardStrategy]]
     config: ClassVar[ZeroConfig] = ZeroConfig(chunk=ChunkPolicy(chunk_size=128))
+    world_sizes: ClassVar[tuple[int, ...]] = (1, 2, 4)
 
     def test_plan_covers_every_parameter_once(self) -> None:
         """ShardPlan.validate names the first broken invariant (missing, duplicated, mixed or misaligned)."""
         for case in ZOO:
             params = _params(case)
-            for world in (1, 2, 4):
+            for world in self.world_sizes:
                 plan = self.strategy_class().plan(params, world_size=world, config=self.config)
                 plan.validate(params, world)
                 assert plan.numel == sum(p.numel for p in params)
 
     def test_plan_is_deterministic(self) -> None:
-        """Every rank computes the plan on its own; the same input must give the same plan."""
+        """Every rank computes the plan on its own; the same input must give the same plan (chunks, gather groups
+        and chunk plans), with or without a topology."""
         params = _params("gpt")
-        a = self.strategy_class().plan(params, world_size=2, config=self.config)
-        b = self.strategy_class().plan(params, world_size=2, config=self.config)
-        assert [(tuple(p.name for p in c.params), c.size) for c in a.chunks] == [
-            (tuple(p.name for p in c.params), c.size) for c in b.chunks
-        ]
+        world = max(self.world_sizes)
+        for topology in (None, *_topologies(world, params, meshes=_accepts_topology(self.strategy_class))):
+            a, b = (_plan(self.strategy_class(), params, self.config, world, topology) for _ in range(2))
+            assert [(tuple(p.name for p in c.params), c.size) for c in a.chunks] == [
+                (tuple(p.name for p in c.params), c.size) for c in b.chunks
+            ], topology
+            assert a.gather_groups == b.gather_groups, topology
+            assert a.chunk_plans == b.chunk_plans, topology
+
+    def test_chunk_plans_fit_their_meshes(self) -> None:
+        """Without a topology, any chunk plans the strategy returns are one zero_core.ChunkPlan per chunk, each chunk's
+        size divides by its mesh's shard size, and every mesh spans exactly ranks 0 .. world_size - 1.
+        A failure usually means chunk sizes were rounded to world_size instead of the chunk's own shard group."""
+        for case in ZOO:
+            params = _params(case)
+            for world in self.world_sizes:
+                plan = self.strategy_class().plan(params, world_size=world, config=self.config)
+                _check_chunk_plans(plan, tuple(range(world)), f"{case}, {world} ranks, no topology")
+
+    def test_plans_for_every_topology(self) -> None:
+        """For 1-D and 2-D user meshes (and a per-module mesh), the plan passes ShardPlan.validate with the topology,
+        covers every parameter once, and its chunk plans fit their meshes and span every data-parallel rank.
+        A failure usually means a mesh was built over a subset of the ranks (every rank computes every
+        module), or that world_size was taken as the number of ranks rather than the default mesh's shard size."""
+        for case in ZOO:
+            params = _params(case)
+            for world in self.world_sizes:
+                for topology in _topologies(world, params, meshes=_accepts_topology(self.strategy_class)):
+                    where = f"{case}, {topology}"
+                    plan = _plan(self.strategy_class(), params, self.config, world, topology)
+                    try:
+                        plan.validate(params, topology.default.shard_size, topology)
+                    except ValueError as err:
+                        raise AssertionError(f"{where}: {err}") from None
+                    assert plan.numel == sum(p.numel for p in params), where
+                    assert plan.chunk_plans is not None or not topology.modules, (
+                        f"{where}: no chunk_plans for a topology with module meshes; shard() refuses such a plan, "
+                        "since without them every chunk would go on the default mesh"
+                    )
+                    _check_chunk_plans(plan, topology.default.ranks, where)
+
+
+def _accepts_topology(strategy: ShardStrategy | type[ShardStrategy]) -> bool:
+    """Whether ``plan`` takes ``topology`` (as ``zero_core.shard`` decides: it passes a topology only then, and
+    refuses 2-D and per-module meshes for a strategy that does not take one)."""
+    return "topology" in inspect.signature(strategy.plan).parameters
+
+
+def _plan(strategy: ShardStrategy, params: list[ParamInfo], config: ZeroConfig, world: int,
+          topology: Topology | None) -> ShardPlan:
+    """The strategy's plan for ``topology`` (``None``: a 1-D mesh of ``world`` ranks), called as the runtime calls it:
+    ``world_size`` is the default mesh's shard group size; ``topology`` only for a strategy that takes it."""
+    if topology is None:
+        return strategy.plan(params, world_size=world, config=config)
+    if _accepts_topology(strategy):
+        return strategy.plan(params, world_size=topology.default.shard_size, config=config, topology=topology)
+    assert topology.default.ndim == 1 and not topology.modules, "shard() gives no other topology to such a strategy"
+    return strategy.plan(params, world_size=topology.default.shard_size, config=config)
+
+
+def _topologies(world: int, params: list[ParamInfo] | None = None, *, meshes: bool = True) -> list[Topology]:
+    """The user topologies a strategy must handle at ``world`` ranks: the 1-D mesh; with ``meshes`` (a strategy
+    whose plan takes a topology) also every (replicate, shard) layout, a 2-D layout with ranks out of order,
+    and (with ``params``) a 2-D mesh for one module only."""
+    default = MeshSpec.of_shape((world,))
+    out = [Topology.of(default)]
+    if not meshes:
+        return out
+    out += [Topology.of(MeshSpec.of_shape((r, world // r))) for r in range(1, world + 1) if world % r == 0]
+    if world >= 4 and world % 2 == 0:
+        strided = tuple(range(0, world, 2)) + tuple(range(1, world, 2))
+        out.append(Topology.of(MeshSpec((2, world // 2), strided)))
+        owner = params[0].name.rpartition(".")[0] if params else ""
+        if owner:
+            out.append(Topology.of(default, {owner: MeshSpec((2, world // 2), strided)}))
+    return out
+
+
+def _check_chunk_plans(plan: ShardPlan, ranks: tuple[int, ...], where: str) -> None:
+    if plan.chunk_plans is None:
+        return
+    assert len(plan.chunk_plans) == len(plan.chunks), (
+        f"{where}: {len(plan.chunks)} chunks but {len(plan.chunk_plans)} chunk plans; give every chunk a ChunkPlan"
+    )
+    for i, (spec, cp) in enumerate(zip(plan.chunks, plan.chunk_plans)):
+        assert isinstance(cp, ChunkPlan), f"{where}: chunk plan {i} is a {type(cp).__name__}, not a zero_core.ChunkPlan"
+        assert spec.size % cp.mesh.shard_size == 0, (
+            f"{where}: chunk {i} has size {spec.size}, not a multiple of its mesh's shard size {cp.mesh.shard_size} ({cp.mesh})"
+        )
+        assert sorted(cp.mesh.ranks) == sorted(ranks), (
+            f"{where}: chunk {i} is planned on {cp.mesh}, which does not span every data-parallel rank {sorted(ranks)}"
+        )
 
 
 # -- placement policies ----------------------------------------------------------------

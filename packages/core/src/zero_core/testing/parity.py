@@ -25,6 +25,7 @@ unscale, a master rounded to 16 bits) is off by far more.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ class RunResult:
     scales: list[float] = field(default_factory=list)
     #: The placement policy's ``report()`` (tiers, moves, budgets), for policies that have one.
     placement: dict[str, Any] = field(default_factory=dict)
+    #: Per chunk: (mesh shape, this rank's (replicate, shard) coordinates, sha256 of its master shard's bytes).
+    shards: list[tuple[tuple[int, ...], tuple[int, int], str]] = field(default_factory=list)
 
 
 def make_optimizer(case: ZooCase, model: torch.nn.Module, name: str = "adamw", lr: float = 1e-3) -> torch.optim.Optimizer:
@@ -181,14 +184,17 @@ def _train_reference_16bit(case_name: str, *, steps: int, batch_size: int, optim
 def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: int = 4, batch_size: int = 8,
                   optimizer: str = "adamw", lr: float = 1e-3, micro_batches: int = 1, clip: float | None = None,
                   norm_type: float = 2.0, no_sync: bool = True, reduce_process_group: Any = None,
-                  plugins: Sequence[object] = ()) -> RunResult:
+                  plugins: Sequence[object] = (), mesh_shape: tuple[int, ...] | None = None,
+                  module_meshes: dict[str, tuple[int, ...]] | None = None) -> RunResult:
     """Run on every rank: shard the zoo model, train on this rank's slice of each global batch.
 
     With ``micro_batches > 1`` the slice is split and all but the last micro-batch run
     inside ``model.no_sync()`` (or, with ``no_sync=False``, each reduces its own
     gradients), each loss scaled so the sum equals the slice's mean loss.
     With ``clip`` the gradients are clipped by :func:`zero_core.clip_grad_norm_`.
-    ``reduce_process_group`` and ``plugins`` are passed to :func:`zero_core.shard`.
+    ``reduce_process_group`` and ``plugins`` are passed to :func:`zero_core.shard`;
+    ``mesh_shape`` (and each shape of ``module_meshes``) becomes a CPU device mesh,
+    ``(replicate, shard)`` for two dimensions.
     """
     case = get_case(case_name)
     config = config or ZeroConfig(chunk=ChunkPolicy(chunk_size=case.chunk_size))
@@ -199,8 +205,13 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
     local = batch_size // world
     model = _build(case)
     example = case.batch(0, batch_size)[0][:local] if config.chunk.param_order == "first_use" else None
+    meshes = {}
+    if mesh_shape is not None:
+        meshes["mesh"] = _device_mesh(mesh_shape)
+    if module_meshes:
+        meshes["module_meshes"] = {name: _device_mesh(shape) for name, shape in module_meshes.items()}
     model, opt = shard(model, make_optimizer(case, model, optimizer, lr), config=config, example_inputs=example,
-                       reduce_process_group=reduce_process_group, plugins=plugins)
+                       reduce_process_group=reduce_process_group, plugins=plugins, **meshes)
     if local % micro_batches:
         raise ValueError(f"{local} samples per rank do not split into {micro_batches} micro-batches")
     micro = local // micro_batches
@@ -241,9 +252,20 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         norms=norms,
         scales=scales,
         placement=engine.placement.report() if hasattr(engine.placement, "report") else {},
+        shards=[(c.plan.mesh.shape if c.plan is not None else (c.world_size,),
+                 (c.groups.replicate_rank, c.groups.shard_rank) if c.groups is not None else (0, c.rank),
+                 hashlib.sha256(c.shard.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
+                for c in engine.chunks],
     )
     engine.close()
     return result
+
+
+def _device_mesh(shape: tuple[int, ...]) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
 
 
 def train_zoo_sharded(cases: list[str], *, config: ZeroConfig | None = None, **kwargs: Any) -> dict[str, RunResult]:

@@ -3,29 +3,35 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from zero_core import ChunkSpec, ParamInfo, ShardPlan, ShardStrategy, ZeroConfig, round_up
+from zero_core import ChunkPlan, ChunkSpec, MeshSpec, ParamInfo, ShardPlan, ShardStrategy, Topology, ZeroConfig, round_up
 from zero_strategy_chunk._search import outlier_threshold, search_chunk_size
 
 if TYPE_CHECKING:
     import pluggy
 
-__all__ = ["ChunkStrategy", "pack_chunks"]
+__all__ = ["ChunkStrategy", "mesh_plans", "pack_chunks"]
 
 logger = logging.getLogger("zero.strategy.chunk")
 
 
-def pack_chunks(params: Sequence[ParamInfo], *, world_size: int, config: ZeroConfig) -> list[ChunkSpec]:
+def pack_chunks(params: Sequence[ParamInfo], *, world_size: int, config: ZeroConfig,
+                mesh_of: Callable[[ParamInfo], MeshSpec] | None = None) -> list[ChunkSpec]:
     """Pack ``params`` in order into chunks of one size (searched unless the config gives it).
 
-    Parameters that may not share a chunk (different dtype, ``requires_grad`` or optimizer
-    group) fill separate chunk sequences. A parameter larger than the chunk size, or an
-    outlier of the search, gets a chunk of its own. Every chunk has the common size except
-    each sequence's last chunk, which is trimmed to its content rounded up to the world size.
+    Parameters that may not share a chunk (different dtype, ``requires_grad``, optimizer
+    group or, with ``mesh_of``, mesh) fill separate chunk sequences. A parameter larger than
+    the chunk size, or an outlier of the search, gets a chunk of its own. Every chunk has the
+    common size (a multiple of every mesh's shard size) except each sequence's last chunk,
+    which is trimmed to its content rounded up to its mesh's shard size (``world_size``).
     """
     policy = config.chunk
+    shard_of: Callable[[ParamInfo], int] = (lambda p: mesh_of(p).shard_size) if mesh_of else (lambda p: world_size)
+    if mesh_of is not None:  # one common size that every mesh's shard group divides
+        world_size = math.lcm(world_size, *(shard_of(p) for p in params))
     sizes = [p.numel for p in params]
     if policy.chunk_size is not None:
         chunk_size = round_up(policy.chunk_size, world_size)
@@ -47,18 +53,19 @@ def pack_chunks(params: Sequence[ParamInfo], *, world_size: int, config: ZeroCon
             chunks.append([info])
             filled.append(info.numel)
             continue
-        index = open_chunk.get(info.key)
+        key = (*info.key, mesh_of(info)) if mesh_of else info.key
+        index = open_chunk.get(key)
         if index is None or filled[index] + info.numel > chunk_size:
             chunks.append([])
             filled.append(0)
-            index = open_chunk[info.key] = len(chunks) - 1
+            index = open_chunk[key] = len(chunks) - 1
         chunks[index].append(info)
         filled[index] += info.numel
     last_of_key = set(open_chunk.values())
     specs = []
     for index, (members, used) in enumerate(zip(chunks, filled)):
         oversize = len(members) == 1 and (members[0].numel > chunk_size or members[0].numel > limit)
-        size = round_up(used, world_size) if oversize or index in last_of_key else chunk_size
+        size = round_up(used, shard_of(members[0])) if oversize or index in last_of_key else chunk_size
         specs.append(ChunkSpec(tuple(members), size))
     return specs
 
@@ -66,8 +73,8 @@ def pack_chunks(params: Sequence[ParamInfo], *, world_size: int, config: ZeroCon
 class ChunkStrategy(ShardStrategy):
     """ZeRO-3 over chunks: see :func:`pack_chunks` for the layout.
 
-    The packing is asked of the ``zero_plan_chunks`` hook first, so a plugin can
-    override it; this distribution's own implementation runs last.
+    The packing is asked of the ``zero_plan_chunks`` hook (:mod:`zero_strategy_chunk.hookspecs`)
+    first, so a plugin can override it; this distribution's own implementation runs last.
     """
 
     name = "chunk"
@@ -79,10 +86,36 @@ class ChunkStrategy(ShardStrategy):
         world_size: int,
         config: ZeroConfig,
         hook: pluggy.HookRelay | None = None,
+        topology: Topology | None = None,
     ) -> ShardPlan:
+        topology = topology or Topology(MeshSpec.of_shape((world_size,)))
+        mesh_of = (lambda p: topology.mesh_for(p.name)) if topology.modules else None
         specs = None
-        if hook is not None:
+        # The hook is specified by this distribution's plugin; a relay from a manager that
+        # did not load it (autoload disabled, the plugin blocked) has no such attribute.
+        # It packs for one mesh, so module meshes skip it.
+        if hook is not None and hasattr(hook, "zero_plan_chunks") and not topology.modules:
             specs = hook.zero_plan_chunks(params=list(params), world_size=world_size, config=config)
         if specs is None:
-            specs = pack_chunks(params, world_size=world_size, config=config)
-        return ShardPlan(tuple(specs))
+            specs = pack_chunks(params, world_size=world_size, config=config, mesh_of=mesh_of)
+        return ShardPlan(tuple(specs), chunk_plans=mesh_plans(specs, topology, config))
+
+
+def mesh_plans(specs: Sequence[ChunkSpec], topology: Topology, config: ZeroConfig) -> tuple[ChunkPlan, ...]:
+    """Each chunk on its first parameter's module mesh (chunks never mix meshes), resharded as the config says."""
+    plans: dict[MeshSpec, ChunkPlan] = {}
+    out = []
+    for spec in specs:
+        mesh = topology.mesh_for(spec.params[0].name)
+        if mesh not in plans:
+            plans[mesh] = ChunkPlan(mesh=mesh, reshard_after_forward=usable_reshard(config.reshard_after_forward, mesh))
+        out.append(plans[mesh])
+    return tuple(out)
+
+
+def usable_reshard(k: bool | int, mesh: MeshSpec) -> bool | int:
+    """``reshard_after_forward`` as ``mesh`` can use it: a group size its shard group cannot be cut into (a shard
+    group of one rank, or of that very size) has nothing smaller to keep, which is ``True``."""
+    if isinstance(k, bool) or (1 < k < mesh.shard_size and mesh.shard_size % k == 0):
+        return k
+    return True
