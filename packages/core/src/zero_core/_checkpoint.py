@@ -4,7 +4,7 @@
 A checkpoint is a directory. Each save writes, under a fresh save id:
 
 - ``<id>.rank<r>-of-<N>.safetensors``, one per rank: for every parameter piece in the
-  rank's shards, ``p/<name>`` (the master values of elements ``[lo, hi)`` of the
+  rank's shards (of the first replica only, on a mesh with replicas: each shard is written once), ``p/<name>`` (the master values of elements ``[lo, hi)`` of the
   flattened parameter) and ``o/<name>/<key>`` (each per-element optimizer state of the
   same range); rank 0 adds ``b/<name>`` for each buffer; ``rng/cpu`` (and ``rng/cuda``)
   hold the rank's random state;
@@ -15,7 +15,7 @@ A checkpoint is a directory. Each save writes, under a fresh save id:
   engine's step.
 
 Pieces are keyed by parameter name and element range, not by chunk, so any strategy,
-chunk size and world size can read them (resharding is reading other ranges). Every
+chunk size, world size and mesh shape can read them (resharding is reading other ranges). Every
 file is written to a temporary name, fsynced and renamed; the metadata is renamed into
 place only after every rank reported its file complete, and names the save id. A crash
 at any earlier point leaves the previous metadata, which names the previous files,
@@ -85,7 +85,12 @@ def _segment_states(engine: Engine) -> tuple[dict[int, dict[str, Any]], list[dic
 
 
 def _pieces(chunk: Chunk) -> list[tuple[int, str, int, int]]:
-    """``(slot, name, lo, hi)`` for each parameter range in this rank's shard of ``chunk``."""
+    """``(slot, name, lo, hi)`` for each parameter range in this rank's shard of ``chunk``.
+
+    On a mesh with replicas only the first replica writes (its shards are every replica's), so each
+    shard is written once; the loader reads ranges, whichever rank wrote them."""
+    if chunk.groups is not None and chunk.groups.replicate_rank != 0:
+        return []
     out = []
     for i, slot in enumerate(chunk.slots):
         lo, hi = chunk.own_range(i)

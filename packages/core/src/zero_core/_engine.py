@@ -370,13 +370,36 @@ class Engine:
         self._show(chunks)
 
     @engine_work
-    def _release(self, chunks: Sequence[Chunk]) -> None:
+    def _release(self, chunks: Sequence[Chunk], *, keep_copy: bool = False) -> None:
         done = [c for c in chunks if c.is_gathered and not c.persistent]
         for chunk in done:
-            chunk.release()
+            chunk.release(keep_copy=keep_copy)
         if done:
             self.placement.after_release(done)
             self._show(done)
+
+    def _release_after_forward(self, chunks: Sequence[Chunk], *, for_backward: bool) -> None:
+        """A forward is done with ``chunks``: each is resharded as its plan says when a backward will need it.
+
+        ``reshard_after_forward=False`` keeps a trainable chunk gathered until its backward has reduced it; an
+        int keeps a copy sharded inside groups of that size for the backward's gather; ``True`` frees it."""
+        if not for_backward or self.config.stage != 3:
+            self._release(chunks)
+            return
+        now, with_copy = [], []
+        for chunk in chunks:
+            policy = chunk.plan.reshard_after_forward if chunk.plan is not None else True
+            if policy is False and chunk.requires_grad:
+                continue
+            (with_copy if policy is not True and chunk.requires_grad else now).append(chunk)
+        self._release(now)
+        self._release(with_copy, keep_copy=True)
+
+    def _drop_forward_leftovers(self) -> None:
+        """No backward will use what forwards kept for it (copies, chunks kept gathered): free them."""
+        for chunk in self.chunks:
+            chunk.copy = None
+        self._release(self.chunks)
 
     # -- forward -------------------------------------------------------------------
     def pre_forward_root(self) -> None:
@@ -407,9 +430,11 @@ class Engine:
         """The wrapped model's forward returned ``outputs``."""
         try:
             self._scheduler.drain()
-            self._release(self.chunks)
             tensors = [t for t in _tensors(outputs) if t.requires_grad and t.grad_fn is not None]
             graph = torch.is_grad_enabled() and bool(tensors) and bool(self._reduce_order)
+            self._release_after_forward(self.chunks, for_backward=graph)
+            if not graph:
+                self._drop_forward_leftovers()
             if graph:
                 reachable = _reachable_params(tensors)
                 for chunk in self._reduce_order:
@@ -431,6 +456,7 @@ class Engine:
         for chunk in self.chunks:
             if chunk.state is ChunkState.GATHERING:
                 chunk.wait()
+            chunk.copy = None
         self._release(self.chunks)
         self._set_state(TrainingState.IDLE)
         self.use_sharded()
@@ -448,6 +474,7 @@ class Engine:
         if self.state is TrainingState.BACKWARD and not _in_backward():
             self._abort_backward()
         if self.state is TrainingState.BACKWARD_PENDING:
+            self._drop_forward_leftovers()
             self._set_state(TrainingState.IDLE)
 
     def _abort_backward(self) -> None:
@@ -470,6 +497,7 @@ class Engine:
         finally:
             for chunk in self.chunks:
                 chunk.discard_gradients()
+                chunk.copy = None
             self._release(self.chunks)
             self._waiting, self._ready = {}, {}
             self._callback_queued = False
@@ -528,7 +556,7 @@ class Engine:
             ran.add(module_id)
             if ran >= self._triggers[chunk.index]:
                 self._ran[chunk.index] = set()
-                self._release([chunk])
+                self._release_after_forward([chunk], for_backward=torch.is_grad_enabled())
         if torch.is_grad_enabled():
             # Not on leaves (a module that returns one of its parameters): a hook on a leaf stays for good,
             # one more every step.
@@ -647,6 +675,8 @@ class Engine:
             self._release(self.chunks)
             raise
         finally:
+            for chunk in self.chunks:
+                chunk.copy = None
             self._waiting = {}
             self._ready = {}
             self._callback_queued = False

@@ -59,6 +59,9 @@ class GatherGroup:
             else:
                 self.chunks[0].gather_for_peers(comm)
             return
+        if all(c.copy is not None for c in self.chunks):  # copies kept by the forward: gather inside their groups of k
+            self._gather_copies(targets, async_op=async_op)
+            return
         send = self.pool.take(self.shard_numel, self.dtype, self.device, zeroed=False)
         offset = 0
         with torch.no_grad():
@@ -75,6 +78,27 @@ class GatherGroup:
         if not async_op:
             for chunk in targets:
                 chunk.wait()
+
+    def _gather_copies(self, targets: Sequence[Chunk], *, async_op: bool) -> None:
+        """The members' kept copies (each ``1/k`` of its rank-major buffer) gathered in one all-gather over the group
+        of ``k``; each member's rank-major buffer is its column block of the result. Only under a static graph
+        (shard() checks), so every rank holds copies of the same members."""
+        sub = self.chunks[0].groups.sub
+        k = sub.world_size
+        parts = [c.size // k for c in self.chunks]
+        send = torch.cat([c.copy for c in self.chunks])
+        for chunk in self.chunks:
+            chunk.copy = None
+        received = self.pool.take(k * sum(parts), self.dtype, self.device, zeroed=False)
+        pending = sub.all_gather(received, send, async_op=True)
+        unpack = _CopiesOut(self, pending, received, parts, targets)
+        for chunk in targets:
+            chunk.begin_gather(unpack)
+        if not async_op:
+            for chunk in targets:
+                chunk.wait()
+        elif not targets:
+            unpack.wait()
 
     def publish_parameters(self, comm: CommBackend) -> list[Pending | None]:
         """After a step, bring the kept full buffers of trainable members up to date (see ``Chunk.publish_parameters``)."""
@@ -125,6 +149,32 @@ class _Unpack:
                     chunk.copy_out(packed[:, offset : offset + chunk.shard_size])
                 offset += chunk.shard_size
         self._group.pool.give(send)
+        self._group.pool.give(received)
+
+
+class _CopiesOut:
+    """A gather of kept copies in flight; ``wait()`` (idempotent) rebuilds each target's full buffer."""
+
+    def __init__(self, group: GatherGroup, pending: Pending | None, received: torch.Tensor, parts: Sequence[int],
+                 targets: Sequence[Chunk]) -> None:
+        self._group, self._pending, self._received = group, pending, received
+        self._parts, self._targets = list(parts), {id(c) for c in targets}
+
+    def wait(self) -> None:
+        if self._received is None:
+            return
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        received, self._received = self._received, None
+        k = len(received) // sum(self._parts)
+        by_rank = received.view(k, -1)
+        offset = 0
+        with torch.no_grad():
+            for chunk, part in zip(self._group.chunks, self._parts):
+                if id(chunk) in self._targets:  # rank p of the group sent ranks p*S/k .. of the chunk's rank-major buffer
+                    chunk.copy_out(by_rank[:, offset : offset + part].reshape(chunk.world_size, chunk.shard_size))
+                offset += part
         self._group.pool.give(received)
 
 

@@ -134,7 +134,14 @@ def shard(
         params = first_use_order(model, params, example_inputs, comm, meta=recording is not None)
     topology = _topology(model, group, mesh, module_meshes, comm)
     plan = _plan(strategy, params, topology, config, plugins_.manager.hook)
-    chunk_plans = plan.plans(ChunkPlan(mesh=topology.default, reshard_after_forward=config.reshard_after_forward))
+    default_reshard = _default_reshard(config, topology)  # a size the model's own mesh cannot use fails here
+    chunk_plans = plan.plans(ChunkPlan(mesh=topology.default, reshard_after_forward=default_reshard))
+    if config.stage == 3 and not config.static_graph and any(not isinstance(p.reshard_after_forward, bool)
+                                                            for p in chunk_plans):
+        raise ZeroSetupError(
+            "reshard_after_forward=<group size> needs ZeroConfig(static_graph=True): the backward gathers the copies "
+            "the forward kept, so every rank must have run the same modules; use True or False for a dynamic graph"
+        )
 
     groups = tuple(tuple(g) for g in plan.gather_groups) if plan.gather_groups else tuple((i,) for i in range(len(plan.chunks)))
     keep = placement.keep_gathered(plan.chunks, groups) if config.stage == 3 else set()
@@ -283,6 +290,18 @@ def _plan(strategy: ShardStrategy, params: list[Any], topology: Topology, config
         )
     plan.validate(params, topology.default.shard_size, topology)
     return plan
+
+
+def _default_reshard(config: ZeroConfig, topology: Topology) -> bool | int:
+    """The config's ``reshard_after_forward`` for a strategy that gave no chunk plans; a group size the default
+    mesh cannot be cut into is rejected here, with what it can be."""
+    k, size = config.reshard_after_forward, topology.default.shard_size
+    if isinstance(k, bool) or (1 < k < size and size % k == 0):
+        return k
+    raise ZeroSetupError(
+        f"reshard_after_forward={k} must divide the shard group of {size} ranks and be smaller than it; "
+        f"use one of {[d for d in range(2, size) if size % d == 0] or 'nothing (use True or False)'}"
+    )
 
 
 def _shared_stats(backend: Any, comm: Any) -> Any:

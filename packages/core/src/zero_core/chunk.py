@@ -371,6 +371,9 @@ class Chunk:
         self.grad_full: torch.Tensor | None = None
         # Where reduced gradients go; None: where the master shard is. Set by placement policies.
         self.grad_device: torch.device | None = None
+        # reshard_after_forward=k: this rank's 1/k of the rank-major gathered buffer, kept from a forward for the
+        # backward's gather inside its group of k ranks (see release(keep_copy=True)).
+        self.copy: torch.Tensor | None = None
 
     # -- which group a collective runs on -------------------------------------------------
     def _comm(self, given: CommBackend, role: str = "gather") -> CommBackend:
@@ -567,14 +570,17 @@ class Chunk:
         if self.persistent:
             return
         self._assert_state(ChunkState.SHARDED)
-        comm = self._comm(comm)
+        comm, send = self._comm(comm), None
+        if self.copy is not None:  # the forward kept a copy: gather it inside the group of k ranks instead
+            comm, send, self.copy = self.groups.sub, self.copy, None
+        send = self._compute_shard() if send is None else send
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
         if self._direct:  # the ranks' shards side by side are the full buffer
-            pending = comm.all_gather(self.full, self._compute_shard(), async_op=async_op)
+            pending = comm.all_gather(self.full, send, async_op=async_op)
             self._pending_gather = _CopyOut(self, pending, None)
         else:
             received = self.pool.take(self.size, self.dtype, self.device, zeroed=False)
-            pending = comm.all_gather(received, self._compute_shard(), async_op=async_op)
+            pending = comm.all_gather(received, send, async_op=async_op)
             self._pending_gather = _CopyOut(self, pending, received)
         self.state = ChunkState.GATHERING
         if not async_op:
@@ -601,12 +607,24 @@ class Chunk:
             slot.param.data = view
         self.state = ChunkState.GATHERED
 
-    def release(self) -> None:
-        """GATHERED -> SHARDED: free the full buffer's storage; parameters become empty tensors."""
+    def release(self, *, keep_copy: bool = False) -> None:
+        """GATHERED -> SHARDED: free the full buffer's storage; parameters become empty tensors.
+
+        ``keep_copy`` (a forward's release, with ``reshard_after_forward=k``): first keep this
+        rank's ``1/k`` of the gathered values, so the backward gathers them inside its group of
+        ``k`` ranks (:meth:`gather` uses the copy, then drops it)."""
         if self.persistent:
             return
         self.wait()
         self._assert_state(ChunkState.GATHERED)
+        if keep_copy and self.groups is not None and self.groups.sub is not None:
+            k = self.groups.sub.world_size
+            rank_major = torch.empty(self.size, dtype=self.dtype, device=self.device)
+            self.copy_in(self.full, rank_major)
+            part = self.size // k
+            at = self.groups.sub.rank * part
+            self.copy = rank_major[at : at + part].clone()
+            del rank_major
         self.full.untyped_storage().resize_(0)
         for slot in self.slots:
             slot.param.data = self._empty

@@ -18,7 +18,7 @@ from zero_core.errors import CollectiveTimeoutError, ConfigError, ZeroError
 from zero_core.hookspecs import hookspec
 from zero_core.mesh import MeshSpec, Topology
 from zero_core.placement import ChunkParts, PartTiers, PlacementContext, PlacementPolicy
-from zero_core.strategy import ChunkPlan, Reduction, ShardPlan, ShardStrategy, round_up
+from zero_core.strategy import ChunkPlan, Reduction, ShardPlan, ShardStrategy, reshard_for_mesh, round_up
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -54,6 +54,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "in_engine_work",
+    "reshard_for_mesh",
     "rewrap",
     "ring_bytes_sent",
     "round_up",

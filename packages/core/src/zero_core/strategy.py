@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from zero_core.api import ZeroConfig
 
-__all__ = ["ChunkPlan", "Reduction", "ShardPlan", "ShardStrategy", "round_up"]
+__all__ = ["ChunkPlan", "Reduction", "ShardPlan", "ShardStrategy", "reshard_for_mesh", "round_up"]
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -63,6 +63,15 @@ def check_reshard_after_forward(value: object, owner: str = "reshard_after_forwa
             f"{owner} must be True (reshard after forward), False (keep gathered until backward) or a group size "
             f"above 1 (keep a copy sharded over that many ranks for backward), got {value!r}"
         )
+
+
+def reshard_for_mesh(value: bool | int, mesh: MeshSpec) -> bool | int:
+    """``ZeroConfig.reshard_after_forward`` as a chunk on ``mesh`` can use it: a group size its shard group cannot
+    be cut into (a module mesh with a smaller shard group) has nothing smaller to keep, which is ``True``.
+    (``shard()`` rejects a size the default mesh cannot use.)"""
+    if isinstance(value, bool) or (1 < value < mesh.shard_size and mesh.shard_size % value == 0):
+        return value
+    return True
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -31,8 +31,9 @@ def _world() -> tuple[int, int]:
 
 def build(case: ZooCase | str, config: ZeroConfig, *, lazy: bool = False, load_from: Any = None,
           load_strict: bool = True, optimizer: str = "adamw", seed: int = SEED,
-          plugins: Sequence[object] = ()) -> tuple[Any, torch.optim.Optimizer]:
-    """The zoo model built under ``seed`` (eagerly, or lazily), sharded with ``config`` (and ``plugins``)."""
+          plugins: Sequence[object] = (), mesh_shape: tuple[int, ...] | None = None) -> tuple[Any, torch.optim.Optimizer]:
+    """The zoo model built under ``seed`` (eagerly, or lazily), sharded with ``config`` (and ``plugins``), on a CPU
+    device mesh of ``mesh_shape`` (``(replicate, shard)`` for two dimensions) when given."""
     case = get_case(case) if isinstance(case, str) else case
     torch.manual_seed(seed)
     if lazy:
@@ -40,8 +41,14 @@ def build(case: ZooCase | str, config: ZeroConfig, *, lazy: bool = False, load_f
             model = case.build()
     else:
         model = case.build()
+    mesh = None
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
+        mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
     return shard(model, make_optimizer(case, model, optimizer), config=config, load_from=load_from,
-                 load_strict=load_strict, plugins=plugins)
+                 load_strict=load_strict, plugins=plugins, mesh=mesh)
 
 
 def train_steps(model: Any, opt: torch.optim.Optimizer, case: ZooCase, start: int, count: int,
@@ -66,7 +73,8 @@ def train_steps(model: Any, opt: torch.optim.Optimizer, case: ZooCase, start: in
 
 
 def phase(case_name: str, config: ZeroConfig, directory: str, *, mode: str, k: int, j: int = 0,
-          optimizer: str = "adamw", lazy: bool = False, extra: Any = None, plugins: Sequence[object] = ()) -> dict[str, Any]:
+          optimizer: str = "adamw", lazy: bool = False, extra: Any = None, plugins: Sequence[object] = (),
+          mesh_shape: tuple[int, ...] | None = None) -> dict[str, Any]:
     """One leg of a resume test.
 
     ``mode="straight"`` trains ``k + j`` steps; ``"save"`` trains ``k``, saves a sharded
@@ -76,7 +84,7 @@ def phase(case_name: str, config: ZeroConfig, directory: str, *, mode: str, k: i
     the engine's step and the loaded extra object.
     """
     case = get_case(case_name)
-    model, opt = build(case, config, lazy=lazy, optimizer=optimizer, plugins=plugins)
+    model, opt = build(case, config, lazy=lazy, optimizer=optimizer, plugins=plugins, mesh_shape=mesh_shape)
     loaded = None
     try:
         if mode == "straight":

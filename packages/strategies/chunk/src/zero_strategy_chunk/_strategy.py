@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from zero_core import ChunkPlan, ChunkSpec, MeshSpec, ParamInfo, ShardPlan, ShardStrategy, Topology, ZeroConfig, round_up
+from zero_core.plugin import reshard_for_mesh
 from zero_strategy_chunk._search import outlier_threshold, search_chunk_size
 
 if TYPE_CHECKING:
@@ -108,14 +109,7 @@ def mesh_plans(specs: Sequence[ChunkSpec], topology: Topology, config: ZeroConfi
     for spec in specs:
         mesh = topology.mesh_for(spec.params[0].name)
         if mesh not in plans:
-            plans[mesh] = ChunkPlan(mesh=mesh, reshard_after_forward=usable_reshard(config.reshard_after_forward, mesh))
+            plans[mesh] = ChunkPlan(mesh=mesh, reshard_after_forward=reshard_for_mesh(config.reshard_after_forward, mesh))
         out.append(plans[mesh])
     return tuple(out)
 
-
-def usable_reshard(k: bool | int, mesh: MeshSpec) -> bool | int:
-    """``reshard_after_forward`` as ``mesh`` can use it: a group size its shard group cannot be cut into (a shard
-    group of one rank, or of that very size) has nothing smaller to keep, which is ``True``."""
-    if isinstance(k, bool) or (1 < k < mesh.shard_size and mesh.shard_size % k == 0):
-        return k
-    return True

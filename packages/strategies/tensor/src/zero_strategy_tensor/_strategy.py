@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from zero_core import ChunkPlan, ChunkSpec, MeshSpec, ParamInfo, ShardPlan, ShardStrategy, Topology, ZeroConfig, round_up
+from zero_core.plugin import reshard_for_mesh
 
 if TYPE_CHECKING:
     import pluggy
@@ -66,10 +67,8 @@ class TensorStrategy(ShardStrategy):
         topology = topology or Topology(MeshSpec.of_shape((world_size,)))
         meshes = [topology.mesh_for(info.name) for info in params]  # a module's parameters share its mesh
         specs = tuple(ChunkSpec((info,), round_up(info.numel, mesh.shard_size)) for info, mesh in zip(params, meshes))
-        k = config.reshard_after_forward
         plans = {}
         for mesh in meshes:
             if mesh not in plans:
-                usable = isinstance(k, bool) or (1 < k < mesh.shard_size and mesh.shard_size % k == 0)
-                plans[mesh] = ChunkPlan(mesh=mesh, reshard_after_forward=k if usable else True)
+                plans[mesh] = ChunkPlan(mesh=mesh, reshard_after_forward=reshard_for_mesh(config.reshard_after_forward, mesh))
         return ShardPlan(specs, gather_groups=module_groups(params), chunk_plans=tuple(plans[m] for m in meshes))
