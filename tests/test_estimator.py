@@ -274,10 +274,20 @@ class _Recording(ShardStrategy):
         return ShardPlan(specs, chunk_plans=plans)
 
 
+class _Legacy(ShardStrategy):
+    """A strategy written before meshes: its plan() takes no topology."""
+
+    name = "legacy"
+
+    def plan(self, params, *, world_size, config, hook=None):
+        return ShardPlan(tuple(ChunkSpec((p,), round_up(p.numel, world_size)) for p in params))
+
+
 class _Plugin:
     @hookimpl
     def zero_register_shard_strategies(self, registry):
         registry.add("recording", _Recording)
+        registry.add("legacy", _Legacy)
 
 
 def test_the_strategy_plans_for_the_shard_group_on_the_mesh():
@@ -294,6 +304,12 @@ def test_the_strategy_plans_for_the_shard_group_on_the_mesh():
     with pytest.raises(ConfigError, match="chunks on the one mesh"):
         estimate(quick_model(), mesh_shape=(2, 4), config=config, plugins=plugins)
     _Recording.chunk_plan = None
+    # as shard() does, a strategy whose plan() takes no topology plans a 1-D mesh only
+    legacy = ZeroConfig(strategy="legacy")
+    assert estimate(quick_model(), mesh_shape=(4,), config=legacy, plugins=plugins).bytes_sent == \
+        estimate(quick_model(), mesh_shape=(4,), config=config, plugins=plugins).bytes_sent
+    with pytest.raises(ConfigError, match="takes no topology"):
+        estimate(quick_model(), mesh_shape=(2, 4), config=legacy, plugins=plugins)
 
 
 def test_reshard_after_forward_other_than_true_is_refused_at_stage_3():

@@ -3,9 +3,9 @@
 Every registered strategy runs at every stage (with the strategy's own comm backend and the
 ``device`` placement); every other registered comm backend and placement policy runs once with
 the ``chunk`` strategy at stage 3 (or the first strategy registered, when ``chunk`` is not
-installed); every mesh given (``--meshes``, e.g. ``2x2`` for HSDP) runs that strategy at every
-stage on its own ranks; DDP and FSDP2 are the references, at every world size the rows use. A plugin that registers a strategy, backend or
-policy is picked up with no change here. Policies whose defaults cannot run on this machine get
+installed); every mesh given (``--meshes``, e.g. ``2x2`` for HSDP) runs that strategy at the
+``--mesh-stages`` on its own ranks; DDP and FSDP2 are the references, at every world size the
+rows use. A plugin that registers a strategy, backend or policy is picked up with no change here. Policies whose defaults cannot run on this machine get
 options with ``--placement-options NAME=JSON``; the built-in offloading policies have presets
 that offload everything (``static``) or keep half the model states on the device (``gemini``).
 """
@@ -110,7 +110,7 @@ def mesh_name(mesh: list[int] | tuple[int, ...]) -> str:
 def discover(*, plugins: ZeroPlugins, strategies: list[str] | None, stages: list[int], policies: list[str] | None,
              comms: list[str] | None, references: list[str], precision: str, state_mib: float, size: ModelSize,
              placement_options: dict[str, dict[str, Any]], meshes: list[tuple[int, ...]] = (),
-             world_size: int | None = None) -> list[BenchConfig]:
+             mesh_stages: list[int] | None = None, world_size: int | None = None) -> list[BenchConfig]:
     """The configurations to run, in table order: references first, then each strategy's stages, then variants,
     then each mesh's stages (after the references at its world size, when that differs from ``world_size``)."""
     configs = [BenchConfig(name=ref, kind=ref) for ref in references]
@@ -144,7 +144,7 @@ def discover(*, plugins: ZeroPlugins, strategies: list[str] | None, stages: list
         if ranks not in sizes:  # the loss check and the ratios need plain PyTorch on the same ranks and data
             sizes.add(ranks)
             configs += [BenchConfig(name=f"{ref}-{ranks}ranks", kind=ref, world_size=ranks) for ref in references]
-        for stage in stages:
+        for stage in stages if mesh_stages is None else mesh_stages:
             configs.append(BenchConfig(name=f"{base}-s{stage}-{mesh_name(mesh)}{tag}", kind="zero", strategy=base, stage=stage,
                                        mesh=list(mesh), precision=precision))
     return configs

@@ -3,7 +3,7 @@
     nox -s bench -- --quick                     # the tiny model, 6 steps: under 5 minutes on 2 CPU cores
     nox -s bench                                # GPT-2 small's shape, 10 steps
     nox -s bench -- --model demo --world-size 4 --strategies chunk --stages 3 --policies device,gemini
-    nox -s bench -- --quick --meshes 2x2,1x4,4x1   # mesh rows: HSDP 2x2, full sharding 1x4, plain DP 4x1
+    nox -s bench -- --quick --meshes 2x2,1x4,4x1 --mesh-stages 1,2,3   # HSDP 2x2, full sharding 1x4, plain DP 4x1
     nox -s bench -- --quick --compare benchmarks/results/baseline.json --threshold 0.15
     nox -s bench -- --compare-only benchmarks/results/baseline.json   # no run: latest.json against it
 
@@ -81,8 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--references", default="ddp,fsdp2", help="comma-separated references among ddp, fsdp2 ('' for none)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="compute dtype of the zero runs")
     p.add_argument("--meshes", default="2x2,1x4",
-                   help="comma-separated device meshes RxS (or S), each run at every stage on its own R*S ranks, "
-                        "e.g. 2x2 (HSDP: shard over 2, replicate over 2); '' for none")
+                   help="comma-separated device meshes RxS (or S), each run with the base strategy on its own R*S "
+                        "ranks, e.g. 2x2 (HSDP: shard over 2, replicate over 2); '' for none")
+    p.add_argument("--mesh-stages", default="3", help="comma-separated ZeRO stages of the mesh rows")
     p.add_argument("--placement-options", action="append", default=[], metavar="NAME=JSON",
                    help='options of one placement policy, e.g. lru=\'{"device_chunks": 2}\' (repeatable)')
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="relative loss tolerance of fp32 runs against DDP")
@@ -110,12 +111,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.steps = args.steps or (6 if args.quick else 10)
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) so that some steps are timed")
-    try:
-        args.stages = [int(s) for s in args.stages.split(",") if s]
-    except ValueError:
-        p.error(f"--stages takes comma-separated integers among 1, 2, 3, got {args.stages!r}")
-    if not args.stages or any(s not in (1, 2, 3) for s in args.stages):
-        p.error(f"--stages takes stages among 1, 2, 3, got {args.stages}")
+    for option in ("stages", "mesh_stages"):
+        flag, text = "--" + option.replace("_", "-"), getattr(args, option)
+        try:
+            setattr(args, option, [int(s) for s in text.split(",") if s])
+        except ValueError:
+            p.error(f"{flag} takes comma-separated integers among 1, 2, 3, got {text!r}")
+        if not getattr(args, option) or any(s not in (1, 2, 3) for s in getattr(args, option)):
+            p.error(f"{flag} takes stages among 1, 2, 3, got {getattr(args, option)}")
     args.references = [r for r in args.references.split(",") if r]
     bad = [r for r in args.references if r not in ("ddp", "fsdp2")]
     if bad:
@@ -233,7 +236,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = discover(plugins=plugins, strategies=args.strategies and args.strategies.split(","), stages=args.stages,
                        policies=args.policies and args.policies.split(","), comms=args.comms and args.comms.split(","),
                        references=args.references, precision=args.precision, state_mib=state_mib, size=size,
-                       placement_options=args.placement_options, meshes=args.meshes, world_size=args.world_size)
+                       placement_options=args.placement_options, meshes=args.meshes,
+                       mesh_stages=args.mesh_stages, world_size=args.world_size)
     mesh_rows = sum(c.world_size not in (None, args.world_size) for c in configs)
     print(f"bench: {len(configs)} configurations x {args.world_size} ranks"
           f"{f' ({mesh_rows} on their own ranks)' if mesh_rows else ''}, model {args.model} ({cfg.num_params / 1e6:.2f}M "

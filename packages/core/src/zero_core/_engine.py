@@ -44,17 +44,17 @@ import atexit
 import functools
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten
 
 from zero_core._accounting import engine_work
-from zero_core._accounting import engine_work_context as _engine_work
-from zero_core._devices import by_device
+from zero_core._autograd import in_backward, reachable_params, tensors_of
+from zero_core._inspection import Inspection
+from zero_core._optimizer_bridge import OptimizerBridge, ZeroGradHook
+from zero_core._reduction import GradientReduction
 from zero_core._group import GatherGroup, build_groups
 from zero_core._lockstep import Lockstep
 from zero_core._released import ReleasedParameter
@@ -62,7 +62,7 @@ from zero_core._scaler import LossScaler
 from zero_core._schedule import GatherScheduler
 from zero_core._state import ChunkState, TrainingState
 from zero_core._waiter import ReductionWaiter
-from zero_core.chunk import Chunk, to_local
+from zero_core.chunk import Chunk
 from zero_core.errors import GradientLostError, ZeroError
 
 if TYPE_CHECKING:
@@ -75,62 +75,15 @@ if TYPE_CHECKING:
 
 __all__ = ["Engine"]
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(obj)
-    return [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward on this thread now."""
-    return torch._C._current_graph_task_id() != -1
 
 
-def _reachable_params(outputs: Sequence[torch.Tensor]) -> set[int]:
-    """Ids of the leaf tensors whose gradient the autograd graph of ``outputs`` can reach."""
-    found: set[int] = set()
-    seen: set[Any] = set()
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if type(fn).__name__ == "CheckpointFunctionBackward":
-            raise GradientLostError(
-                "the model uses reentrant activation checkpointing, which hides parameters from the autograd "
-                "graph until backward, so their gradients would be lost; use "
-                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
-            )
-        variable = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
-        if variable is not None:
-            found.add(id(variable))
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    return found
 
 
-class _ZeroGradHook:
-    """Runs ``before()`` ahead of every ``optimizer.zero_grad()`` (torch's optimizers have no hook for it).
-
-    The instance attribute shadows the class's method; ``remove()`` takes it away again."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, before: Any) -> None:
-        self._optimizer = optimizer
-        original = optimizer.zero_grad
-
-        @functools.wraps(original)
-        def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            before(kwargs.get("set_to_none", args[0] if args else True))
-            return original(*args, **kwargs)
-
-        self._installed = zero_grad
-        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
-
-    def remove(self) -> None:
-        if self._optimizer.__dict__.get("zero_grad") is self._installed:
-            del self._optimizer.__dict__["zero_grad"]
 
 
-class Engine:
+class Engine(GradientReduction, OptimizerBridge, Inspection):
     """Owns the chunks of one wrapped model and drives them through each step."""
 
     def __init__(
@@ -272,7 +225,7 @@ class Engine:
                 self._hook_gradient(slot.param)
         self._handles.append(self.optimizer.register_step_pre_hook(self._before_step))
         self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
-        self._handles.append(_ZeroGradHook(self.optimizer, self.discard_accumulation))
+        self._handles.append(ZeroGradHook(self.optimizer, self.discard_accumulation))
 
     def _hook_gradient(self, param: torch.Tensor) -> None:
         """Watch ``param``'s gradient accumulation; a frozen one is watched once it is unfrozen."""
@@ -404,7 +357,7 @@ class Engine:
     # -- forward -------------------------------------------------------------------
     def pre_forward_root(self) -> None:
         """The wrapped model's forward begins."""
-        if self.state is TrainingState.FORWARD or (self.state is TrainingState.BACKWARD and _in_backward()):
+        if self.state is TrainingState.FORWARD or (self.state is TrainingState.BACKWARD and in_backward()):
             raise ZeroError(
                 f"the wrapped model was called while the engine is in {self.state.value}; "
                 "do not call the model from inside its own forward or from a backward hook"
@@ -430,13 +383,13 @@ class Engine:
         """The wrapped model's forward returned ``outputs``."""
         try:
             self._scheduler.drain()
-            tensors = [t for t in _tensors(outputs) if t.requires_grad and t.grad_fn is not None]
+            tensors = [t for t in tensors_of(outputs) if t.requires_grad and t.grad_fn is not None]
             graph = torch.is_grad_enabled() and bool(tensors) and bool(self._reduce_order)
             self._release_after_forward(self.chunks, for_backward=graph)
             if not graph:
                 self._drop_forward_leftovers()
             if graph:
-                reachable = _reachable_params(tensors)
+                reachable = reachable_params(tensors)
                 for chunk in self._reduce_order:
                     ids = {id(s.param) for s in chunk.slots if id(s.param) in reachable}
                     self._expected.setdefault(chunk.index, set()).update(ids)
@@ -471,7 +424,7 @@ class Engine:
         """
         if self._step_open:
             self._abort_step()
-        if self.state is TrainingState.BACKWARD and not _in_backward():
+        if self.state is TrainingState.BACKWARD and not in_backward():
             self._abort_backward()
         if self.state is TrainingState.BACKWARD_PENDING:
             self._drop_forward_leftovers()
@@ -513,27 +466,10 @@ class Engine:
                 "ranks probably failed at different points of that backward; restart from the last checkpoint"
             ) from error
 
-    def discard_accumulation(self, set_to_none: bool = True) -> None:
-        """``zero_grad()``: gradients a ``no_sync()`` window accumulated and never reduced are dropped, as in DDP.
-
-        With ``set_to_none=False``, a parameter the window gave a gradient on this rank keeps a
-        zero gradient, as its ``.grad`` would in one process (momentum then still acts on it)."""
-        if self.state is TrainingState.BACKWARD and _in_backward():
-            raise ZeroError("zero_grad() was called during backward; call it before the forward or after the step")
-        self.settle()
-        for chunk in self.chunks:
-            if not chunk.has_unreduced_gradients:
-                continue
-            if not set_to_none:
-                for seg in chunk.segments:
-                    if chunk.got_grad[seg.slot] and seg.param.grad is None and seg.param.requires_grad:
-                        device = chunk.grad_device or seg.local.device  # where reduced gradients would land
-                        seg.param.grad = chunk.wrap(seg.slot, torch.zeros_like(seg.local, device=device))
-            chunk.discard_gradients()
 
     def _pre_forward(self, chunks: tuple[Chunk, ...], module: nn.Module, args: Any) -> None:
         if self.state in (TrainingState.IDLE, TrainingState.BACKWARD_PENDING):
-            if not _in_backward():
+            if not in_backward():
                 raise ZeroError(
                     f"{type(module).__name__} ran outside the wrapped model's forward, but its parameters are "
                     "sharded; call the model returned by zero_core.shard, not one of its submodules"
@@ -546,7 +482,7 @@ class Engine:
     def _post_forward(self, chunks: tuple[Chunk, ...], module_id: int, module: nn.Module, args: Any, outputs: Any) -> None:
         if self.state is not TrainingState.FORWARD:
             return  # recomputation under activation checkpointing: keep gathered for the backward
-        returned = {self._chunk_of[id(t)].index for t in _tensors(outputs) if id(t) in self._chunk_of}
+        returned = {self._chunk_of[id(t)].index for t in tensors_of(outputs) if id(t) in self._chunk_of}
         if returned:  # a module returned one of its parameters: its caller reads it after this hook
             if torch.is_grad_enabled():
                 self._exposed.update(returned)
@@ -560,7 +496,7 @@ class Engine:
         if torch.is_grad_enabled():
             # Not on leaves (a module that returns one of its parameters): a hook on a leaf stays for good,
             # one more every step.
-            tensors = [t for t in _tensors(outputs) if t.requires_grad and t.grad_fn is not None]
+            tensors = [t for t in tensors_of(outputs) if t.requires_grad and t.grad_fn is not None]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, functools.partial(self._pre_backward, chunks), mode="any"
@@ -602,58 +538,10 @@ class Engine:
             if chunk.index not in self._reduced:
                 chunk.prepare_gradients()
 
-    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
-        self._enter_backward()
-        chunk = self._chunk_of[id(param)]
-        if chunk.index in self._reduced:
-            raise GradientLostError(
-                f"parameter {self._name_of[id(param)]!r} received a gradient after its chunk {chunk.index} was already "
-                "reduce-scattered in this backward, so the gradient would be lost. This happens with reentrant "
-                "activation checkpointing (use torch.utils.checkpoint(..., use_reentrant=False)) or when a "
-                "parameter's gradient does not flow through the wrapped model's outputs."
-            )
-        chunk.got_grad[self._slot_of[id(param)]] = True
-        waiting = self._waiting.get(chunk.index)
-        if waiting is not None:
-            waiting.discard(id(param))
-            if not waiting:
-                self._ready[chunk.index] = True
-        if self.sync_gradients:
-            self._reduce_ready()
 
-    def _flush_reductions(self) -> None:
-        """Every reduce group launches what a bucketing backend still holds (on every rank, in one order)."""
-        self.reduce_comm.flush()
-        for comm in self._mesh_comms:
-            comm.flush()
 
-    def _reduce_ready(self) -> None:
-        while self._next_reduce < len(self._reduce_order):
-            chunk = self._reduce_order[self._next_reduce]
-            if not self._ready.get(chunk.index):
-                return
-            self._reduce(chunk)
 
-    @engine_work
-    def _reduce(self, chunk: Chunk) -> None:
-        with torch.profiler.record_function("ZeRO::reduce_scatter"):
-            scale = self.scaler.scale if self.scaler is not None else 1.0
-            self._waiter.submit(chunk.reduce_gradients(self.reduce_comm, loss_scale=scale))
-        self._reduced.add(chunk.index)
-        self._next_reduce += 1
-        self._release([chunk])
 
-    def _publish_gradients(self) -> None:
-        """Give each optimizer segment its gradient if its parameter got one on any rank."""
-        trainable = self._reduce_order
-        flags = [f for chunk in trainable for f in chunk.got_grad]
-        if self.reduce_comm.world_size > 1 and not self.config.static_graph:
-            agreed = self.reduce_comm.agree_any(torch.tensor(flags, dtype=torch.uint8)).tolist()
-            flags = [bool(f) for f in agreed]
-        offset = 0
-        for chunk in trainable:
-            chunk.publish_gradients(flags[offset : offset + len(chunk.slots)])
-            offset += len(chunk.slots)
 
     @engine_work
     def _finish_backward(self) -> None:
@@ -684,231 +572,23 @@ class Engine:
             self.use_sharded()
 
     # -- optimizer step ------------------------------------------------------------
-    @engine_work
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._in_substep:
-            return
-        if self.state is TrainingState.BACKWARD and _in_backward():
-            raise ZeroError("optimizer.step() was called during backward; call it after loss.backward() returns")
-        self.settle()
-        if not self.sync_gradients:
-            raise ZeroError(
-                "optimizer.step() was called inside model.no_sync(): this backward's gradients were not reduced. "
-                "Run the last micro-batch's forward and backward outside no_sync(), then step"
-            )
-        if any(chunk.has_unreduced_gradients for chunk in self._reduce_order):
-            raise ZeroError(
-                "optimizer.step() after a backward inside model.no_sync(): the accumulated gradients were never "
-                "reduced. Run the last micro-batch's forward and backward outside no_sync(), then step"
-            )
-        self._lockstep.begin("optimizer.step()", self.step_count)
-        if self.scaler is not None:
-            self._check_overflow()
-        self._step_open = True  # before the policy's own early steps, which _abort_step must undo too
-        self.placement.before_step(self.chunks)
 
-    def _check_overflow(self) -> None:
-        """See [Note: one overflow check per step]."""
-        if not self.loss_scaled:
-            raise ZeroError(
-                "this step's gradients were not loss-scaled: with Precision(loss_scale=...) call "
-                "model.backward(loss) instead of loss.backward()"
-            )
-        grads = [to_local(seg.param.grad) for c in self._reduce_order for seg in c.segments if seg.param.grad is not None]
-        found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for device, group in by_device(grads).items():
-            found_here = torch.zeros(1, dtype=torch.float32, device=device)
-            # torch's fused finite check (GradScaler's); an inv_scale of 1 leaves the gradients as they are
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, torch.ones(1, device=device))
-            found += found_here.to(self.device)
-        flag = torch.tensor([1 if found.item() > 0 else 0], dtype=torch.uint8)
-        overflow = bool(self.comm.agree_any(flag)[0].item())
-        if overflow:
-            for chunk in self._reduce_order:
-                for seg in chunk.segments:
-                    seg.param.grad = None  # the optimizer skips parameters without a gradient
-        self.scaler.update(overflow)
 
-    @engine_work
-    def step_chunks(self, chunks: Sequence[Chunk]) -> None:
-        """Run the optimizer on these chunks' segments only, now (for placement policies, from ``before_step``).
 
-        torch's optimizers skip parameters whose gradient is ``None``, so the other segments'
-        gradients are set aside for the call. The stepped segments' gradients are set aside
-        until the user's ``optimizer.step()`` has run, so it skips them, and then come back.
-        """
-        targets = {id(seg.param) for c in chunks for seg in c.segments}
-        aside = [(seg.param, seg.param.grad) for c in self._reduce_order for seg in c.segments
-                 if seg.param.grad is not None and id(seg.param) not in targets]
-        for param, _ in aside:
-            param.grad = None
-        self._in_substep = True
-        try:
-            self.optimizer.step()
-        finally:
-            self._in_substep = False
-            for param, grad in aside:
-                param.grad = grad
-        for chunk in chunks:
-            for seg in chunk.segments:
-                if seg.param.grad is not None:
-                    self._stepped.append((seg.param, seg.param.grad))
-                    seg.param.grad = None
 
-    def device_bytes(self) -> int:
-        """Bytes the engine holds on the device now: gathered or kept full buffers, gradient buffers, idle pooled buffers.
 
-        Exact, from storage sizes. Master shards, their gradients and optimizer states are not
-        counted here: where they live is the placement policy's to account.
-        """
-        pool = self.chunks[0].pool if self.chunks else None
-        # pooled buffers: idle, or lent to a backward or a reduction in flight (gradient buffers, receive buffers)
-        total = pool.nbytes + pool.lent if pool is not None else 0
-        for chunk in self.chunks:
-            if not chunk.shard_is_view:
-                total += chunk.full.untyped_storage().nbytes()
-            else:  # the kept buffer holds the shard: the shard's part is the policy's
-                total += chunk.full_bytes - chunk.shard_bytes
-            if chunk.grad_full is not None:
-                total += chunk.grad_full.untyped_storage().nbytes()
-        return total
 
-    @engine_work
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._in_substep:
-            return
-        self._step_open = False
-        for param, grad in self._stepped:
-            param.grad = grad
-        self._stepped = []
-        self.loss_scaled = False
-        skipped = self.scaler is not None and self.scaler.last_step_skipped
-        if not skipped:
-            self._publish_kept_buffers()
-        self.placement.after_step(self.chunks)
-        self._expected, self._last_expected = {}, {}  # graphs built before the step cannot be backwarded after it
-        self._exposed = set()
-        self.step_count += 1
-        finished = self.comm.stats.end_step()
-        self.hook.zero_after_step(engine=self, stats=self.comm.stats.summary(finished))
-
-    def _publish_kept_buffers(self) -> None:
-        """Refresh the full buffers stages 1 and 2 keep from the updated master shards (collective)."""
-        if not self._refresh_after_step:
-            return
-        with torch.profiler.record_function("ZeRO::publish_parameters"):
-            # one group at a time: each all-gather's receive buffer is free again before the next one takes it
-            for group in self._refresh_after_step:
-                for pending in group.publish_parameters(self.comm):
-                    if pending is not None:
-                        pending.wait()
-
-    @engine_work
-    def _abort_step(self) -> None:
-        """``optimizer.step()`` raised after the engine prepared it (a hook, an optimizer error).
-
-        What the optimizer already updated stays (as in one process); gradients set aside for
-        a placement policy's early step come back, the kept full buffers are refreshed from the
-        masters (so forward sees what the optimizer holds), and the placement policy puts
-        everything back where it keeps it. The step is not counted."""
-        self._step_open = False
-        self._in_substep = False
-        for param, grad in self._stepped:
-            param.grad = grad
-        self._stepped = []
-        self._publish_kept_buffers()
-        self.placement.after_step(self.chunks)
 
     # -- inspection ----------------------------------------------------------------
-    def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of model states this rank holds now, by kind (exact, from tensor storages).
-
-        ``params`` counts master shards and the full buffers stages 1 and 2 keep, each
-        storage once (in one dtype the kept buffer holds the shard). ``grads`` counts each
-        gradient storage once: the segments' gradients (views of one shard-sized buffer
-        per chunk) and the full-size buffer stage 1 keeps. ``optimizer_scalars`` counts
-        zero-dimensional optimizer states (step counters) separately, because the ZeRO
-        formulas leave them out. ``gathered_buffers`` is stage 3's full buffers gathered
-        right now; ``gradient_workspace`` the idle full-size gradient buffers kept for reuse.
-        """
-        report = {"params": 0, "grads": 0, "optimizer_states": 0, "optimizer_scalars": 0, "gathered_buffers": 0,
-                  "gradient_workspace": self.chunks[0].pool.nbytes if self.chunks else 0}
-        param_storages: dict[int, int] = {}
-        grad_storages: dict[int, int] = {}
-
-        def add(storages: dict[int, int], tensor: torch.Tensor) -> None:
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-
-        for chunk in self.chunks:
-            if chunk._shard is not None:  # else the kept full buffer holds the master values
-                add(param_storages, chunk._shard)
-            if chunk.persistent:
-                add(param_storages, chunk.full)
-            elif chunk.is_gathered:
-                report["gathered_buffers"] += chunk.full_bytes
-            if chunk.grad_full is not None:
-                add(grad_storages, chunk.grad_full)
-            for seg in chunk.segments:
-                if seg.param.grad is not None:
-                    add(grad_storages, to_local(seg.param.grad))
-                for value in self.optimizer.state.get(seg.param, {}).values():
-                    if isinstance(value, torch.Tensor):
-                        per_element = isinstance(value, DTensor) or value.dim() > 0
-                        value = to_local(value)
-                        key = "optimizer_states" if per_element else "optimizer_scalars"
-                        report[key] += value.numel() * value.element_size()
-        report["params"] = sum(param_storages.values())
-        report["grads"] = sum(grad_storages.values())
-        return report
 
     def require_idle(self, what: str, *, collective: bool = True) -> None:
         """Settle the engine for ``what`` between steps; a collective verb begins with a lockstep round."""
         if self._closed:
             raise ZeroError(f"{what} was called after model.close(); the engine no longer holds the model")
-        if self.state is TrainingState.FORWARD or (self.state is TrainingState.BACKWARD and _in_backward()):
+        if self.state is TrainingState.FORWARD or (self.state is TrainingState.BACKWARD and in_backward()):
             raise ZeroError(f"{what} needs an idle engine (between steps), but it is in {self.state.value}")
         self.settle()
         if collective:
             self._lockstep.begin(what, self.step_count)
 
-    @torch.no_grad()
-    def iter_full_chunks(self) -> Iterator[tuple[Chunk, torch.Tensor]]:
-        """Each chunk with its whole master values (a device tensor), one chunk at a time.
 
-        Collective: every rank iterates to the end. The tensor is only valid until the next
-        item; no rank holds more than one gathered chunk beyond its shards.
-        """
-        self.require_idle("reading the full parameters")
-        for chunk in self.chunks:
-            with _engine_work():
-                self.placement.before_gather([chunk])  # a shard on disk comes back to be read
-                if chunk.shard_is_view:
-                    full = chunk.full
-                else:
-                    received = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-                    gather = chunk.groups.gather if chunk.groups is not None else self.comm
-                    gather.all_gather(received, chunk.shard.to(chunk.device))
-                    full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-                    torch.split_with_sizes_copy(received.view(chunk.world_size, chunk.shard_size), chunk._split, dim=1,
-                                                out=chunk._regions(full))
-                    del received
-            try:
-                yield chunk, full
-            finally:
-                del full
-                with _engine_work():
-                    self.placement.after_release([chunk])
-
-    @torch.no_grad()
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, as CPU copies of the master values, one chunk at a time.
-
-        Collective: call on every rank. With 16-bit compute these are the fp32 masters
-        the optimizer updates, not the 16-bit copies forward uses.
-        """
-        result: dict[str, torch.Tensor] = {}
-        for chunk, full in self.iter_full_chunks():
-            for slot in chunk.slots:
-                result[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
-        return result

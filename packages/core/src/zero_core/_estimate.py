@@ -3,7 +3,7 @@
 :func:`estimate` lays a model out the way :func:`~zero_core.shard` would (the same strategy
 plugin, the same plan, the same gather groups) and counts what every rank would hold and
 send, exactly, padding included. Given only a parameter count it uses the closed ZeRO formulas
-(Rajbhandari et al., 2020) with the count rounded up to the world size, as one chunk (so a
+(Rajbhandari et al., 2020) with the count rounded up to the shard group size, as one chunk (so a
 placement's fractions take it whole or not at all). The model may live
 on the meta device, so a 70B-parameter model can be estimated for 1024 ranks on a laptop.
 
@@ -290,14 +290,6 @@ def _check_reshard(value: object, released: bool, where: str) -> None:
                           "it does not change between steps)")
 
 
-def _accepts_topology(plan: Any) -> bool:
-    try:
-        parameters = inspect.signature(plan).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "topology" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-
-
 def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: MeshSpec, config: ZeroConfig,
           plugins: ZeroPlugins) -> tuple[list[_Layout], list[list[int]], int]:
     named = list(model.named_parameters(remove_duplicate=True))
@@ -311,8 +303,13 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: MeshS
     strategy = plugins.strategies.get(config.strategy)()
     world_size = mesh.shard_size  # the strategy plans for the default mesh's shard group
     topology = Topology.of(mesh)
-    # A strategy written before meshes takes no topology; it puts every chunk on the default mesh.
-    extra = {"topology": topology} if _accepts_topology(strategy.plan) else {}
+    # as shard() does: a strategy written before meshes takes no topology, and plans for a 1-D mesh only
+    takes_topology = "topology" in inspect.signature(strategy.plan).parameters
+    if mesh.ndim > 1 and not takes_topology:
+        raise ConfigError(f"shard strategy {config.strategy!r} plans for one 1-D mesh only (its plan() takes no topology), "
+                          "so shard() refuses a 2-D mesh; estimate a strategy that supports meshes (chunk, tensor), "
+                          "or plain sharding (world_size=N)")
+    extra = {"topology": topology} if takes_topology else {}
     plan = strategy.plan(params, world_size=world_size, config=config, hook=plugins.manager.hook, **extra)
     plan.validate(params, world_size, topology)
     default = ChunkPlan(mesh=mesh, reshard_after_forward=config.reshard_after_forward)

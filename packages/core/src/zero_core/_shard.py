@@ -163,6 +163,7 @@ def shard(
                       gradient_predivide_factor=config.precision.gradient_predivide_factor, keep_gathered=index in keep,
                       mesh=chunk_groups.device_mesh, replicas=chunk_plans[index].mesh.replicate_size)
         chunk.plan, chunk.groups = chunk_plans[index], chunk_groups
+        chunk.owned = True
         if recording is None:
             chunk.pack(comm, broadcast_from_rank0=config.sync_module_states)
         else:

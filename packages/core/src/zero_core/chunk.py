@@ -76,6 +76,7 @@ from torch import nn
 
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from zero_core._ownership import in_policy_call
 from zero_core._state import ChunkState, MemoryTier
 from zero_core.comm import CommBackend, Pending
 
@@ -347,7 +348,9 @@ class Chunk:
         self.shard_is_view = self.persistent and self.dtype == self.master_dtype
         # Runtime state, changed only through the transition methods below.
         self.state = ChunkState.GATHERED
-        self.tier = MemoryTier.DEVICE
+        self._tier = MemoryTier.DEVICE
+        # Set by shard(): the engine owns this chunk, and [Note: who moves a chunk] is asserted.
+        self.owned = False
         self.full = torch.empty(self.size, dtype=self.dtype, device=device)
         self._views = tuple(self.full[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots)
         if not self.persistent:  # allocated by pack() (or never, by begin_fill()): building every chunk costs nothing
@@ -557,6 +560,26 @@ class Chunk:
             self.shard_range(slot, a, b).copy_(values[a - lo : b - lo])
 
     # -- transitions ----------------------------------------------------------------
+    @property
+    def tier(self) -> MemoryTier:
+        """Where the shard lives; set by placement policies only (see [Note: who moves a chunk])."""
+        return self._tier
+
+    @tier.setter
+    def tier(self, tier: MemoryTier) -> None:
+        self._assert_tier_mover("change its tier")
+        self._tier = tier
+
+    def _assert_tier_mover(self, what: str) -> None:
+        assert not self.owned or in_policy_call(), (
+            f"chunk {self.index}: only a placement policy, inside a hook the engine calls, may {what} "
+            "(see [Note: who moves a chunk])")
+
+    def _assert_state_mover(self, what: str) -> None:
+        assert not self.owned or not in_policy_call(), (
+            f"chunk {self.index}: a placement policy may not {what}; only the engine gathers and releases "
+            "(see [Note: who moves a chunk])")
+
     def _assert_state(self, *states: ChunkState) -> None:
         assert self.state in states, f"chunk {self.index} is {self.state.value}, expected one of {[s.value for s in states]}"
 
@@ -569,6 +592,7 @@ class Chunk:
         """SHARDED -> GATHERED (or GATHERING with ``async_op``): re-allocate the full buffer and all-gather into it."""
         if self.persistent:
             return
+        self._assert_state_mover("gather it")
         self._assert_state(ChunkState.SHARDED)
         comm, send = self._comm(comm), None
         if self.copy is not None:  # the forward kept a copy: gather it inside the group of k ranks instead
@@ -615,6 +639,7 @@ class Chunk:
         ``k`` ranks (:meth:`gather` uses the copy, then drops it)."""
         if self.persistent:
             return
+        self._assert_state_mover("release it")
         self.wait()
         self._assert_state(ChunkState.GATHERED)
         if keep_copy and self.groups is not None and self.groups.sub is not None:
@@ -682,6 +707,7 @@ class Chunk:
         shard's storage is dropped with its last reference. To take a shard out of memory (to
         disk), pass :meth:`absent_shard`.
         """
+        self._assert_tier_mover("move its shard")
         if shard.shape != (self.shard_size,) or shard.dtype != self.master_dtype:
             raise ValueError(
                 f"chunk {self.index}'s shard must be a {self.master_dtype} tensor of shape ({self.shard_size},), "

@@ -32,10 +32,11 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from zero_core._ownership import policy_call
 from zero_core._state import MemoryTier, TrainingState
 from zero_core.chunk import Chunk, ChunkSpec, rewrap, to_local
 from zero_core.errors import ConfigError
@@ -45,6 +46,10 @@ if TYPE_CHECKING:
     from zero_core.comm import CommBackend
 
 __all__ = ["ChunkParts", "DevicePlacementPolicy", "HostPlacementPolicy", "PlacementContext", "PlacementPolicy"]
+
+# The hooks inside which a policy may move shards between tiers. See [Note: who moves a chunk].
+_TIER_HOOKS = ("attach", "on_transition", "before_compute", "before_gather", "after_release", "before_load",
+               "after_load", "after_backward", "before_step", "after_step", "optimizer_states", "close")
 
 #: Where each shard-sized part of one chunk lives: ``{"params": tier, "grads": tier, "optimizer_states": tier}``.
 PartTiers = dict[str, MemoryTier]
@@ -105,6 +110,14 @@ class PlacementPolicy(ABC):
     #: Whether the engine may all-gather the next group ahead of use. Read before every
     #: prefetch; it decides which collectives run, so it must be equal on every rank.
     allow_prefetch: bool = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every hook the engine calls marks its duration: tier moves are allowed inside it only.
+        super().__init_subclass__(**kwargs)
+        for name in _TIER_HOOKS:
+            method = cls.__dict__.get(name)
+            if callable(method) and not getattr(method, "__zero_policy_call__", False):
+                setattr(cls, name, policy_call(method))
 
     @classmethod
     def from_config(cls, config: ZeroConfig) -> PlacementPolicy:
