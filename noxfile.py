@@ -54,10 +54,13 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """Every registered strategy, stage, comm backend and placement policy against DDP and FSDP2.
+    """Every registered strategy, stage, comm backend and placement policy against DDP and FSDP2,
+    plus device-mesh rows at 4 ranks: HSDP on a 2x2 mesh and full sharding on 1x4 (``--meshes``),
+    each beside DDP and FSDP2 on the same 4 ranks.
 
     Writes benchmarks/results/latest.{json,md,png}. Options after -- go to the bench, e.g.
-    ``nox -s bench -- --quick`` (under 5 minutes on 2 CPU cores), ``-- --help`` for the rest.
+    ``nox -s bench -- --quick`` (under 5 minutes on 2 CPU cores), ``-- --meshes ''`` to leave the
+    mesh rows out, ``-- --help`` for the rest.
     """
     install_zero(session, "rich>=13", "matplotlib>=3.8")
     session.run("python", "benchmarks/bench.py", *session.posargs)
