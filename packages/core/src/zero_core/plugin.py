@@ -8,6 +8,7 @@ the supported surface for plugin authors and changes only with a changelog entry
 from __future__ import annotations
 
 from zero_core._accounting import in_engine_work
+from zero_core._ownership import in_policy_call, policy_call
 from zero_core._plugins import ENTRY_POINT_GROUP, hookimpl
 from zero_core._registry import Registry
 from zero_core._state import ChunkState, MemoryTier, TrainingState
@@ -54,6 +55,8 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "in_engine_work",
+    "in_policy_call",
+    "policy_call",
     "reshard_for_mesh",
     "rewrap",
     "ring_bytes_sent",
