@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 SCHEMA_VERSION = 1
 EXCEPTION_LINE = re.compile(r"^\[rank\d+\]: [\w.]+(Error|Exception|Interrupt): ")
+# what a rank that died in C++ (SIGABRT) printed before torchrun's summary
+NATIVE_ERROR_LINE = re.compile(r"terminate called|what\(\):|\] (Error|Exception)|Aborted|Segmentation fault|gloo", re.IGNORECASE)
 
 
 def _number(kind: type, minimum: float, what: str) -> Any:
@@ -186,7 +188,8 @@ def launch(config: BenchConfig, spec: dict[str, Any], world: int, timeout: float
         # the ranks' own exception line says more than torchrun's summary after it
         raised = [line for line in lines if EXCEPTION_LINE.match(line)]
         error = raised[-1].split("]: ", 1)[-1] if raised else f"exit code {proc.returncode}"
-        return {"status": "failed", "error": error, "log_tail": "\n".join(lines[-25:])}
+        native = [line for line in lines if NATIVE_ERROR_LINE.search(line)][:10]
+        return {"status": "failed", "error": error, "log_tail": "\n".join(native + ["..."] * bool(native) + lines[-25:])}
     return json.loads(out.read_text())
 
 
