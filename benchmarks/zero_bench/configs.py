@@ -5,9 +5,10 @@ Every registered strategy runs at every stage (with the strategy's own comm back
 the ``chunk`` strategy at stage 3 (or the first strategy registered, when ``chunk`` is not
 installed); every mesh given (``--meshes``, e.g. ``2x2`` for HSDP) runs that strategy at the
 ``--mesh-stages`` on its own ranks; DDP and FSDP2 are the references, at every world size the
-rows use. A plugin that registers a strategy, backend or policy is picked up with no change here. Policies whose defaults cannot run on this machine get
-options with ``--placement-options NAME=JSON``; the built-in offloading policies have presets
-that offload everything (``static``) or keep half the model states on the device (``gemini``).
+rows use. A plugin that registers a strategy, backend or policy is picked up with no change here.
+Policies whose defaults cannot run on this machine get options with ``--placement-options
+NAME=JSON``; the built-in offloading policies have presets that offload everything (``static``)
+or keep half the model states on the device (``gemini``).
 """
 
 from __future__ import annotations

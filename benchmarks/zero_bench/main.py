@@ -8,8 +8,9 @@
     nox -s bench -- --compare-only benchmarks/results/baseline.json   # no run: latest.json against it
 
 Each configuration trains in its own torchrun launch (so peak memory is its own), for the same steps
-on the same data (a mesh row, and the references beside it, on the mesh's own ranks). Results go to ``benchmarks/results/latest.json`` (schema in docs/benchmarks.md), a
-Markdown table to stdout and ``latest.md``, and the plot to ``latest.png``. The exit status is 1 when
+on the same data (a mesh row, and the references beside it, on the mesh's own ranks). Results go
+to ``benchmarks/results/latest.json`` (schema in docs/benchmarks.md), a Markdown table to stdout
+and ``latest.md``, and the plot to ``latest.png``. The exit status is 1 when
 any configuration failed, trained a different model (losses disagree), or regressed against
 ``--compare``; 0 otherwise.
 """
