@@ -1,5 +1,5 @@
 """Sessions: ``nox -s tests`` (the test suite), ``nox -s demo`` (2-rank GPT training),
-``nox -s docs`` (strict docs build), ``nox -s soak`` (long fuzz and soak runs), ``nox -s bench`` (every strategy and policy against DDP and FSDP2),
+``nox -s docs`` (strict docs build), ``nox -s hf_trainer`` (the HF Trainer example on 2 ranks), ``nox -s soak`` (long fuzz and soak runs), ``nox -s bench`` (every strategy and policy against DDP and FSDP2),
 ``nox -s microbench`` (pytest-benchmark micro-benchmarks of the collectives on 2 gloo ranks;
 pass pytest-benchmark options after ``--``, e.g. ``--benchmark-compare``)."""
 
@@ -24,7 +24,7 @@ def install_zero(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit tests of every package plus the cross-package parity, counting and demo tests."""
-    install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "rich>=13", "transformers>=5.24,<5.25")
+    install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "rich>=13", "-e", "packages/integrations[hf,lightning]")
     session.run("pytest", *session.posargs)
 
 
@@ -43,6 +43,15 @@ def demo(session: nox.Session) -> None:
     install_zero(session, "rich>=13")
     session.run("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "examples/train_gpt.py", *session.posargs)
+
+
+@nox.session(default=False)
+def hf_trainer(session: nox.Session) -> None:
+    """Fine-tune a small GPT-2 with the HuggingFace Trainer under zero on 2 CPU ranks, then reload it with
+    ``from_pretrained`` (examples/hf_trainer.py)."""
+    install_zero(session, "-e", "packages/integrations[hf]")
+    session.run("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "examples/hf_trainer.py", *session.posargs)
 
 
 @nox.session

@@ -36,8 +36,10 @@ def reachable_params(outputs: Sequence[torch.Tensor]) -> set[int]:
         if type(fn).__name__ == "CheckpointFunctionBackward":
             raise GradientLostError(
                 "the model uses reentrant activation checkpointing, which hides parameters from the autograd "
-                "graph until backward, so their gradients would be lost; use "
-                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+                "graph until backward, so their gradients would be lost; use the non-reentrant form: "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or for a HuggingFace model "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False}) "
+                "(activation_checkpointing_enable({\"use_reentrant\": False}) in transformers 5)"
             )
         variable = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
         if variable is not None:

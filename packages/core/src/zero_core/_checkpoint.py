@@ -12,7 +12,7 @@ A checkpoint is a directory. Each save writes, under a fresh save id:
 - ``zero_checkpoint.json``, the metadata: for every parameter its shape, dtype and the
   pieces each rank saved, the files with their sizes and sha256, the optimizer's
   hyperparameters per group and its scalar states (step counts), the loss scaler, the
-  engine's step.
+  engine's step, and an HF-style model's ``config.json`` (for ``zero consolidate``).
 
 Pieces are keyed by parameter name and element range, not by chunk, so any strategy,
 chunk size, world size and mesh shape can read them (resharding is reading other ranges). Every
@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from zero_core._agreement import agree_ok, raise_if_any_failed
 from zero_core._atomic import TMP_MARK, atomic_write, file_sha256, fsync_dir
+from zero_core._hf_layout import model_config_texts
 from zero_core._layout import ModelLayout, check_names, publish_kept
 from zero_core._safetensors_stream import SafetensorsRangeReader, SafetensorsWriter
 from zero_core._version import __version__
@@ -268,6 +269,9 @@ def _metadata(engine: Engine, save_id: str, descriptions: list[dict[str, Any]]) 
         "optimizer": None if first["groups"] is None else
         {"param_groups": first["groups"], "state_keys": state_keys, "scalars": scalars},
         "loss_scaler": scaler,
+        # an HF-style model's config.json (and generation_config.json), so that `zero consolidate` can write a
+        # directory from_pretrained loads without the model's code; {} for other models
+        "model_configs": model_config_texts(engine.module),
     }
 
 

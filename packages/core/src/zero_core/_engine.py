@@ -36,6 +36,18 @@ thread, the reductions issued are completed, their results and every gradient of
 backward dropped, and the chunks released (``_abort_backward``). Until then the modules
 hold the sharded parameters with the optimizer's gradients untouched, because a backward
 never registers the full parameters (only a recomputation does).
+
+[Note: torch.compile]
+Compiling a block (``block.compile()`` or ``torch.compile(block)``, before or after shard)
+makes dynamo trace the forward hooks of the modules the block calls. Zero's hooks gather,
+release and swap parameters, so they are disabled for dynamo (``_untraced``) and run
+eagerly at a graph break: a compiled block is split at each module that registers
+parameters directly, and the code between them (attention, activations, norms' math)
+is compiled. Guards hold across steps: the modules hold the same unsharded parameter
+objects in every forward, only their ``.data`` changes, so there is no recompilation
+after the first step. Compiling the wrapped model itself is refused (``ZeroModule.compile``
+and a check in ``ZeroModule.__call__``): its root call opens and closes the step's state,
+which cannot be traced, and everything below it would be split at every module anyway.
 """
 
 from __future__ import annotations
@@ -74,6 +86,18 @@ if TYPE_CHECKING:
     from zero_core.strategy import ShardStrategy
 
 __all__ = ["Engine"]
+
+
+def _untraced(hook: Any) -> Any:
+    """``hook`` run as plain Python even inside a compiled region. See [Note: torch.compile].
+
+    A compiled module's ``_call_impl`` traces the forward hooks of the modules it calls. Zero's
+    hooks communicate and swap the modules' parameters (``param.data = ...``, which dynamo would
+    record as an in-place ``set_`` and autograd then rejects in backward); as FSDP2 does with its
+    own hooks, they are excluded from tracing and run eagerly at a graph break."""
+    import torch._dynamo  # lazily: zero_core's import stays light; DTensor's ops load it anyway once the model runs
+
+    return torch._dynamo.disable(hook, recursive=True, reason="zero_core hooks gather and release parameters")
 
 
 
@@ -218,8 +242,10 @@ class Engine(GradientReduction, OptimizerBridge, Inspection):
             self._module_chunks[id(module)] = ordered
             for chunk in ordered:
                 self._triggers[chunk.index].add(id(module))
-            self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, ordered)))
-            self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, ordered, id(module))))
+            pre = _untraced(functools.partial(self._pre_forward, ordered))
+            post = _untraced(functools.partial(self._post_forward, ordered, id(module)))
+            self._handles.append(module.register_forward_pre_hook(pre))
+            self._handles.append(module.register_forward_hook(post))
         for chunk in self.chunks:
             for slot in chunk.slots:
                 self._hook_gradient(slot.param)

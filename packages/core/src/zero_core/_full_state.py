@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +11,7 @@ import torch
 
 from zero_core._agreement import raise_if_any_failed
 from zero_core._atomic import atomic_write
+from zero_core._hf_layout import cast_dtype, write_directory
 from zero_core._layout import ModelLayout, check_names, fill_from_source
 from zero_core._safetensors_stream import SafetensorsWriter
 from zero_core._sources import open_source
@@ -18,7 +20,7 @@ from zero_core.errors import CheckpointError
 if TYPE_CHECKING:
     from zero_core._engine import Engine
 
-__all__ = ["full_state_dict", "load_full_state_dict", "save_full_state_dict"]
+__all__ = ["full_state_dict", "load_full_state_dict", "save_full_state_dict", "save_hf_directory"]
 
 
 def _layout(engine: Engine) -> ModelLayout:
@@ -65,13 +67,15 @@ def _format(path: Path, format: str | None) -> str:
     return format
 
 
-def save_full_state_dict(engine: Engine, path: str | os.PathLike[str], *, format: str | None = None) -> None:
+def save_full_state_dict(engine: Engine, path: str | os.PathLike[str], *, format: str | None = None,
+                         dtype: torch.dtype | None = None) -> None:
     """Write the full state dict to one file from rank 0. Collective: call on every rank.
 
     ``format="safetensors"`` (the default for a ``.safetensors`` path) streams: rank 0
     writes each chunk's parameters as they are gathered and holds no more than one chunk.
     ``format="torch"`` writes ``torch.save`` of :func:`full_state_dict`, which rank 0 holds
     whole. The file appears complete or not at all; a failure on rank 0 raises on every rank.
+    ``dtype`` casts floating tensors as they are written.
     """
     path = Path(path)
     fmt = _format(path, format)
@@ -82,21 +86,24 @@ def save_full_state_dict(engine: Engine, path: str | os.PathLike[str], *, format
         if fmt == "torch":
             state = full_state_dict(engine, rank0_only=True)
             if rank0:
+                state = {k: v.to(cast_dtype(v.dtype, dtype)) for k, v in state.items()}
                 atomic_write(path, lambda stream: torch.save(state, stream))
         else:
-            _stream_safetensors(engine, layout, path, rank0)
+            _stream_safetensors(engine, layout, path, rank0, dtype)
     except Exception as exc:  # noqa: BLE001 - any failure on rank 0 must reach the other ranks
         error = f"{type(exc).__name__}: {exc}"
     raise_if_any_failed(engine.comm, error, f"saving the full state dict to {path} failed; no file was written "
                                              "(an older file at that path is intact)")
 
 
-def _stream_safetensors(engine: Engine, layout: ModelLayout, path: Path, rank0: bool) -> None:
+def _stream_safetensors(engine: Engine, layout: ModelLayout, path: Path, rank0: bool,
+                        dtype: torch.dtype | None) -> None:
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for chunk in engine.chunks:
         for slot in chunk.slots:
-            entries += [(key, chunk.master_dtype, tuple(slot.shape)) for key in layout.names.get(id(slot.param), [])]
-    entries += [(key, buf.dtype, tuple(buf.shape)) for key, buf in layout.buffers.items()]
+            entries += [(key, cast_dtype(chunk.master_dtype, dtype), tuple(slot.shape))
+                        for key in layout.names.get(id(slot.param), [])]
+    entries += [(key, cast_dtype(buf.dtype, dtype), tuple(buf.shape)) for key, buf in layout.buffers.items()]
     values = _param_values(engine, layout, keep=False)
     if not rank0:
         for _ in values:  # join every gather
@@ -106,10 +113,10 @@ def _stream_safetensors(engine: Engine, layout: ModelLayout, path: Path, rank0: 
     def write(stream: Any) -> None:
         writer = SafetensorsWriter(stream, entries, {"format": "pt", "producer": "zero"})
         for key, value in values:
-            writer.write(key, value)
+            writer.write(key, value.to(cast_dtype(value.dtype, dtype)))  # one tensor's cast copy at a time
             del value  # a view of the gathered chunk: it must not outlive it into the next gather
         for key, buf in layout.buffers.items():
-            writer.write(key, buf)
+            writer.write(key, buf.to(cast_dtype(buf.dtype, dtype)))
         writer.close()
 
     try:
@@ -117,6 +124,51 @@ def _stream_safetensors(engine: Engine, layout: ModelLayout, path: Path, rank0: 
     finally:
         for _ in values:  # an error midway: the other ranks still wait for the remaining gathers
             pass
+
+
+def save_hf_directory(engine: Engine, directory: str | os.PathLike[str], *, max_shard_size: int,
+                      dtype: torch.dtype | None = None, configs: Callable[[], dict[str, Any]] | None = None) -> None:
+    """Write the Hugging Face layout (see [Note: Hugging Face directory layout]) from rank 0. Collective.
+
+    Chunks are gathered one at a time, as for a streamed ``.safetensors`` file; rank 0 writes each
+    parameter (once per tied group, under its first name) into the open shard file, cast to
+    ``dtype`` one tensor at a time. A failure on rank 0 raises on every rank; the directory then
+    holds what it held before.
+    """
+    directory = Path(directory)
+    layout = _layout(engine)
+    rank0 = engine.comm.rank == 0
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    first: dict[int, str] = {}  # id(param) -> the one name it is stored under
+    for chunk in engine.chunks:
+        for slot in chunk.slots:
+            names = layout.names.get(id(slot.param), [])
+            if names:
+                first[id(slot.param)] = names[0]
+                entries.append((names[0], cast_dtype(chunk.master_dtype, dtype), tuple(slot.shape)))
+    entries += [(key, cast_dtype(buf.dtype, dtype), tuple(buf.shape)) for key, buf in layout.buffers.items()]
+
+    def values():
+        for chunk, full in engine.iter_full_chunks():
+            for slot in chunk.slots:
+                if id(slot.param) in first:
+                    yield first[id(slot.param)], full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            del full  # before the next chunk is gathered: one at a time
+        yield from layout.buffers.items()
+
+    stream = values()
+    error = None
+    try:
+        if rank0:
+            write_directory(directory, entries, stream, max_shard_size=max_shard_size,
+                            configs=configs() if configs is not None else None)
+    except Exception as exc:  # noqa: BLE001 - any failure on rank 0 must reach the other ranks
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        for _ in stream:  # the other ranks (or rank 0 after an error) join every remaining gather
+            pass
+    raise_if_any_failed(engine.comm, error, f"saving the full state dict to {directory} failed; the directory holds "
+                                            "what it held before (files of an earlier save there are intact)")
 
 
 def load_full_state_dict(engine: Engine, source: Any, *, strict: bool = True) -> None:

@@ -15,6 +15,7 @@ from zero_core._engine import Engine
 from zero_core._full_state import full_state_dict, load_full_state_dict
 from zero_core._scaler import LossScaler
 from zero_core.comm import CommStats
+from zero_core.errors import ZeroError
 
 __all__ = ["ZeroModule", "adopt"]
 
@@ -36,6 +37,11 @@ class ZeroModule:
     _zero_engine: Engine
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Only true while dynamo traces this call, i.e. under torch.compile(model). A plain raise here would
+            # make dynamo fall back to running the frame eagerly, silently; a disabled function runs (and raises)
+            # at the graph break. (torch._dynamo is loaded whenever something is compiling.)
+            torch._dynamo.disable(_refuse_whole_model_compile, reason="zero refuses whole-model compile")(self)
         engine = self._zero_engine
         compute = engine.config.precision.compute
         if compute is not None:  # the model runs in the compute dtype: floating inputs follow its parameters
@@ -48,6 +54,10 @@ class ZeroModule:
             raise
         engine.post_forward_root(outputs)
         return outputs
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: compile each block instead. See [Note: torch.compile] in ``zero_core._engine``."""
+        raise ZeroError(_WHOLE_MODEL_COMPILE.format(how=f"{type(self).__name__}.compile()"))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``; gradients a ``no_sync()`` window accumulated are discarded too, as with DDP."""
@@ -159,6 +169,19 @@ class ZeroModule:
         every rank before anything changes (``strict=False`` allows missing and unexpected).
         """
         load_full_state_dict(self._zero_engine, source, strict=strict)
+
+
+_WHOLE_MODEL_COMPILE = (
+    "{how} compiles the model zero_core.shard returned as one region, but zero gathers and releases parameters "
+    "in hooks on the modules that own them, which cannot run inside a compiled graph: every such module would split "
+    "the graph (a graph break per hook) and the root's own step bookkeeping cannot be traced at all. Compile each "
+    "block instead, before or after shard(): `for block in model.transformer.h: block.compile()` (or "
+    "`model.model.layers` for Llama-style models)"
+)
+
+
+def _refuse_whole_model_compile(model: nn.Module) -> None:
+    raise ZeroError(_WHOLE_MODEL_COMPILE.format(how=f"torch.compile({type(model).__name__})"))
 
 
 _CLASSES: dict[tuple[type, bool], type] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -10,6 +11,15 @@ import torch
 from zero_core._checkpoint import load_checkpoint as _load
 from zero_core._checkpoint import save_checkpoint as _save
 from zero_core._full_state import save_full_state_dict as _save_full
+from zero_core._full_state import save_hf_directory as _save_hf
+from zero_core._hf_layout import (
+    DEFAULT_MAX_SHARD_SIZE,
+    FILE_SUFFIXES,
+    model_config_texts,
+    parse_dtype,
+    parse_shard_size,
+    with_dtype,
+)
 from zero_core._module import ZeroModule
 from zero_core.errors import CheckpointError
 
@@ -55,13 +65,45 @@ def load_checkpoint(model: ZeroModule, optimizer: torch.optim.Optimizer | None, 
     return _load(engine, directory, load_optimizer=optimizer is not None, strict=strict, load_rng=load_rng)
 
 
-def save_full_state_dict(model: ZeroModule, path: str | os.PathLike[str], *, format: str | None = None) -> None:
-    """Write the plain model's state dict to one file from rank 0. Collective: call on every rank.
+def save_full_state_dict(model: ZeroModule, path: str | os.PathLike[str], *, format: str | None = None,
+                         max_shard_size: int | str | None = None, dtype: torch.dtype | str | None = None) -> None:
+    """Write the plain model's weights from rank 0: one file, or a Hugging Face directory. Collective: call on
+    every rank.
 
-    Keys, shapes and tied parameters are those of the unwrapped model, values in master
-    precision. A ``.safetensors`` path (or ``format="safetensors"``) is streamed chunk by
-    chunk, so no rank holds more than one gathered chunk; any other path is written with
-    ``torch.save`` (rank 0 holds the whole state dict for it). The write is atomic.
+    A ``path`` ending in ``.safetensors``, ``.pt``, ``.pth`` or ``.bin`` is one file: a
+    ``.safetensors`` path (or ``format="safetensors"``) is streamed chunk by chunk, so no rank
+    holds more than one gathered chunk; any other file is written with ``torch.save`` (rank 0
+    holds the whole state dict for it). Keys, shapes and tied parameters (under each name) are
+    those of the unwrapped model.
+
+    Any other ``path``, or an existing directory, gets the Hugging Face layout that
+    ``from_pretrained`` and ``shard(..., load_from=path)`` read: ``model.safetensors``, or
+    ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_size`` (bytes, or a size
+    like ``"5GB"``; default ``"5GB"`` as transformers) and ``model.safetensors.index.json``; a
+    tied parameter stored once, under its first name; and ``config.json`` (plus
+    ``generation_config.json``) when the model has an HF-style ``config``. Streamed too: no rank
+    holds more than one gathered chunk and rank 0 one tensor's cast copy. Other files in the
+    directory are left alone.
+
+    ``dtype`` (``torch.bfloat16``, ``torch.float16``, ``torch.float32`` or ``"bf16"``...) casts the
+    floating tensors as they are written (the config records it); by default they keep the master
+    precision. Every write is atomic: a reader sees the previous weights or the new ones complete.
     """
     engine = _engine(model, None, "save_full_state_dict")
-    _save_full(engine, path, format=format)
+    cast = parse_dtype(dtype)
+    target = Path(path)
+    if target.is_dir() or target.suffix not in FILE_SUFFIXES:
+        if format is not None:
+            raise CheckpointError(f"format={format!r} is for one file, but {target} is a directory target (no .safetensors"
+                                  "/.pt/.pth/.bin suffix); leave format out for the Hugging Face layout, or name a file")
+        limit = parse_shard_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
+        masters = {chunk.master_dtype for chunk in engine.chunks}
+        stored = cast if cast is not None else (masters.pop() if len(masters) == 1 else None)
+        # called by rank 0 only (the writer), inside its error agreement: a failing config fails every rank
+        _save_hf(engine, target, max_shard_size=limit, dtype=cast,
+                 configs=lambda: with_dtype(model_config_texts(model), stored))
+        return
+    if max_shard_size is not None:
+        raise CheckpointError(f"max_shard_size splits a directory into files, but {target} is one file; give a "
+                              "directory (a path without a file suffix) to get shards and an index")
+    _save_full(engine, path, format=format, dtype=cast)

@@ -64,6 +64,26 @@ class SafetensorsWriter:
             self._stream.write(memoryview(data.view(torch.uint8).numpy()))
         self._next += 1
 
+    def write_parts(self, name: str, parts: Any) -> None:
+        """The next tensor's values as consecutive flat pieces (an iterable of tensors), so that no more than
+        one piece need be in memory at a time."""
+        expected, nbytes = self._expected[self._next]
+        if name != expected:
+            raise ValueError(f"expected tensor {expected!r} next, got {name!r}")
+        written = 0
+        for part in parts:
+            data = part.detach().to("cpu").contiguous().reshape(-1)
+            size = data.numel() * data.element_size()
+            if written + size > nbytes:
+                raise ValueError(f"tensor {name!r} got more than its {nbytes} bytes")
+            if size:
+                self._stream.write(memoryview(data.view(torch.uint8).numpy()))
+            written += size
+            del data, part
+        if written != nbytes:
+            raise ValueError(f"tensor {name!r} got {written} of its {nbytes} bytes")
+        self._next += 1
+
     def close(self) -> None:
         if self._next != len(self._expected):
             raise ValueError(f"{len(self._expected) - self._next} tensor(s) were never written, from "

@@ -1,0 +1,183 @@
+"""HuggingFace ``Trainer`` under zero: :class:`ZeroTrainer`.
+
+``ZeroTrainer(model, args, ..., zero_config=ZeroConfig(...))`` trains with the Trainer's own
+loop. The model is sharded in place when training starts (it stays the ``PreTrainedModel``
+it was, ``config`` and all), so the loop's own calls are plain PyTorch on sharded
+parameters: ``model.zero_grad()``, ``loss.backward()``, Accelerate's ``no_sync(model)``
+(the model's own :meth:`~zero_core.ZeroModule.no_sync`). What the Trainer does on rank 0
+alone, or with a local norm, is overridden:
+
+* clipping: :func:`zero_core.clip_grad_norm_` over every rank's shards; the returned and
+  logged ``grad_norm`` is the global pre-clip norm, as in one process;
+* ``save_model`` (and the model part of every ``save_steps`` checkpoint): every rank takes
+  part in :func:`zero_core.save_full_state_dict`, which writes ``config.json`` and sharded
+  safetensors with their index, loadable by ``from_pretrained`` without zero;
+* optimizer state: a sharded zero checkpoint in ``checkpoint-N/zero/`` (every rank writes
+  its shards); ``resume_from_checkpoint`` loads it after sharding, at any world size.
+
+The overridden methods are the Trainer's private ones, so this module is bound to the
+transformers versions the tests ran (the ``[hf]`` extra's range).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+import zero_core
+from zero_core import ZeroConfig, ZeroModule
+from zero_core.errors import ConfigError
+
+try:
+    from transformers import Trainer
+except ImportError as exc:  # pragma: no cover - the [hf] extra installs it
+    raise ImportError("zero_integrations.hf needs transformers: pip install 'zero-integrations[hf]'") from exc
+
+__all__ = ["ZERO_CHECKPOINT_DIR", "ZeroTrainer"]
+
+#: The sub-directory of a Trainer checkpoint (``checkpoint-N/``) holding zero's sharded checkpoint.
+ZERO_CHECKPOINT_DIR = "zero"
+_SCHEDULER_NAME = "scheduler.pt"
+_TRAINING_ARGS_NAME = "training_args.bin"
+
+
+class ZeroTrainer(Trainer):
+    """A ``transformers.Trainer`` whose model trains sharded by zero.
+
+    Args:
+        zero_config: What :func:`zero_core.shard` builds (stage, precision, strategy, ...).
+            Default: ``ZeroConfig()``, chunked ZeRO-3.
+        max_shard_size: The largest safetensors file ``save_model`` writes (``"5GB"`` as
+            ``save_pretrained``, or bytes).
+        save_dtype: Write the exported weights in this dtype (e.g. ``torch.bfloat16``);
+            default: the master dtype. Checkpoints for resuming always keep fp32 masters.
+        *args, **kwargs: Everything ``Trainer`` takes.
+
+    Mixed precision is zero's: set it in ``zero_config.precision``, not with
+    ``TrainingArguments(bf16=True / fp16=True)``, which would add Accelerate's autocast
+    and scaler on top of zero's (refused with an error naming the fix).
+    """
+
+    def __init__(self, *args: Any, zero_config: ZeroConfig | None = None, max_shard_size: int | str = "5GB",
+                 save_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+        zero_config = ZeroConfig() if zero_config is None else zero_config
+        if not isinstance(zero_config, ZeroConfig):
+            raise ConfigError(f"zero_config must be a zero_core.ZeroConfig, got {type(zero_config).__name__}")
+        self.zero_config = zero_config
+        self.zero_max_shard_size = max_shard_size
+        self.zero_save_dtype = save_dtype
+        _check_args(kwargs.get("args", args[1] if len(args) > 1 else None))
+        super().__init__(*args, **kwargs)
+
+    # -- sharding ------------------------------------------------------------------------
+
+    @property
+    def zero_model(self) -> ZeroModule | None:
+        """The sharded model, once training has started (``None`` before)."""
+        return self.model if isinstance(self.model, ZeroModule) else None
+
+    def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
+        # The Trainer creates the optimizer just before this call; zero re-points it at the shards in
+        # place. Evaluation before training runs the plain model on every rank, as DDP's would.
+        if not training or isinstance(self.model, ZeroModule):
+            return self.model if isinstance(self.model, ZeroModule) else model
+        if self.optimizer is None:
+            raise ConfigError("ZeroTrainer needs the optimizer before sharding; the Trainer did not create one")
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # an already prepared one: its inner one
+        self.model, optimizer = zero_core.shard(self.model, optimizer, config=self.zero_config)
+        self.optimizer = optimizer
+        # Accelerate would wrap the model in DDP; ≥1.14 leaves a model marked prepared as it is.
+        self.model._is_accelerate_prepared = True
+        if self.model.loss_scaler is not None:
+            # fp16: the loss must be scaled by zero's scaler; Accelerate's backward is a plain loss.backward()
+            self.accelerator.backward = self._scaled_backward
+        return self.model
+
+    def _scaled_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.model.backward(loss, **kwargs)
+
+    # -- clipping and the logged norm -----------------------------------------------------
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> float:
+        return zero_core.clip_grad_norm_(self._sharded("clip gradients"), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> float:
+        if grad_norm is None:  # no clipping configured: the global norm, measured without scaling
+            grad_norm = zero_core.clip_grad_norm_(self._sharded("measure the gradient norm"), float("inf"))
+        return float(grad_norm)
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write ``output_dir`` as ``save_pretrained`` would. Collective once training started: call on every rank."""
+        if self.zero_model is None:  # not sharded yet: the plain model, saved by the Trainer as usual
+            super().save_model(output_dir, _internal_call=_internal_call)
+            return
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        zero_core.save_full_state_dict(self.model, output_dir, max_shard_size=self.zero_max_shard_size,
+                                       dtype=self.zero_save_dtype)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, _TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        model = self._sharded("save the optimizer")
+        zero_core.save_checkpoint(model, model.engine.optimizer, os.path.join(output_dir, ZERO_CHECKPOINT_DIR))
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+
+    # -- resuming -------------------------------------------------------------------------
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        # Called before sharding, on the plain model: a zero checkpoint is loaded after sharding instead
+        # (by _load_optimizer_and_scheduler), each rank reading only its shards.
+        if _zero_dir(resume_from_checkpoint) is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        directory = None if checkpoint is None else _zero_dir(checkpoint)
+        if directory is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        model = self._sharded("resume from a checkpoint")
+        # RNG states are the Trainer's to restore (rng_state_<rank>.pth), after this call
+        zero_core.load_checkpoint(model, model.engine.optimizer, directory, load_rng=False)
+        scheduler = os.path.join(checkpoint, _SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        directory = None if best is None else _zero_dir(best)
+        if directory is None or self.zero_model is None:
+            super()._load_best_model()
+            return
+        zero_core.load_checkpoint(self.model, None, directory, load_rng=False)
+
+    def _sharded(self, what: str) -> ZeroModule:
+        if self.zero_model is None:
+            raise ConfigError(f"ZeroTrainer cannot {what} before training has sharded the model; call train() first")
+        return self.model  # type: ignore[return-value]
+
+
+def _zero_dir(checkpoint: str) -> str | None:
+    directory = os.path.join(checkpoint, ZERO_CHECKPOINT_DIR)
+    return directory if os.path.isdir(directory) else None
+
+
+def _check_args(args: Any) -> None:
+    for name, precision in (("bf16", "bf16"), ("fp16", "fp16")):
+        if getattr(args, name, False):
+            hint = ("ZeroConfig(precision=Precision(compute='fp16', loss_scale=LossScale()))" if precision == "fp16"
+                    else "ZeroConfig(precision=Precision(compute='bf16'))")
+            raise ConfigError(
+                f"TrainingArguments({name}=True) adds Accelerate's autocast on top of zero's precision; leave it "
+                f"False and pass zero_config={hint} to ZeroTrainer"
+            )
+    if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
+        raise ConfigError("ZeroTrainer shards the model itself; remove fsdp/deepspeed from TrainingArguments")

@@ -1,0 +1,187 @@
+"""``ZeroTrainer``: the HuggingFace Trainer's own loop under zero, against the plain Trainer in one process.
+
+A tiny GPT-2 (tied embeddings) built from a config, fp32, no dropout. The zero run uses 2
+ranks with 2 sequences each per micro-batch; the reference one process with 4, so each
+optimizer step sees the same 8 sequences (gradient accumulation 2, sequential sampling).
+Clipping acts on every step (``max_grad_norm`` below every step's norm). Checked: the
+logged losses and ``grad_norm`` (the global pre-clip norm), the final weights, resuming
+from the ``save_steps`` checkpoint, and the exported directory loaded by
+``from_pretrained`` (plain transformers) giving the same logits.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zero_core.testing import run_distributed
+
+VOCAB, SEQ, SAMPLES = 96, 16, 32
+STEPS, ACCUM, PER_RANK = 4, 2, 2
+MAX_NORM = 0.5
+TOL = 1e-5
+# Accelerate insists on these even though the ranks' process group is initialised already (it joins that group).
+ENV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
+
+
+def build_model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager", bos_token_id=0,
+                        eos_token_id=0, loss_type="ForCausalLM")
+    return GPT2LMHeadModel(config)
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=generator)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def arguments(output_dir: str, per_device: int, **overrides):
+    from transformers import TrainingArguments
+
+    settings = dict(output_dir=output_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=ACCUM,
+                    max_steps=STEPS, learning_rate=2e-3, lr_scheduler_type="linear", warmup_steps=0,
+                    max_grad_norm=MAX_NORM, logging_steps=1, save_strategy="steps", save_steps=2, report_to=[],
+                    use_cpu=True, seed=0, train_sampling_strategy="sequential", dataloader_num_workers=0,
+                    disable_tqdm=True)
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def _history(trainer) -> dict[str, list[float]]:
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {"loss": [entry["loss"] for entry in logs], "grad_norm": [entry["grad_norm"] for entry in logs]}
+
+
+def reference_rank(output_dir: str) -> dict:
+    """The plain Trainer in one process (a 1-rank group, so nothing of the pytest process leaks in)."""
+    from transformers import Trainer
+
+    model = build_model()
+    trainer = Trainer(model=model, args=arguments(output_dir, PER_RANK * 2, save_strategy="no"), train_dataset=dataset())
+    trainer.train()
+    return {"history": _history(trainer), "params": {n: p.detach().clone() for n, p in model.state_dict().items()}}
+
+
+def zero_rank(output_dir: str, export_dir: str, resume: str | None, stage: int) -> dict:
+    from zero_core import ChunkPolicy, ZeroConfig
+    from zero_integrations.hf import ZeroTrainer
+
+    model = build_model()
+    trainer = ZeroTrainer(model=model, args=arguments(output_dir, PER_RANK), train_dataset=dataset(),
+                          zero_config=ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=8192)),
+                          max_shard_size=40_000)
+    trainer.train(resume_from_checkpoint=resume)
+    identity = {"same_object": trainer.model is model, "config": type(trainer.model.config).__name__}
+    if export_dir:
+        trainer.save_model(export_dir)  # every rank: the export is collective
+    params = trainer.model.full_state_dict()  # rank 0 holds it
+    return {"history": _history(trainer), "params": params, "identity": identity, "rank": dist.get_rank()}
+
+
+@functools.cache
+def reference(tmp: str) -> dict:
+    return run_distributed(reference_rank, 1, tmp, timeout=240, env=ENV)[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The reference, one uninterrupted zero run with its checkpoints and export, shared by the tests below."""
+    root = tmp_path_factory.mktemp("hf_trainer")
+    ref = reference(str(root / "reference"))
+    out, export = root / "zero", root / "export"
+    results = run_distributed(zero_rank, 2, str(out), str(export), None, 3, timeout=300, env=ENV)
+    return {"root": root, "reference": ref, "zero": results, "out": out, "export": export}
+
+
+def _assert_close(got: dict, want: dict, tol: float) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        diff = (got[key].float() - want[key].float()).abs().max().item()
+        assert diff <= tol, f"{key}: max abs diff {diff} > {tol}"
+
+
+def test_trainer_matches_one_process_with_accumulation_and_clipping(runs):
+    ref, zero = runs["reference"], runs["zero"]
+    assert len(ref["history"]["loss"]) == STEPS
+    assert all(norm > MAX_NORM for norm in ref["history"]["grad_norm"]), ref["history"]  # clipping acts
+    for rank_result in zero:
+        assert rank_result["identity"] == {"same_object": True, "config": "GPT2Config"}
+        # the logged values are the run's: the loss averaged over ranks, the global pre-clip norm
+        for name in ("loss", "grad_norm"):
+            got, want = rank_result["history"][name], ref["history"][name]
+            assert got == pytest.approx(want, abs=TOL, rel=TOL), (name, got, want)
+    _assert_close(zero[0]["params"], ref["params"], TOL)
+
+
+def test_every_rank_writes_its_shards_and_resume_equals_the_uninterrupted_run(runs):
+    checkpoint = runs["out"] / "checkpoint-2"
+    names = set(os.listdir(checkpoint))
+    assert {"zero", "config.json", "trainer_state.json", "scheduler.pt"} <= names, names
+    assert not {"optimizer.pt", "pytorch_model.bin"} & names  # nothing gathered onto rank 0
+    shard_files = os.listdir(checkpoint / "zero")
+    assert {name.split(".")[1] for name in shard_files if name.endswith(".safetensors")} == {
+        "rank00000-of-00002", "rank00001-of-00002"}, shard_files  # one shard file per rank, each written by its rank
+
+    resumed = run_distributed(zero_rank, 2, str(runs["out"]), "", str(checkpoint), 3, timeout=300, env=ENV)
+    uninterrupted = runs["zero"][0]
+    # the resumed run's history holds steps 1-2 from the checkpoint and steps 3-4 it trained itself
+    for name in ("loss", "grad_norm"):
+        assert resumed[0]["history"][name] == pytest.approx(uninterrupted["history"][name], abs=1e-6), name
+    _assert_close(resumed[0]["params"], uninterrupted["params"], 1e-6)
+
+
+def test_exported_directory_loads_with_from_pretrained(runs):
+    from transformers import AutoModelForCausalLM
+
+    export = runs["export"]
+    names = set(os.listdir(export))
+    assert {"config.json", "model.safetensors.index.json"} <= names, names
+    assert sum(name.endswith(".safetensors") for name in names) >= 2, names  # max_shard_size split it
+
+    loaded = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager").eval()
+    trained = build_model().eval()
+    trained.load_state_dict(runs["zero"][0]["params"])
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (loaded(input_ids=ids).logits - trained(input_ids=ids).logits).abs().max().item()
+    assert diff <= 1e-6, diff
+
+
+def refusals_rank(output_dir: str) -> list[str]:
+    from zero_core import ConfigError
+    from zero_integrations.hf import ZeroTrainer
+
+    messages = []
+    for overrides in ({"bf16": True}, {"fp16": True}):
+        try:
+            ZeroTrainer(model=build_model(), args=arguments(output_dir, PER_RANK, **overrides), train_dataset=dataset())
+        except ConfigError as exc:
+            messages.append(str(exc))
+    trainer = ZeroTrainer(model=build_model(), args=arguments(output_dir, PER_RANK), train_dataset=dataset())
+    try:
+        trainer._save_optimizer_and_scheduler(output_dir)  # what a checkpoint before train() would do
+    except ConfigError as exc:
+        messages.append(str(exc))
+    try:
+        ZeroTrainer(model=build_model(), args=arguments(output_dir, PER_RANK), zero_config={"stage": 3})
+    except ConfigError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+def test_conflicting_settings_are_refused_with_the_fix(tmp_path):
+    messages = run_distributed(refusals_rank, 1, str(tmp_path), timeout=120, env=ENV)[0]
+    assert len(messages) == 4, messages
+    assert "Precision(compute='bf16')" in messages[0] and "bf16=True" in messages[0]
+    assert "loss_scale=LossScale()" in messages[1]
+    assert "call train() first" in messages[2]
+    assert "zero_core.ZeroConfig" in messages[3]
