@@ -29,7 +29,7 @@ import zero_core
 from zero_core._cli import main as cli_main
 from zero_core._consolidate import consolidate
 from zero_core._hf_layout import parse_shard_size
-from zero_core.testing import run_distributed
+from zero_core.testing import get_case, run_distributed
 
 NAMES = ("gpt2", "llama")
 VOCAB, SEQ = 128, 16
@@ -260,3 +260,38 @@ def test_shard_sizes_parse_as_transformers_does():
     assert parse_shard_size("500MB") == 500 * 10**6
     assert parse_shard_size("2GiB") == 2 * 2**30
     assert parse_shard_size(1234) == 1234
+
+
+def layouts_rank(directory: str) -> dict:
+    """4 ranks: a zoo model with tied and frozen parameters on a 2x2 mesh (chunk), and 1-D with the tensor strategy."""
+    from zero_core.testing import checkpointing
+
+    out = {}
+    for label, config, mesh_shape in (
+        ("chunk-2x2", zero_core.ZeroConfig(stage=3, chunk=zero_core.ChunkPolicy(chunk_size=300)), (2, 2)),
+        ("tensor-4", zero_core.ZeroConfig(stage=2, strategy="tensor"), None),
+    ):
+        model, optimizer = checkpointing.build("gpt", config, mesh_shape=mesh_shape)
+        checkpointing.train_steps(model, optimizer, get_case("gpt"), 0, 1)
+        zero_core.save_checkpoint(model, optimizer, Path(directory) / label)
+        out[label] = model.full_state_dict()
+        model.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def layout_checkpoints(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("layouts")
+    return directory, run_distributed(layouts_rank, 4, str(directory), timeout=180)[0]
+
+
+@pytest.mark.parametrize("label", ["chunk-2x2", "tensor-4"])
+def test_consolidate_reads_any_layout(layout_checkpoints, tmp_path, label):
+    directory, states = layout_checkpoints
+    state = states[label]
+    out = tmp_path / "model.safetensors"
+    consolidate(directory / label, out)
+    with safe_open(str(out), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(state)
+        for key in f.keys():
+            assert torch.equal(f.get_tensor(key), state[key]), key

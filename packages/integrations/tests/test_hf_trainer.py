@@ -38,9 +38,9 @@ def build_model():
     return GPT2LMHeadModel(config)
 
 
-def dataset() -> list[dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=generator)
+def dataset(samples: int = SAMPLES, seed: int = 7) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (samples, SEQ), generator=generator)
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
@@ -51,14 +51,17 @@ def arguments(output_dir: str, per_device: int, **overrides):
                     max_steps=STEPS, learning_rate=2e-3, lr_scheduler_type="linear", warmup_steps=0,
                     max_grad_norm=MAX_NORM, logging_steps=1, save_strategy="steps", save_steps=2, report_to=[],
                     use_cpu=True, seed=0, train_sampling_strategy="sequential", dataloader_num_workers=0,
-                    disable_tqdm=True)
+                    disable_tqdm=True, eval_strategy="steps", eval_steps=2,
+                    per_device_eval_batch_size=2 * per_device)
     settings.update(overrides)
     return TrainingArguments(**settings)
 
 
 def _history(trainer) -> dict[str, list[float]]:
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    return {"loss": [entry["loss"] for entry in logs], "grad_norm": [entry["grad_norm"] for entry in logs]}
+    evals = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+    return {"loss": [entry["loss"] for entry in logs], "grad_norm": [entry["grad_norm"] for entry in logs],
+            "eval_loss": evals}
 
 
 def reference_rank(output_dir: str) -> dict:
@@ -66,7 +69,8 @@ def reference_rank(output_dir: str) -> dict:
     from transformers import Trainer
 
     model = build_model()
-    trainer = Trainer(model=model, args=arguments(output_dir, PER_RANK * 2, save_strategy="no"), train_dataset=dataset())
+    trainer = Trainer(model=model, args=arguments(output_dir, PER_RANK * 2, save_strategy="no"), train_dataset=dataset(),
+                      eval_dataset=dataset(8, seed=8))
     trainer.train()
     return {"history": _history(trainer), "params": {n: p.detach().clone() for n, p in model.state_dict().items()}}
 
@@ -77,6 +81,7 @@ def zero_rank(output_dir: str, export_dir: str, resume: str | None, stage: int) 
 
     model = build_model()
     trainer = ZeroTrainer(model=model, args=arguments(output_dir, PER_RANK), train_dataset=dataset(),
+                          eval_dataset=dataset(8, seed=8),
                           zero_config=ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=8192)),
                           max_shard_size=40_000)
     trainer.train(resume_from_checkpoint=resume)
@@ -111,12 +116,13 @@ def _assert_close(got: dict, want: dict, tol: float) -> None:
 
 def test_trainer_matches_one_process_with_accumulation_and_clipping(runs):
     ref, zero = runs["reference"], runs["zero"]
-    assert len(ref["history"]["loss"]) == STEPS
+    assert len(ref["history"]["loss"]) == STEPS and len(ref["history"]["eval_loss"]) == STEPS // 2
     assert all(norm > MAX_NORM for norm in ref["history"]["grad_norm"]), ref["history"]  # clipping acts
     for rank_result in zero:
         assert rank_result["identity"] == {"same_object": True, "config": "GPT2Config"}
         # the logged values are the run's: the loss averaged over ranks, the global pre-clip norm
-        for name in ("loss", "grad_norm"):
+        # evaluation between steps (eval_steps=2) runs the sharded model under no_grad on every rank
+        for name in ("loss", "grad_norm", "eval_loss"):
             got, want = rank_result["history"][name], ref["history"][name]
             assert got == pytest.approx(want, abs=TOL, rel=TOL), (name, got, want)
     _assert_close(zero[0]["params"], ref["params"], TOL)
@@ -134,7 +140,7 @@ def test_every_rank_writes_its_shards_and_resume_equals_the_uninterrupted_run(ru
     resumed = run_distributed(zero_rank, 2, str(runs["out"]), "", str(checkpoint), 3, timeout=300, env=ENV)
     uninterrupted = runs["zero"][0]
     # the resumed run's history holds steps 1-2 from the checkpoint and steps 3-4 it trained itself
-    for name in ("loss", "grad_norm"):
+    for name in ("loss", "grad_norm", "eval_loss"):
         assert resumed[0]["history"][name] == pytest.approx(uninterrupted["history"][name], abs=1e-6), name
     _assert_close(resumed[0]["params"], uninterrupted["params"], 1e-6)
 
@@ -156,6 +162,30 @@ def test_exported_directory_loads_with_from_pretrained(runs):
     assert diff <= 1e-6, diff
 
 
+def compiled_rank(output_dir: str) -> dict:
+    """TrainingArguments(torch_compile=True): ZeroTrainer compiles each GPT2Block (aot_eager: the same kernels)."""
+    from zero_core import ChunkPolicy, ZeroConfig
+    from zero_integrations.hf import ZeroTrainer
+
+    model = build_model()
+    args = arguments(output_dir, PER_RANK, save_strategy="no", torch_compile=True, torch_compile_backend="aot_eager",
+                     eval_strategy="steps")
+    trainer = ZeroTrainer(model=model, args=args, train_dataset=dataset(), eval_dataset=dataset(8, seed=8),
+                          zero_config=ZeroConfig(stage=3, chunk=ChunkPolicy(chunk_size=8192)))
+    trainer.train()
+    compiled = sorted({type(m).__name__ for m in model.modules() if getattr(m, "_compiled_call_impl", None)})
+    return {"history": _history(trainer), "params": trainer.model.full_state_dict(), "compiled": compiled}
+
+
+def test_torch_compile_argument_compiles_each_block_to_parity(runs, tmp_path):
+    results = run_distributed(compiled_rank, 2, str(tmp_path), timeout=300, env=ENV)
+    ref = runs["reference"]
+    assert results[0]["compiled"] == ["GPT2Block"]
+    for name in ("loss", "grad_norm", "eval_loss"):
+        assert results[0]["history"][name] == pytest.approx(ref["history"][name], abs=TOL, rel=TOL), name
+    _assert_close(results[0]["params"], ref["params"], TOL)
+
+
 def refusals_rank(output_dir: str) -> list[str]:
     from zero_core import ConfigError
     from zero_integrations.hf import ZeroTrainer
@@ -163,16 +193,16 @@ def refusals_rank(output_dir: str) -> list[str]:
     messages = []
     for overrides in ({"bf16": True}, {"fp16": True}):
         try:
-            ZeroTrainer(model=build_model(), args=arguments(output_dir, PER_RANK, **overrides), train_dataset=dataset())
+            ZeroTrainer(model=build_model(), args=arguments(output_dir, PER_RANK, eval_strategy="no", **overrides), train_dataset=dataset())
         except ConfigError as exc:
             messages.append(str(exc))
-    trainer = ZeroTrainer(model=build_model(), args=arguments(output_dir, PER_RANK), train_dataset=dataset())
+    trainer = ZeroTrainer(model=build_model(), args=arguments(output_dir, PER_RANK, eval_strategy="no"), train_dataset=dataset())
     try:
         trainer._save_optimizer_and_scheduler(output_dir)  # what a checkpoint before train() would do
     except ConfigError as exc:
         messages.append(str(exc))
     try:
-        ZeroTrainer(model=build_model(), args=arguments(output_dir, PER_RANK), zero_config={"stage": 3})
+        ZeroTrainer(model=build_model(), args=arguments(output_dir, PER_RANK, eval_strategy="no"), zero_config={"stage": 3})
     except ConfigError as exc:
         messages.append(str(exc))
     return messages

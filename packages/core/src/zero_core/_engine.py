@@ -100,13 +100,6 @@ def _untraced(hook: Any) -> Any:
     return torch._dynamo.disable(hook, recursive=True, reason="zero_core hooks gather and release parameters")
 
 
-
-
-
-
-
-
-
 class Engine(GradientReduction, OptimizerBridge, Inspection):
     """Owns the chunks of one wrapped model and drives them through each step."""
 

@@ -46,6 +46,8 @@ _TRAINING_ARGS_NAME = "training_args.bin"
 class ZeroTrainer(Trainer):
     """A ``transformers.Trainer`` whose model trains sharded by zero.
 
+    It takes every argument ``Trainer`` takes, and these keyword-only ones:
+
     Args:
         zero_config: What :func:`zero_core.shard` builds (stage, precision, strategy, ...).
             Default: ``ZeroConfig()``, chunked ZeRO-3.
@@ -53,7 +55,9 @@ class ZeroTrainer(Trainer):
             ``save_pretrained``, or bytes).
         save_dtype: Write the exported weights in this dtype (e.g. ``torch.bfloat16``);
             default: the master dtype. Checkpoints for resuming always keep fp32 masters.
-        *args, **kwargs: Everything ``Trainer`` takes.
+
+    ``TrainingArguments(torch_compile=True)`` compiles each transformer block (the classes in
+    the model's ``_no_split_modules``) instead of the whole model, which zero refuses.
 
     Mixed precision is zero's: set it in ``zero_config.precision``, not with
     ``TrainingArguments(bf16=True / fp16=True)``, which would add Accelerate's autocast
@@ -86,6 +90,8 @@ class ZeroTrainer(Trainer):
         if self.optimizer is None:
             raise ConfigError("ZeroTrainer needs the optimizer before sharding; the Trainer did not create one")
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # an already prepared one: its inner one
+        if self.args.torch_compile:
+            _compile_blocks(self.model, self.args.torch_compile_backend, self.args.torch_compile_mode)
         self.model, optimizer = zero_core.shard(self.model, optimizer, config=self.zero_config)
         self.optimizer = optimizer
         # Accelerate would wrap the model in DDP; ≥1.14 leaves a model marked prepared as it is.
@@ -163,6 +169,24 @@ class ZeroTrainer(Trainer):
         if self.zero_model is None:
             raise ConfigError(f"ZeroTrainer cannot {what} before training has sharded the model; call train() first")
         return self.model  # type: ignore[return-value]
+
+
+def _compile_blocks(model: torch.nn.Module, backend: str | None, mode: str | None) -> None:
+    """``TrainingArguments(torch_compile=True)``: compile each block, not the model (see zero's torch.compile page).
+
+    Accelerate would compile the whole model, which zero refuses; the blocks are the modules
+    whose classes the model names in ``_no_split_modules`` (``GPT2Block``, ``LlamaDecoderLayer``...),
+    the same units FSDP wraps."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise ConfigError(
+            f"TrainingArguments(torch_compile=True): ZeroTrainer compiles each block named in the model's "
+            f"_no_split_modules, and {type(model).__name__} names none; leave torch_compile False and call "
+            "block.compile() on each block of the model before trainer.train()"
+        )
+    for block in blocks:
+        block.compile(backend=backend or "inductor", mode=mode)
 
 
 def _zero_dir(checkpoint: str) -> str | None:
