@@ -59,7 +59,7 @@ def main() -> None:
     model = GPT2LMHeadModel(config)
     training = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=8, gradient_accumulation_steps=2,
-        max_steps=args.steps, learning_rate=2e-3, lr_scheduler_type="cosine", warmup_steps=5, max_grad_norm=1.0,
+        max_steps=args.steps, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=5, max_grad_norm=1.0,
         logging_steps=10, save_strategy="steps", save_steps=args.steps // 2, report_to=[], use_cpu=True,
         disable_tqdm=True, seed=0,
     )
@@ -73,8 +73,9 @@ def main() -> None:
         # plain transformers: no zero code is needed to read what zero wrote
         loaded = AutoModelForCausalLM.from_pretrained(export).eval()
         prompt = torch.tensor([list(b"ZeRO shards ")])
+        torch.manual_seed(0)
         with torch.no_grad():
-            out = loaded.generate(prompt, max_new_tokens=60, do_sample=False, pad_token_id=10)
+            out = loaded.generate(prompt, max_new_tokens=80, do_sample=True, temperature=0.7, top_k=20, pad_token_id=10)
         sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.steps} steps; exported to {export}")

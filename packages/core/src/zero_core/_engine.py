@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import sys
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -172,6 +173,10 @@ class Engine(GradientReduction, OptimizerBridge, Inspection):
         self._module_chunks: dict[int, tuple[Chunk, ...]] = {}
         self._triggers: dict[int, set[int]] = {c.index: set() for c in chunks}
         self._handles: list[Any] = []
+        # The forward hooks of the modules alone, replaced when the compiled modules change. See [Note: torch.compile].
+        self._module_handles: list[Any] = []
+        # The compiled modules (held, so their ids stay theirs) the module hooks were grouped by.
+        self._compiled: tuple[nn.Module, ...] = ()
         self._grad_hooked: set[int] = set()
         # Stages 1 and 2 never gather during a pass, so they need no agreement rounds either.
         sharded_params = any(not c.persistent for c in chunks)
@@ -227,24 +232,72 @@ class Engine(GradientReduction, OptimizerBridge, Inspection):
 
     # -- hook installation ---------------------------------------------------------
     def _install_hooks(self) -> None:
-        by_module: dict[int, tuple[nn.Module, dict[int, Chunk]]] = {}
-        for m, _, chunk, _ in self._registrations:
-            by_module.setdefault(id(m), (m, {}))[1][id(chunk)] = chunk
-        for module, chunks in by_module.values():
-            ordered = tuple(sorted(chunks.values(), key=lambda c: c.index))
-            self._module_chunks[id(module)] = ordered
-            for chunk in ordered:
-                self._triggers[chunk.index].add(id(module))
-            pre = _untraced(functools.partial(self._pre_forward, ordered))
-            post = _untraced(functools.partial(self._post_forward, ordered, id(module)))
-            self._handles.append(module.register_forward_pre_hook(pre))
-            self._handles.append(module.register_forward_hook(post))
+        self._install_module_hooks()
         for chunk in self.chunks:
             for slot in chunk.slots:
                 self._hook_gradient(slot.param)
         self._handles.append(self.optimizer.register_step_pre_hook(self._before_step))
         self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
         self._handles.append(ZeroGradHook(self.optimizer, self.discard_accumulation))
+
+    def _compiled_modules(self) -> tuple[nn.Module, ...]:
+        """The modules below the root that are compiled, in ``modules()`` order. See [Note: torch.compile]."""
+        # OptimizedModule exists only once dynamo is loaded: never import it from here
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        optimized = getattr(eval_frame, "OptimizedModule", None)
+        return tuple(m for m in self.module.modules() if m is not self.module and (
+            getattr(m, "_compiled_call_impl", None) is not None or (optimized is not None and isinstance(m, optimized))))
+
+    def _hook_units(self, compiled: tuple[nn.Module, ...]) -> dict[int, nn.Module]:
+        """Each module below a compiled one (by id) -> its outermost compiled ancestor, which runs the hooks."""
+        units: dict[int, nn.Module] = {}
+        if not compiled:
+            return units
+        compiled_ids = {id(m) for m in compiled}
+        seen: set[int] = set()
+        stack: list[tuple[nn.Module, nn.Module | None]] = [(self.module, None)]
+        while stack:
+            module, unit = stack.pop()
+            for child in module.children():
+                if id(child) in seen:
+                    continue  # a module reached twice belongs to the first place it was found
+                seen.add(id(child))
+                child_unit = unit if unit is not None else (child if id(child) in compiled_ids else None)
+                if child_unit is not None:
+                    units[id(child)] = child_unit
+                stack.append((child, child_unit))
+        return units
+
+    def _install_module_hooks(self) -> None:
+        """Hook each unit of gather and release: a module that registers parameters, or the outermost compiled
+        module above it, which then gathers and releases the chunks of all of them. See [Note: torch.compile]."""
+        for handle in self._module_handles:
+            handle.remove()
+        self._module_handles.clear()
+        self._module_chunks.clear()
+        for triggers in self._triggers.values():
+            triggers.clear()
+        self._compiled = self._compiled_modules()
+        units = self._hook_units(self._compiled)
+        by_unit: dict[int, tuple[nn.Module, dict[int, Chunk]]] = {}
+        for m, _, chunk, _ in self._registrations:
+            unit = units.get(id(m), m)
+            by_unit.setdefault(id(unit), (unit, {}))[1][id(chunk)] = chunk
+        for module, chunks in by_unit.values():
+            ordered = tuple(sorted(chunks.values(), key=lambda c: c.index))
+            self._module_chunks[id(module)] = ordered
+            for chunk in ordered:
+                self._triggers[chunk.index].add(id(module))
+            pre = _untraced(functools.partial(self._pre_forward, ordered))
+            post = _untraced(functools.partial(self._post_forward, ordered, id(module)))
+            self._module_handles.append(module.register_forward_pre_hook(pre))
+            self._module_handles.append(module.register_forward_hook(post))
+
+    def _regroup_if_compiled(self) -> None:
+        """A module was compiled (or a compiled one replaced) since the hooks were installed: install them again."""
+        compiled = self._compiled_modules()
+        if len(compiled) != len(self._compiled) or any(a is not b for a, b in zip(compiled, self._compiled)):
+            self._install_module_hooks()
 
     def _hook_gradient(self, param: torch.Tensor) -> None:
         """Watch ``param``'s gradient accumulation; a frozen one is watched once it is unfrozen."""
@@ -259,9 +312,11 @@ class Engine(GradientReduction, OptimizerBridge, Inspection):
         if self._closed:
             return
         self._closed = True
-        for handle in self._handles:
+        for handle in (*self._module_handles, *self._handles):
             handle.remove()
+        self._module_handles.clear()
         self._handles.clear()
+        self._compiled = ()
         self._waiter.close()
         self.placement.close()
         for comm in (self.comm, self.reduce_comm, *self._mesh_comms):
@@ -390,6 +445,7 @@ class Engine(GradientReduction, OptimizerBridge, Inspection):
         if self.state is TrainingState.IDLE and not any(c.has_unreduced_gradients for c in self.chunks):
             # a step's first forward (no no_sync() accumulation open): parameters may have been (un)frozen since
             self._reduce_order = [c for c in reversed(self.chunks) if c.requires_grad]
+        self._regroup_if_compiled()  # a block compiled after shard() becomes one unit. See [Note: torch.compile]
         if self._forward_gathers:
             self._lockstep.begin("forward", self.step_count)
         self.use_unsharded()
