@@ -4,7 +4,8 @@
 A checkpoint is a directory. Each save writes, under a fresh save id:
 
 - ``<id>.rank<r>-of-<N>.safetensors``, one per rank: for every parameter piece in the
-  rank's shards (of the first replica only, on a mesh with replicas: each shard is written once), ``p/<name>`` (the master values of elements ``[lo, hi)`` of the
+  rank's shards (of the first replica only, on a mesh with replicas: each shard is
+  written once), ``p/<name>`` (the master values of elements ``[lo, hi)`` of the
   flattened parameter) and ``o/<name>/<key>`` (each per-element optimizer state of the
   same range); rank 0 adds ``b/<name>`` for each buffer; ``rng/cpu`` (and ``rng/cuda``)
   hold the rank's random state;
