@@ -215,6 +215,32 @@ def test_zero_mixed_precision_trains_under_the_trainer(runs, tmp_path):
             assert result[name]["history"][key] == pytest.approx(ref[key], abs=5e-3), (name, key)
 
 
+def best_rank(output_dir: str) -> dict:
+    """load_best_model_at_end: after training, the model holds the best checkpoint's parameters (from its zero/)."""
+    from zero_core import ChunkPolicy, ZeroConfig
+    from zero_integrations.hf import ZeroTrainer
+
+    args = arguments(output_dir, PER_RANK, load_best_model_at_end=True, metric_for_best_model="eval_loss")
+    trainer = ZeroTrainer(model=build_model(), args=args, train_dataset=dataset(), eval_dataset=dataset(8, seed=8),
+                          zero_config=ZeroConfig(stage=3, chunk=ChunkPolicy(chunk_size=8192)))
+    trainer.train()
+    return {"best": trainer.state.best_model_checkpoint, "history": _history(trainer),
+            "params": trainer.model.full_state_dict()}
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    result = run_distributed(best_rank, 2, str(tmp_path), timeout=300, env=ENV)[0]
+    evals = result["history"]["eval_loss"]
+    best_step = 2 * (evals.index(min(evals)) + 1)  # evaluated (and saved) every 2 steps
+    assert result["best"] == str(tmp_path / f"checkpoint-{best_step}")
+    assert best_step != STEPS, evals  # the data makes an earlier checkpoint the best: loading it changes the model
+    saved = AutoModelForCausalLM.from_pretrained(result["best"]).state_dict()
+    for key, value in result["params"].items():
+        assert torch.equal(value, saved[key]), key
+
+
 def refusals_rank(output_dir: str) -> list[str]:
     from zero_core import ConfigError
     from zero_integrations.hf import ZeroTrainer
