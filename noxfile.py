@@ -1,5 +1,5 @@
-"""Sessions: ``nox -s tests`` (the test suite), ``nox -s demo`` (2-rank GPT training),
-``nox -s docs`` (strict docs build), ``nox -s hf_trainer`` (the HF Trainer example on 2 ranks), ``nox -s soak`` (long fuzz and soak runs), ``nox -s bench`` (every strategy and policy against DDP and FSDP2),
+"""Sessions: ``nox -s tests`` (the test suite), ``nox -s build`` (sdists and wheels into dist/), ``nox -s demo`` (2-rank training of a byte-level GPT on the standard library's sources),
+``nox -s docs`` (strict docs build), ``nox -s docs_screenshots`` (the built site checked in headless Chromium), ``nox -s hf_trainer`` (the HF Trainer example on 2 ranks), ``nox -s soak`` (long fuzz and soak runs), ``nox -s bench`` (every strategy and policy against DDP and FSDP2),
 ``nox -s microbench`` (pytest-benchmark micro-benchmarks of the collectives on 2 gloo ranks;
 pass pytest-benchmark options after ``--``, e.g. ``--benchmark-compare``)."""
 
@@ -24,8 +24,21 @@ def install_zero(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit tests of every package plus the cross-package parity, counting and demo tests."""
-    install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "rich>=13", "-e", "packages/integrations[hf,lightning]")
+    # build: tests/test_packaging.py builds the wheels as `nox -s build` does
+    install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "rich>=13", "build>=1.2", "-e", "packages/integrations[hf,lightning]")
     session.run("pytest", *session.posargs)
+
+
+@nox.session(default=False)
+def build(session: nox.Session) -> None:
+    """Every distribution's sdist and wheel into dist/, each wheel's contents checked.
+
+    The distributions are the pyproject.toml files under packages/ and benchmarks/; tools/build_dists.py
+    builds each wheel from its sdist and checks py.typed, LICENSE, entry points and that no tests ship.
+    Install from them with ``pip install --find-links dist zero-core zero-strategy-chunk``.
+    """
+    session.install("build>=1.2")
+    session.run("python", "tools/build_dists.py", "--outdir", "dist", *session.posargs)
 
 
 @nox.session(default=False)
@@ -39,10 +52,13 @@ def soak(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Train a 23M-parameter GPT with tied embeddings on 2 CPU ranks, launched by torchrun."""
-    install_zero(session, "rich>=13")
+    """Train a byte-level GPT on the Python standard library's own sources on 2 CPU ranks, launched by
+    torchrun (examples/text_lm): lazy init, accumulation with no_sync, clipping, evaluation, a checkpoint,
+    Hugging Face export and a sample. Options after -- go to the example, e.g. ``-- --stop-after 100`` then
+    ``-- --resume``. The synthetic-data GPT of examples/train_gpt.py runs with torchrun directly."""
+    install_zero(session)  # the example needs nothing beyond zero and torch (safetensors comes with zero-core)
     session.run("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "examples/train_gpt.py", *session.posargs)
+                "examples/text_lm/train.py", *session.posargs)
 
 
 @nox.session(default=False)
@@ -56,9 +72,20 @@ def hf_trainer(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Build the documentation site; warnings are errors."""
-    session.install("mkdocs-material>=9.5", "mkdocstrings-python>=1.10")
+    """Build the documentation site with the pinned packages of docs/requirements.txt; warnings are errors."""
+    session.install("-r", "docs/requirements.txt")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+
+
+@nox.session(default=False)
+def docs_screenshots(session: nox.Session) -> None:
+    """Build the site, open its key pages in headless Chromium with no network beyond localhost, check them
+    (diagrams drawn as SVG, nothing fetched off the machine, no sideways scrolling) and save screenshots to
+    site-screenshots/. Needs a system Chromium (``apt-get install chromium``); ``-- --pages a/index.html ...``
+    checks other pages (docs/_ext/site_check.py)."""
+    session.install("-r", "docs/requirements.txt", "playwright==1.65.2")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+    session.run("python", "docs/_ext/site_check.py", "--site", "site", "--out", "site-screenshots", *session.posargs)
 
 
 @nox.session(default=False)
@@ -67,12 +94,13 @@ def bench(session: nox.Session) -> None:
     plus device-mesh rows at 4 ranks: HSDP on a 2x2 mesh and full sharding on 1x4 (``--meshes``),
     each beside DDP and FSDP2 on the same 4 ranks.
 
-    Writes benchmarks/results/latest.{json,md,png}. Options after -- go to the bench, e.g.
-    ``nox -s bench -- --quick`` (under 5 minutes on 2 CPU cores), ``-- --meshes ''`` to leave the
-    mesh rows out, ``-- --help`` for the rest.
+    Writes benchmarks/results/latest.{json,md,png} (``-- --out DIR`` for another folder). Options after
+    -- go to the bench, e.g. ``nox -s bench -- --quick`` (under 5 minutes on 2 CPU cores), ``-- --meshes ''``
+    to leave the mesh rows out, ``-- --help`` for the rest. The bench is the zero-bench distribution
+    (benchmarks/pyproject.toml), installed editable with its plot and rich extras.
     """
-    install_zero(session, "rich>=13", "matplotlib>=3.8")
-    session.run("python", "benchmarks/bench.py", *session.posargs)
+    install_zero(session, "-e", "benchmarks[plot,rich]")
+    session.run("python", "-m", "zero_bench", *session.posargs)
 
 
 @nox.session(default=False)

@@ -4,8 +4,9 @@ Launch it the way torchrun launches any script, one process per rank:
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py
 
-Rank 0 shows a progress display with the loss, tokens/s and memory per rank, and every
-run ends with one summary line. ``--json PATH`` also writes the figures as JSON.
+Rank 0 shows a progress display with the loss, tokens/s and memory per rank when rich is
+installed (``pip install 'zero-core[examples]'``) and stdout is a terminal, plain log lines
+otherwise; every run ends with one summary line. ``--json PATH`` also writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import statistics
 import sys
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,9 @@ from zero_core import (
     shard,
 )
 from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,6 +86,19 @@ def rss_mib() -> tuple[float, float]:
     except OSError:
         current = peak
     return current, peak
+
+
+def progress_display(description: str, *, total: int) -> Progress | None:
+    """A started rich progress bar with one task, or None when rich is not installed (plain lines then)."""
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:  # rich is optional: the zero-core[examples] extra
+        return None
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    progress.start()
+    progress.add_task(description, total=total, info="")
+    return progress
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,12 +152,10 @@ def main(argv: list[str] | None = None) -> int:
 
     progress = None
     if rank == 0 and not args.no_progress and sys.stdout.isatty():
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
-                            TextColumn("{task.fields[info]}"), TimeElapsedColumn())
-        progress.start()
-        task = progress.add_task(f"{args.mode} x{world}", total=args.steps, info="")
+        progress = progress_display(f"{args.mode} x{world}", total=args.steps)
+        if progress is None:
+            print("rich is not installed, so plain log lines follow (pip install 'zero-core[examples]' for a progress bar)",
+                  flush=True)
 
     if rank == 0:
         n = cfg.num_params
@@ -176,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 tps = args.batch_size * args.seq_len * world / statistics.median(step_times[-args.log_every:])
                 info = f"loss {losses[-1]:.3f}  {tps:,.0f} tok/s  rss/rank " + " ".join(f"{m[0]:.0f}" for m in mem) + " MiB"
                 if progress is not None:
-                    progress.update(task, completed=step + 1, info=info)
+                    progress.update(progress.task_ids[0], completed=step + 1, info=info)
                 else:
                     print(f"step {step:4d}  {info}", flush=True)
         if last:

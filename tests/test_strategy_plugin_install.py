@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _checked_run import run_checked as _run
 
 ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = ["packages/core", "packages/comm", "examples/strategy-nodelocal"]
@@ -138,17 +139,6 @@ TRAIN = textwrap.dedent(
     """
 )
 
-
-def _run(cmd: list[str], *, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:.0f}s\n--- stdout ---\n{out}\n--- stderr ---\n{err}")
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
-    return proc
 
 
 @pytest.mark.timeout(900)

@@ -9,8 +9,9 @@
 
 Each configuration trains in its own torchrun launch (so peak memory is its own), for the same steps
 on the same data (a mesh row, and the references beside it, on the mesh's own ranks). Results go
-to ``benchmarks/results/latest.json`` (schema in docs/benchmarks.md), a Markdown table to stdout
-and ``latest.md``, and the plot to ``latest.png``. The exit status is 1 when
+to ``--out`` (a checkout's ``benchmarks/results``, else ``./bench-results``): ``latest.json``
+(schema in docs/benchmarks.md), a Markdown table to stdout and ``latest.md``, and the plot to
+``latest.png``. The exit status is 1 when
 any configuration failed, trained a different model (losses disagree), or regressed against
 ``--compare``; 0 otherwise.
 """
@@ -22,10 +23,7 @@ import datetime
 import json
 import os
 import platform
-import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,18 +33,18 @@ from typing import Any
 import torch
 
 from zero_bench import compare as compare_mod
-from zero_bench.configs import MODELS, BenchConfig, ModelSize, discover
+from zero_bench.configs import MODELS, ModelSize, discover
+from zero_bench.launch import launch, sigterm_raises
 from zero_bench.plot import plot
-from zero_bench.report import add_ratios, check_losses, table
+from zero_bench.report import add_ratios, check_losses, comm_table, table
 from zero_core import ZeroPlugins, __version__, estimate
 from zero_core.testing.gpt import GPT, GPTConfig
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results"
-SCHEMA_VERSION = 1
-EXCEPTION_LINE = re.compile(r"^\[rank\d+\]: [\w.]+(Error|Exception|Interrupt): ")
-# what a rank that died in C++ (SIGABRT) printed before torchrun's summary
-NATIVE_ERROR_LINE = re.compile(r"terminate called|what\(\):|\] (Error|Exception)|Aborted|Segmentation fault|gloo", re.IGNORECASE)
+PACKAGE_PARENT = Path(__file__).resolve().parents[1]
+# Run from a zero checkout (an editable install included): the package is benchmarks/zero_bench
+CHECKOUT = PACKAGE_PARENT.parent if PACKAGE_PARENT.name == "benchmarks" and (PACKAGE_PARENT / "bench.py").is_file() else None
+RESULTS = CHECKOUT / "benchmarks" / "results" if CHECKOUT is not None else Path("bench-results")
+SCHEMA_VERSION = 2  # 2: records carry comm_timing_per_step
 
 
 def _number(kind: type, minimum: float, what: str) -> Any:
@@ -92,13 +90,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="relative loss tolerance of fp32 runs against DDP")
     p.add_argument("--loss-rtol-16", type=float, default=3e-2, help="the same for bf16/fp16 runs")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds one configuration may take")
-    p.add_argument("--out", type=Path, default=RESULTS / "latest.json", help="results JSON (the .md and .png go beside it)")
+    p.add_argument("--out", type=Path, default=RESULTS, metavar="DIR",
+                   help="results folder: latest.json, .md and .png (default: a checkout's benchmarks/results, else "
+                        "./bench-results); a path ending in .json names the results file, the .md and .png go beside it")
     p.add_argument("--compare", type=Path, default=None, help="after the run, compare with this saved results file")
     p.add_argument("--compare-only", type=Path, default=None, metavar="BASELINE", help="compare --out with BASELINE; run nothing")
     p.add_argument("--threshold", type=float, default=0.10, help="step-time and memory regression threshold (fraction)")
     p.add_argument("--save-baseline", type=Path, default=None, help="also copy the results to this path")
     p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress display")
     args = p.parse_args(argv)
+    if args.out.suffix != ".json":
+        args.out = args.out / "latest.json"
     if args.world_size < 1:
         p.error(f"--world-size must be at least 1, got {args.world_size}")
     for path in (args.compare, args.compare_only):
@@ -169,43 +171,21 @@ def machine() -> dict[str, Any]:
             "device": torch.cuda.get_device_name(0) if cuda else "cpu", "backend": "nccl" if cuda else "gloo"}
 
 
-def launch(config: BenchConfig, spec: dict[str, Any], world: int, timeout: float, tmp: Path) -> dict[str, Any]:
-    out = tmp / f"{config.name}.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           "-m", "zero_bench.worker", "--spec", json.dumps({**spec, "config": config.as_dict()}), "--out", str(out)]
-    # A session of its own, so a timeout kills the ranks too, not only the launcher.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        tail = "\n".join((log or "").strip().splitlines()[-25:])
-        return {"status": "failed", "error": f"did not finish within --timeout {timeout:.0f} s", "log_tail": tail}
-    if proc.returncode != 0 or not out.exists():
-        lines = (log or "").strip().splitlines()
-        # the ranks' own exception line says more than torchrun's summary after it
-        raised = [line for line in lines if EXCEPTION_LINE.match(line)]
-        error = raised[-1].split("]: ", 1)[-1] if raised else f"exit code {proc.returncode}"
-        native = [line for line in lines if NATIVE_ERROR_LINE.search(line)][:10]
-        return {"status": "failed", "error": error, "log_tail": "\n".join(native + ["..."] * bool(native) + lines[-25:])}
-    return json.loads(out.read_text())
-
-
 class Progress:
-    """A rich progress bar on a terminal; one line per configuration otherwise."""
+    """A rich progress bar on a terminal (when rich is installed); one line per configuration otherwise."""
 
     def __init__(self, total: int, plain: bool) -> None:
         self.bar = None
         if not plain and sys.stdout.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                                TimeElapsedColumn())
-            self.bar.start()
-            self.task = self.bar.add_task("", total=total)
+            try:
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            except ImportError:  # rich is optional (zero-bench[rich]): plain lines then
+                pass
+            else:
+                self.bar = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(),
+                                    TextColumn("{task.description}"), TimeElapsedColumn())
+                self.bar.start()
+                self.task = self.bar.add_task("", total=total)
         self.total, self.done = total, 0
 
     def start(self, name: str) -> None:
@@ -252,12 +232,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     progress = Progress(len(configs), args.no_progress)
     started = time.perf_counter()
     try:
-        with tempfile.TemporaryDirectory(prefix="zero-bench-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="zero-bench-") as tmp, sigterm_raises():
             for config in configs:
                 progress.start(config.name)
                 world = config.world_size or args.world_size
                 record = {"name": config.name, "config": config.as_dict(), "world_size": world,
-                          **launch(config, spec, world, args.timeout, Path(tmp))}
+                          **launch(config, spec, world, args.timeout, Path(tmp), pythonpath=PACKAGE_PARENT if CHECKOUT else None)}
                 records.append(record)
                 progress.finish(config.name, record)
     finally:
@@ -281,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if regressions else 0
     result = run(args)
     records = result["records"]
-    text = table(records)
+    text = table(records) + "\n\nCollectives per step by kind, zero rows, rank 0, measured after warm-up:\n\n" + comm_table(records)
     m = result["model"]
     own = sorted({r["world_size"] for r in records} - {result["world_size"]})
     ranks = f"{result['world_size']} ranks" + (f" ({', '.join(map(str, own))} for the mesh rows)" if own else "")
@@ -290,10 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{title}; median of steps {args.warmup + 1}..{args.steps}\n\n{text}\n")
     for r in records:
         if r.get("log_tail"):
-            print(f"--- {r['name']} failed; the end of its log:\n{r['log_tail']}\n")
+            print(f"--- {r['name']} failed: {r['error']}\n{r['log_tail']}\n")
         elif r["status"] == "not applicable":
             print(f"{r['name']}: not applicable here: {r['error']}")
-    failed = [r["name"] for r in records if r["status"] not in ("ok", "not applicable")]
+    failed = [r for r in records if r["status"] not in ("ok", "not applicable")]
     wrong = [r["name"] for r in records if r.get("losses_agree") is False]
     agree = [r for r in records if r.get("losses_agree")]
     if result["loss_reference"] is None:
@@ -318,6 +298,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nagainst {args.compare}:\n\n{text}\n\n{len(regressions)} regression(s) past {args.threshold:.0%}"
               + "".join(f"\n  {r}" for r in regressions))
         status = status or (1 if regressions else 0)
-    if failed:
-        print(f"FAILED: {', '.join(failed)}")
+    if failed:  # the row and why, last, where a log or CI summary shows it
+        print(f"FAILED: {len(failed)} configuration(s)" + "".join(f"\n  {r['name']}: {r['error']}" for r in failed))
     return status

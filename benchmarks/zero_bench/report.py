@@ -133,3 +133,33 @@ def table(records: list[dict[str, Any]]) -> str:
             f"| {_x(q['memory_vs_fsdp2'])} | {max(r['model_state_bytes']) / MiB:.2f} | {_x(q['state_vs_theory'])} "
             f"| {max(r['bytes_sent_per_step']) / MiB:.2f} | {_x(q['sent_vs_theory'])} | {_groups(r)} | {_vs_estimate(r)} | {_calls(r)} |")
     return "\n".join(rows)
+
+
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "control", "object")
+
+
+def _measured(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def comm_table(records: list[dict[str, Any]]) -> str:
+    """The zero rows' collectives by kind on rank 0, per step (means over the steps after warm-up): calls, MiB sent
+    beside ``zero_core.estimate``'s prediction, and the measured time, latency and bandwidths (``CommStats.table``'s
+    columns). The references' collectives are counted, not timed, so they have no rows here."""
+    head = ("| config | collective | calls | sent MiB | estimate MiB | ms | latency ms | algbw GB/s | busbw GB/s "
+            "| blocked ms |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in records:
+        timing = (r.get("comm_timing_per_step") or [None])[0]
+        if not timing:
+            continue
+        predicted = (r.get("estimate") or {}).get("bytes_sent") or {}
+        for kind in sorted(timing, key=lambda k: COMM_KINDS.index(k) if k in COMM_KINDS else len(COMM_KINDS)):
+            v = timing[kind]
+            estimate = "–" if kind not in predicted else f"{predicted[kind] / MiB:.3f}"
+            rows.append(
+                f"| {r['name']} | {kind} | {v['calls']:g} | {v['bytes_sent'] / MiB:.3f} | {estimate} "
+                f"| {_measured(1000 * v['seconds'] if v['timed_calls'] else None, '.2f')} | {_measured(v['latency_ms'], '.3f')} "
+                f"| {_measured(v['algbw_gbps'], '.3g')} | {_measured(v['busbw_gbps'], '.3g')} "
+                f"| {_measured(1000 * v['blocked_seconds'] if v['timed_calls'] else None, '.2f')} |")
+    return "\n".join(rows)

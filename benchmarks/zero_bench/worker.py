@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from zero_bench.counting import Counter, count_ddp, count_fsdp2
-from zero_core import ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, estimate, shard
+from zero_bench.teardown import destroy_process_group_checked
+from zero_core import ChunkPolicy, CommStats, ConfigError, LossScale, Precision, ZeroConfig, estimate, shard
 from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
 from zero_core.chunk import to_local
 
@@ -211,8 +212,12 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
         reported = loss.detach().float().reshape(1)
         dist.all_reduce(reported)
         losses.append(reported.item() / world)
+    timing = None  # the references' collectives are counted, not timed
     if kind == "zero":
         comm = net.comm_stats.summary()
+        # the steps the median step time is over (the window keeps the last 256)
+        steady_steps = list(net.comm_stats.steps)[-(len(times) - warmup if len(times) > warmup else len(times)):]
+        timing = net.comm_stats.timed_summary(CommStats.combine(steady_steps), steps=len(steady_steps))
         state = net.model_state_bytes()
         state = {k: state[k] for k in ("params", "grads", "optimizer_states")}
         tiers = zero_tiers(net)
@@ -220,7 +225,8 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
         comm = counter.steps[-1]
         state = reference_state_bytes(net, optimizer)
         tiers = {"device": sum(state.values()), "host": 0, "disk": 0}
-    mine = {"peak_memory_mib": peak_memory_mib(device), "start_memory_mib": at_start, "model_state": state, "tiers": tiers, "comm": comm}
+    mine = {"peak_memory_mib": peak_memory_mib(device), "start_memory_mib": at_start, "model_state": state, "tiers": tiers, "comm": comm,
+            "comm_timing": timing}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if kind == "zero":
@@ -248,6 +254,7 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
         "bytes_sent_by_group": [by_group(r["comm"]) for r in everyone],
         "collective_calls_per_step": {k: v["calls"] for k, v in everyone[0]["comm"].items()},
         "collectives_per_step": everyone[0]["comm"],
+        "comm_timing_per_step": None if kind != "zero" else [r["comm_timing"] for r in everyone],
         "theory": theory,
         "estimate": None if kind != "zero" else {
             "model_state_by_kind": list(predicted.per_rank), "model_state_by_tier": None if predicted.tiers is None else list(predicted.tiers),
@@ -282,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
             record["backend"] = backend
             with open(args.out, "w") as f:
                 json.dump(record, f)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # the error is the news; the teardown check would only hide it
+        raise
+    destroy_process_group_checked()  # its threads, left running, could abort the exit
     return 0
 
 

@@ -3,7 +3,9 @@
 The docstrings cross-reference with Sphinx roles (``:class:`~zero_core.Chunk```), which
 mkdocstrings would print as they are. This turns each role into a code span holding the
 name (the last component when the target starts with ``~``, as Sphinx shows it) and an
-RST literal-block marker (``text::``) into a plain colon. The sources are not changed.
+RST literal-block marker (``text::``) into a plain colon. A pointer to a note in the sources
+(``[Note: meshes]``, the sources' convention for long explanations) becomes a code span, so
+it reads as a name to search for rather than as a broken link. The sources are not changed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import griffe
 
 _ROLE = re.compile(r":(?:class|meth|func|attr|mod|exc|data|obj|doc):`(~?)([^`]+)`")
 _LITERAL_BLOCK = re.compile(r"(?<=\S)::$", re.MULTILINE)
+_NOTE = re.compile(r"(?<!`)\[Note: [^\]]+\](?!`)")
 
 
 def _role(match: re.Match[str]) -> str:
@@ -28,4 +31,5 @@ class SphinxRoles(griffe.Extension):
     def on_object(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         docstring = obj.docstring
         if docstring is not None:
-            docstring.value = _LITERAL_BLOCK.sub(":", _ROLE.sub(_role, docstring.value))
+            text = _LITERAL_BLOCK.sub(":", _ROLE.sub(_role, docstring.value))
+            docstring.value = _NOTE.sub(lambda m: f"`{m.group(0)}`", text)

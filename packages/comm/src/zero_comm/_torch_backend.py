@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zero_core import CollectiveKind, CollectiveTimeoutError, CommBackend, ring_bytes_sent
+from zero_core import CollectiveCount, CollectiveKind, CollectiveTimeoutError, CommBackend, CommStats, ring_bytes_sent
 from zero_core.plugin import BufferPool, Pending
 
 __all__ = ["TorchCommBackend"]
@@ -27,25 +27,60 @@ def check_reduce_scatter_sizes(output: torch.Tensor, input: torch.Tensor, world_
         )
 
 
+class _Timer:
+    """Times one collective into its count; see [Note: collective timing] in ``zero_core.comm``."""
+
+    __slots__ = ("_count", "_stats", "_sync", "start")
+
+    def __init__(self, stats: CommStats, count: CollectiveCount, device: torch.device) -> None:
+        self._stats, self._count = stats, count
+        self._sync = device if device.type == "cuda" else None
+        if self._sync is not None:  # the host does not wait for a CUDA collective: the device must be idle at both ends
+            torch.cuda.synchronize(self._sync)
+        self.start = stats.clock()
+
+    def now(self) -> float:
+        return self._stats.clock()
+
+    def done(self, blocked_from: float) -> None:
+        """The collective completed; the caller was blocked on it since ``blocked_from``."""
+        if self._sync is not None:
+            torch.cuda.synchronize(self._sync)
+        end = self._stats.clock()
+        self._stats.add_time(self._count, end - self.start, end - blocked_from)
+
+
 class _Pending:
     """A torch.distributed work handle waited on with the backend's timeout.
 
-    ``then`` runs once the transfer is complete (the local half of a composed collective).
+    ``then`` runs once the transfer is complete (the local half of a composed collective),
+    inside the timed span.
     """
 
     def __init__(self, backend: TorchCommBackend, work: Any, what: str, keep: torch.Tensor,
-                 then: Callable[[], None] | None = None) -> None:
-        self._backend, self._work, self._what, self._then = backend, work, what, then
+                 then: Callable[[], None] | None = None, timer: _Timer | None = None) -> None:
+        self._backend, self._work, self._what, self._then, self._timer = backend, work, what, then, timer
         self._keep: torch.Tensor | None = keep  # the input must outlive the collective
 
     def wait(self) -> None:
+        self.complete(None)
+
+    def complete(self, blocked_from: float | None) -> None:
+        """Wait; the caller has been blocked since ``blocked_from`` (``None``: since now)."""
         if self._keep is not None:
+            timer = self._timer
+            if timer is not None and blocked_from is None:
+                blocked_from = timer.now()
             self._backend._wait(self._work, self._what)
             self._keep = None
             self._work = None  # a finished work handle must not outlive its process group (it can abort the exit)
             if self._then is not None:
                 self._then()
                 self._then = None
+            if timer is not None:
+                assert blocked_from is not None
+                timer.done(blocked_from)
+                self._timer = None
 
 
 class TorchCommBackend(CommBackend):
@@ -100,17 +135,27 @@ class TorchCommBackend(CommBackend):
                 "died, or issued a different collective; look at the other ranks' output first."
             ) from err
 
-    def _finish(self, work: Any, what: str, keep: torch.Tensor, async_op: bool,
+    def _finish(self, work: Any, what: str, keep: torch.Tensor, async_op: bool, timer: _Timer | None,
                 then: Callable[[], None] | None = None) -> Pending | None:
         """Hand back the in-flight collective, or wait for it here (with the timeout)."""
-        pending = _Pending(self, work, what, keep=keep, then=then)
+        pending = _Pending(self, work, what, keep=keep, then=then, timer=timer)
         if async_op:
             return pending
-        pending.wait()
+        pending.complete(None if timer is None else timer.start)  # a blocking call blocks from its start
         return None
 
-    def _record(self, kind: CollectiveKind, payload_bytes: int) -> None:
-        self.stats.record(kind, ring_bytes_sent(kind, payload_bytes, self._world))
+    def _complete(self, work: Any, what: str, timer: _Timer | None) -> None:
+        """Wait for a blocking collective (with the timeout) and time it."""
+        self._wait(work, what)
+        if timer is not None:
+            timer.done(timer.start)
+
+    def _record(self, kind: CollectiveKind, payload_bytes: int, device: torch.device,
+                bytes_as: CollectiveKind | None = None) -> _Timer | None:
+        """Count one collective (its bytes sent the way ``bytes_as`` sends them); start its timer if timed."""
+        stats = self.stats
+        count = stats.record(kind, ring_bytes_sent(bytes_as or kind, payload_bytes, self._world), payload_bytes=payload_bytes)
+        return _Timer(stats, count, device) if stats.times(device) else None
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
         if output.numel() != input.numel() * self._world:
@@ -121,16 +166,16 @@ class TorchCommBackend(CommBackend):
         if self._world == 1:
             output.copy_(input)
             return None
-        self._record(CollectiveKind.ALL_GATHER, output.numel() * output.element_size())
+        timer = self._record(CollectiveKind.ALL_GATHER, output.numel() * output.element_size(), output.device)
         work = dist.all_gather_single(output, input, group=self.group, async_op=True)
-        return self._finish(work, f"all_gather of {output.numel()} elements", input, async_op)
+        return self._finish(work, f"all_gather of {output.numel()} elements", input, async_op, timer)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
         check_reduce_scatter_sizes(output, input, self._world)
         if self._world == 1:
             output.copy_(input)
             return None
-        self._record(CollectiveKind.REDUCE_SCATTER, input.numel() * input.element_size())
+        timer = self._record(CollectiveKind.REDUCE_SCATTER, input.numel() * input.element_size(), input.device)
         what = f"reduce_scatter of {input.numel()} elements"
         if self._reduce_scatter_by_all_to_all:
             # reused: a fresh multi-megabyte buffer every step costs page faults and heap growth
@@ -141,50 +186,50 @@ class TorchCommBackend(CommBackend):
                 torch.sum(received.view(self._world, -1), dim=0, out=output.view(-1))
                 self._receive_buffers.give(received)
 
-            return self._finish(work, what, input, async_op, then=add_up)
+            return self._finish(work, what, input, async_op, timer, then=add_up)
         work = dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return self._finish(work, what, input, async_op)
+        return self._finish(work, what, input, async_op, timer)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         if op not in _OPS:
             raise ValueError(f"all_reduce op must be one of {sorted(_OPS)}, got {op!r}")
         if self._world == 1:
             return
-        self._record(CollectiveKind.ALL_REDUCE, tensor.numel() * tensor.element_size())
+        timer = self._record(CollectiveKind.ALL_REDUCE, tensor.numel() * tensor.element_size(), tensor.device)
         work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
-        self._wait(work, f"all_reduce({op}) of {tensor.numel()} elements")
+        self._complete(work, f"all_reduce({op}) of {tensor.numel()} elements", timer)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         if self._world == 1:
             return
-        self._record(CollectiveKind.BROADCAST, tensor.numel() * tensor.element_size())
+        timer = self._record(CollectiveKind.BROADCAST, tensor.numel() * tensor.element_size(), tensor.device)
         global_src = dist.get_global_rank(self.group, src) if self.group is not dist.group.WORLD else src
         work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)
-        self._wait(work, f"broadcast of {tensor.numel()} elements from rank {src}")
+        self._complete(work, f"broadcast of {tensor.numel()} elements from rank {src}", timer)
 
     def agree_min(self, value: int) -> int:
         if self._world == 1:
             return value
-        self.stats.record(CollectiveKind.CONTROL, ring_bytes_sent(CollectiveKind.ALL_REDUCE, 8, self._world))
+        timer = self._record(CollectiveKind.CONTROL, 8, self._control_device, bytes_as=CollectiveKind.ALL_REDUCE)
         t = torch.tensor([value], dtype=torch.int64, device=self._control_device)
         work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
-        self._wait(work, "agreement on the next all-gather")
+        self._complete(work, "agreement on the next all-gather", timer)
         return int(t.item())
 
     def agree_any(self, flags: torch.Tensor) -> torch.Tensor:
         if self._world == 1:
             return flags
         flags = flags.to(self._control_device, dtype=torch.uint8)
-        self.stats.record(CollectiveKind.CONTROL, ring_bytes_sent(CollectiveKind.ALL_REDUCE, flags.numel(), self._world))
+        timer = self._record(CollectiveKind.CONTROL, flags.numel(), self._control_device, bytes_as=CollectiveKind.ALL_REDUCE)
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._wait(work, "agreement on which parameters got gradients")
+        self._complete(work, "agreement on which parameters got gradients", timer)
         return flags.cpu()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self._world == 1:
             return [obj]
-        # Objects are small setup metadata; count the call, not the pickled bytes.
-        self.stats.record(CollectiveKind.OBJECT, 0)
+        # Objects are small setup metadata; count the call, not the pickled bytes (it is timed as one collective).
+        timer = self._record(CollectiveKind.OBJECT, 0, self._control_device)
         # torch's all_gather_object waits with the process group's default timeout (30 minutes), not ours: the
         # pickled bytes travel as two tensor all-gathers (lengths, then the padded bytes), each waited on here.
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self._control_device)
@@ -197,6 +242,6 @@ class TorchCommBackend(CommBackend):
         padded = torch.zeros(width, dtype=torch.uint8, device=self._control_device)
         padded[: data.numel()] = data
         out = torch.empty(width * self._world, dtype=torch.uint8, device=self._control_device)
-        self._wait(dist.all_gather_single(out, padded, group=self.group, async_op=True), what)
+        self._complete(dist.all_gather_single(out, padded, group=self.group, async_op=True), what, timer)
         rows = out.view(self._world, width).cpu()
         return [pickle.loads(rows[r, : int(n)].numpy().tobytes()) for r, n in enumerate(lengths.tolist())]

@@ -1,66 +1,75 @@
-"""The ``zero`` command line. ``zero consolidate CKPT_DIR OUT``: a sharded checkpoint into plain weights."""
+"""The ``zero`` command line: the parser and the dispatch. Each command lives in its own ``_cli_*`` module.
+
+Exit codes: 0 done, 1 the request failed (a user error is one line on stderr, never a traceback),
+2 the command line is wrong. The command modules import torch only when they run.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from zero_core import _cli_bench, _cli_consolidate, _cli_env, _cli_estimate
+from zero_core._cli_common import USAGE, CommandError
+from zero_core._version import __version__
 
 __all__ = ["main"]
 
-_CONSOLIDATE = """\
-Turn a sharded checkpoint written by zero_core.save_checkpoint (at any world size) into plain
-weights, offline: no process group, no GPU, no model code. Memory holds one read block
-(64 MiB) and its cast copy, whatever the model's size.
+_EPILOG = """\
+examples:
+  zero estimate --params 7e9 --world-size 64 --stage 3
+  zero env
+  zero bench --quick
+  zero consolidate runs/ckpt-1000 runs/hf
 
-OUT ending in .safetensors: one file with every key of the model's state_dict() (tied
-parameters under each name), as zero_core.save_full_state_dict writes it.
-Any other OUT: a Hugging Face directory (model.safetensors, or model-0000i-of-0000N.safetensors
-files and model.safetensors.index.json), loadable with AutoModelForCausalLM.from_pretrained(OUT)
-and zero_core.shard(..., load_from=OUT). config.json (and generation_config.json) are written
-when the checkpoint recorded the model's Hugging Face config, which save_checkpoint does for a
-model with config.to_json_string(). Without one, OUT holds the weights only: copy the model's
-config.json into OUT before from_pretrained, or load OUT with shard(..., load_from=OUT).
-
-Optimizer and random states are not written; the checkpoint is not changed."""
+`zero COMMAND --help` describes each command. Docs: docs/cli.md."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zero", description="Tools for zero (ZeRO sharded data parallel) runs.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub = commands.add_parser("consolidate", help="a sharded checkpoint into Hugging Face safetensors weights",
-                              description=_CONSOLIDATE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub.add_argument("checkpoint", metavar="CKPT_DIR", help="the directory given to zero_core.save_checkpoint")
-    sub.add_argument("output", metavar="OUT", help="a directory (Hugging Face layout) or a .safetensors file")
-    sub.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                     help="the largest weight file in a directory OUT: bytes or a size like 5GB, 500MB, 2GiB "
-                          "(default: 5GB, as transformers)")
-    sub.add_argument("--dtype", default=None, metavar="DTYPE",
-                     help="cast floating tensors to bf16, fp16 or fp32 (default: keep the saved master dtype)")
-    sub.add_argument("--single-file", action="store_true",
-                     help="a directory OUT with one model.safetensors, however large")
-    sub.add_argument("--overwrite", action="store_true",
-                     help="write into an OUT that exists and is not empty (its weights and configs are replaced; "
-                          "other files there are kept)")
+    parser = argparse.ArgumentParser(prog="zero", description="Tools for zero (ZeRO sharded data parallel) runs.",
+                                     epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"zero-core {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    for module in (_cli_estimate, _cli_env, _cli_bench, _cli_consolidate):
+        module.add_parser(commands)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    # imported here: `zero --help` should not pay for torch
-    from zero_core._consolidate import consolidate
-    from zero_core.errors import CheckpointError
+def _exit_code(exc: SystemExit) -> int:
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else USAGE)
 
+
+def _guarded(command: str, run: Callable[..., int], arg: object) -> int:
+    """Run a command; a user error becomes one line on stderr and its exit code."""
     try:
-        report = consolidate(args.checkpoint, args.output, max_shard_size=args.max_shard_size, dtype=args.dtype,
-                             single_file=args.single_file, overwrite=args.overwrite)
-    except CheckpointError as exc:
-        print(f"zero consolidate: error: {exc}", file=sys.stderr)
+        return run(arg)
+    except BrokenPipeError:  # `zero ... | head`: the reader has gone; stop writing, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    mib = report.total_bytes / 2**20
-    print(f"wrote {report.tensors} tensors ({mib:.1f} MiB) to {report.output}: {', '.join(report.files)}"
-          + (f"; with {', '.join(report.configs)}" if report.configs else "; no config (weights only)"))
-    return 0
+    except CommandError as exc:
+        print(f"zero {command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Exception as exc:
+        from zero_core.errors import ZeroError  # every error zero raises on purpose; anything else is a bug: traceback
+
+        if not isinstance(exc, ZeroError):
+            raise
+        print(f"zero {command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``zero`` with ``argv`` (default: the process's arguments); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # everything after `bench` is the bench's, --help included
+        return _guarded("bench", _cli_bench.run, argv[1:])
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version (0) or a usage error argparse has printed (2)
+        return _exit_code(exc)
+    return _guarded(args.command, args.run, args)
 
 
 if __name__ == "__main__":

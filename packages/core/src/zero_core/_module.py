@@ -138,7 +138,10 @@ class ZeroModule:
 
     @property
     def comm_stats(self) -> CommStats:
-        """Collective calls and bytes this rank sent, per step. See :class:`zero_core.CommStats`."""
+        """Collective calls, bytes this rank sent and measured time, per step and kind. See :class:`zero_core.CommStats`.
+
+        ``print(model.comm_stats.table())`` shows the last step with latency and bandwidth.
+        """
         return self._zero_engine.comm.stats
 
     def model_state_bytes(self) -> dict[str, int]:

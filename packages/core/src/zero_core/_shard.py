@@ -66,7 +66,7 @@ def shard(
             ``("replicate", "shard")``) shards over the second dimension and replicates over
             the first (hybrid sharding, HSDP: gathers stay inside a row, gradients are
             reduce-scattered in the row and all-reduced across rows). It must span every
-            rank of the default process group. See [Note: meshes].
+            rank of the default process group. See ``[Note: meshes]`` in ``zero_core.mesh``.
         module_meshes: Module names (as in ``model.named_modules()``) to meshes: the
             parameters under each such module go on that mesh instead (the longest name
             wins); chunks never mix meshes, and each chunk gathers and reduces on its own
@@ -86,8 +86,8 @@ def shard(
             initial values) or hold keys the model lacks; shapes must always match.
 
     Returns:
-        ``(model, optimizer)``: use them in an ordinary loop (forward, ``loss.backward()``,
-        ``optimizer.step()``, ``optimizer.zero_grad()``).
+        The sharded ``(model, optimizer)`` pair: use them in an ordinary loop (forward,
+            ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``).
     """
     config = ZeroConfig() if config is None else config
     if not isinstance(config, ZeroConfig):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -294,3 +295,92 @@ class ZeroConfig:
     def replace(self, **changes: object) -> ZeroConfig:
         """Return a copy with ``changes`` applied (validated like a new config)."""
         return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """This config as plain data (nested dicts of str, int, float and bool), for JSON, TOML or YAML.
+
+        ``precision``, ``precision.loss_scale`` and ``chunk`` become nested dicts and dtypes
+        the strings ``"fp32"``, ``"bf16"``, ``"fp16"``. Fields whose value is ``None`` are left
+        out (TOML has no null; each of them defaults to ``None``), every other field is
+        written, defaults included. A policy config object in ``placement_options`` becomes
+        the dict of its fields that differ from their defaults. ``ZeroConfig.from_dict(c.to_dict())
+        == c`` holds, except that such an object reads back as that dict, which the policy
+        accepts as the same options.
+
+        Raises:
+            ConfigError: ``placement_options`` holds a value a config file cannot (not a
+                string, number, boolean, list or dict); the message names its key.
+        """
+        from zero_core._config_io import config_to_dict
+
+        return config_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ZeroConfig:
+        """Build a config from nested mappings, as :meth:`to_dict` writes them.
+
+        Missing keys take their defaults. Values are checked as by the constructor.
+
+        Raises:
+            ConfigError: An unknown key (the message suggests the closest valid one and lists
+                the valid keys at its level), a section that is not a mapping, or a value the
+                dataclasses refuse; each message starts with the key's full path, such as
+                ``precision.compute``.
+        """
+        from zero_core._config_io import config_from_dict
+
+        return config_from_dict(data)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> ZeroConfig:
+        """Read a config file: JSON (``.json``), TOML (``.toml``) or YAML (``.yaml``/``.yml``, needs PyYAML).
+
+        The file holds what :meth:`to_dict` returns; the "Config files" page of the
+        documentation has examples.
+
+        Raises:
+            ConfigError: The suffix is not one of those, the file does not parse, PyYAML is
+                missing for a YAML file, or a key or value is invalid (as in :meth:`from_dict`);
+                the message starts with the file's path.
+        """
+        from zero_core._config_io import read_config
+
+        return read_config(path)
+
+    def to_file(self, path: str | os.PathLike[str]) -> None:
+        """Write this config to ``path`` as JSON, TOML or YAML, chosen by the suffix as in :meth:`from_file`.
+
+        Raises:
+            ConfigError: As :meth:`to_dict`; also for an unknown suffix, a ``None`` inside
+                ``placement_options`` in a TOML file (TOML has no null), or YAML without PyYAML.
+        """
+        from zero_core._config_io import write_config
+
+        write_config(self, path)
+
+    @classmethod
+    def from_deepspeed(cls, ds_config: Mapping[str, Any] | str | os.PathLike[str], *, strict: bool = False) -> ZeroConfig:
+        """Convert a DeepSpeed config (a dict, or the path of a ``ds_config.json``).
+
+        Maps ``zero_optimization`` (stage, offload, hpZ, bucket size), ``bf16``/``fp16``
+        (loss scaling), ``communication_data_type`` and ``gradient_predivide_factor``; see
+        :func:`zero_core.convert_deepspeed_config` for the full result (including
+        ``gradient_clipping``, which zero applies in the training loop) and the "Config
+        files" page of the documentation for the mapping table.
+
+        Args:
+            ds_config: The DeepSpeed config.
+            strict: Raise instead of warning when a key cannot be mapped.
+
+        Returns:
+            The equivalent config. Every key that could not be mapped is listed, with what
+                to do instead, in one :class:`~zero_core.DeepSpeedConfigWarning`.
+
+        Raises:
+            ConfigError: Stage 0 or a missing ``zero_optimization`` (plain data parallelism:
+                use DDP), an invalid value (named by its DeepSpeed key path), or, with
+                ``strict=True``, any key that could not be mapped.
+        """
+        from zero_core._deepspeed import config_from_deepspeed
+
+        return config_from_deepspeed(ds_config, strict=strict, stacklevel=3)

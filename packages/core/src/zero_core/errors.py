@@ -6,6 +6,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveTimeoutError",
     "ConfigError",
+    "DeepSpeedConfigWarning",
     "GradientLostError",
     "PluginNotFoundError",
     "RanksDisagreeError",
@@ -21,6 +22,10 @@ class ZeroError(RuntimeError):
 
 class ConfigError(ZeroError, ValueError):
     """A configuration value is invalid."""
+
+
+class DeepSpeedConfigWarning(UserWarning):
+    """:meth:`ZeroConfig.from_deepspeed` could not map some keys; the message lists each with what to do instead."""
 
 
 class PluginNotFoundError(ZeroError, KeyError):

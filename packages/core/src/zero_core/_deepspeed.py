@@ -1,0 +1,675 @@
+"""Convert a DeepSpeed config (``ds_config.json``) to a ZeroConfig, reporting every key it cannot map.
+
+[Note: the DeepSpeed mapping]
+Every key of the DeepSpeed config ends up in exactly one of three reports:
+
+- ``mapped``: it set a ZeroConfig field (``zero_optimization.stage`` -> ``stage``);
+- ``no_ops``: what it asks for is what zero always does, or it is switched off, so there is
+  nothing to set (``overlap_comm``: zero always overlaps reductions with the backward);
+- ``unmapped``: zero's config cannot hold it; the reason says what to do instead
+  (``gradient_clipping``: call ``zero_core.clip_grad_norm_`` in the loop; ``optimizer``:
+  build the torch optimizer yourself). ``"auto"`` values, which only the HuggingFace
+  integrations fill in, land here too.
+
+Keys the DeepSpeed config leaves out take zero's defaults, not DeepSpeed's: a bf16 run
+reduces gradients in fp32 unless ``communication_data_type`` says otherwise (DeepSpeed
+reduces in bf16), and fp16's ``loss_scale_window`` defaults to zero's 2000 (DeepSpeed: 1000).
+Offload maps to zero-offload's ``static`` placement policy, whose fractions express
+DeepSpeed's all-or-``ratio`` offload exactly. The mapping table with every key is on the
+"Config files" page of the documentation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import textwrap
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zero_core._config_io import _DTYPE_NAMES
+from zero_core.api import _DTYPES, LossScale, Precision, ZeroConfig
+from zero_core.errors import ConfigError, DeepSpeedConfigWarning
+
+__all__ = ["DeepSpeedConversion", "config_from_deepspeed", "convert_deepspeed_config"]
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_AUTO = ("'auto' is a placeholder that only the HuggingFace Trainer/Accelerate DeepSpeed integration fills in; "
+         "write a value (zero's default is used)")
+_LOOP = "belongs to the training loop, not to zero's config: "
+
+# Top-level keys zero has no field for, with what to do instead.
+_TOP_UNMAPPED = {
+    "train_batch_size": _LOOP + "zero shards whatever batch each rank computes; set batch sizes in the data loader",
+    "train_micro_batch_size_per_gpu": _LOOP + "set the per-rank batch size in the data loader",
+    "gradient_accumulation_steps": _LOOP + "run all but the last micro-batch inside `with model.no_sync():`, "
+                                   "dividing each loss by the number of micro-batches",
+    "optimizer": "build the torch optimizer yourself (torch.optim.AdamW(model.parameters(), ...)) "
+                 "and pass it to zero_core.shard",
+    "scheduler": "build a torch.optim.lr_scheduler on the optimizer zero_core.shard returns",
+    "steps_per_print": _LOOP + "print from the training loop",
+    "wall_clock_breakdown": _LOOP + "time the step there; model.comm_stats counts each collective",
+    "comms_logger": "read model.comm_stats: calls and bytes per collective kind and step",
+    "activation_checkpointing": "use torch.utils.checkpoint in the model (non-reentrant); zero gathers the "
+                                "parameters again for the recomputation",
+    "checkpoint": "save and load with zero_core.save_checkpoint / load_checkpoint (any world size)",
+    "amp": "use precision.compute ('bf16' or 'fp16' with a loss scale) instead of apex AMP",
+    "data_types": "zero accumulates gradients in precision.compute and reduces in precision.reduce",
+    "aio": "zero's disk tier writes each chunk part as one file; it has no async-I/O settings",
+    "zero_force_ds_cpu_optimizer": "zero steps the torch optimizer you pass, wherever the states are",
+    "seq_parallel_communication_data_type": "zero has no sequence parallelism",
+    "bfloat16": "DeepSpeed's old name of the bf16 section, which is also present and wins",
+}
+_MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "monitor_config")
+_TOP_NO_OPS = {
+    "zero_allow_untested_optimizer": "zero accepts any torch optimizer",
+}
+
+# zero_optimization keys that need nothing from zero whatever their value.
+_ZERO_NO_OPS = {
+    "overlap_comm": "zero always overlaps: reduce-scatters run asynchronously on their own process group, and "
+                    "the next chunk group's all-gather starts while the current one computes",
+    "contiguous_gradients": "zero's gradients accumulate in each chunk's flat buffer, contiguous by construction",
+    "round_robin_gradients": "a stage 1/2 CPU-offload copy schedule; zero moves each reduced gradient shard whole",
+    "allgather_partitions": "zero always all-gathers the updated shards",
+    "reduce_scatter": "zero always reduce-scatters gradients",
+    "use_multi_rank_bucket_allreduce": "zero reduce-scatters; it has no all-reduce of buckets to combine",
+    "load_from_fp32_weights": "zero's checkpoints hold the fp32 master shards, and loading restores them",
+    "elastic_checkpoint": "zero's checkpoints load at any world size",
+    "ignore_unused_parameters": "zero handles parameters a step does not use without a setting",
+    "legacy_stage1": "zero has one stage 1",
+    "cpu_offload_use_pin_memory": "zero pins host-resident shards whenever CUDA is present",
+}
+# zero_optimization keys zero cannot express, with what to do instead.
+_GATHER_SIZE = "zero gathers one chunk group per all-gather; chunk.chunk_size (elements) sets its size"
+_PERSIST = ("zero shards small parameters inside chunks with their neighbours, with no per-parameter threshold; "
+            "to keep a share of the model gathered use placement='static' with placement_options.shard_param_frac")
+_LIVE = "zero releases each chunk as soon as the modules using it have run; there is no cap to set"
+_SAVE_16 = ("a save-time call in zero: model.full_state_dict() or zero_core.save_full_state_dict(...) "
+            "gathers the weights")
+_QUANT = ("zero has no quantized collectives (ZeRO++ qwZ/qgZ); precision.reduce='bf16' halves the gradient "
+          "traffic instead")
+_ZERO_UNMAPPED = {
+    "allgather_bucket_size": _GATHER_SIZE,
+    "stage3_prefetch_bucket_size": _GATHER_SIZE,
+    "prefetch_bucket_size": _GATHER_SIZE,
+    "stage3_param_persistence_threshold": _PERSIST,
+    "param_persistence_threshold": _PERSIST,
+    "stage3_model_persistence_threshold": _PERSIST,
+    "model_persistence_threshold": _PERSIST,
+    "stage3_max_live_parameters": _LIVE,
+    "max_live_parameters": _LIVE,
+    "stage3_max_reuse_distance": _LIVE,
+    "max_reuse_distance": _LIVE,
+    "stage3_gather_16bit_weights_on_model_save": _SAVE_16,
+    "gather_16bit_weights_on_model_save": _SAVE_16,
+    "stage3_gather_fp16_weights_on_model_save": _SAVE_16,
+    "stage3_module_granularity_threshold": "zero gathers by chunk group, never per module: nothing matches it",
+    "module_granularity_threshold": "zero gathers by chunk group, never per module: nothing matches it",
+    "sub_group_size": "zero steps the optimizer on the chunks' shards; chunk.chunk_size sets their size",
+    "zero_quantized_weights": _QUANT,
+    "zero_quantized_gradients": _QUANT,
+    "zero_quantized_nontrainable_weights": _QUANT,
+    "zeropp_loco_param": _QUANT,
+    "mics_shard_size": "MiCS shards inside groups of k ranks: pass a 2-D mesh to zero_core.shard, "
+                       "mesh=init_device_mesh(device, (world_size // k, k), mesh_dim_names=('replicate', 'shard'))",
+    "mics_hierarchical_params_gather": "zero gathers inside the mesh's shard groups; see mics_shard_size",
+    "override_module_apply": "to re-initialise a ZeRO-3 model, call model.apply(...) inside "
+                             "`with model.gathered_parameters(writable=True):`",
+    "memory_efficient_linear": "a DeepSpeed replacement of F.linear; zero has none",
+}
+# A falsy value of these switches a feature off, which is zero's state too.
+_OFF_IS_NO_OP = {
+    "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "zero_quantized_weights", "zero_quantized_gradients",
+    "zero_quantized_nontrainable_weights", "mics_hierarchical_params_gather",
+}
+_OFFLOAD_TUNING = ("NVMe swap-buffer tuning: zero's disk tier reads and writes each chunk part as one file; bound host "
+                   "memory with placement_options.host_budget_mb instead")
+_CPU_ADAM = "DeepSpeed's CPU Adam tuning: zero steps the torch optimizer you pass (fused or foreach on the host)"
+_OFFLOAD_UNMAPPED = {
+    "buffer_count": _OFFLOAD_TUNING, "buffer_size": _OFFLOAD_TUNING, "max_in_cpu": _OFFLOAD_TUNING,
+    "pipeline_read": _OFFLOAD_TUNING, "pipeline_write": _OFFLOAD_TUNING, "pipeline": _OFFLOAD_TUNING,
+    "fast_init": _OFFLOAD_TUNING, "super_offload": _CPU_ADAM, "convert_grad_on_cpu": _CPU_ADAM,
+    "cpuadam_cores_perc": _CPU_ADAM,
+}
+_OFFLOAD_DEVICES = ("cpu", "nvme", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Offload:
+    """What one offload section (or its deprecated flag) asks for."""
+
+    device: str
+    path: str  # the DeepSpeed key that turned it on
+    nvme_path: str | None = None
+    ratio: float | None = None
+
+    @property
+    def nvme_path_key(self) -> str:
+        return self.path.rpartition(".")[0] + ".nvme_path"
+
+    @property
+    def ratio_path(self) -> str:
+        return self.path.rpartition(".")[0] + ".ratio"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedConversion:
+    """What :func:`convert_deepspeed_config` made of a DeepSpeed config.
+
+    Every key of the DeepSpeed config (as a dotted path, ``zero_optimization.stage``) is in
+    exactly one of ``mapped``, ``no_ops`` and ``unmapped``.
+
+    Attributes:
+        config: The equivalent :class:`~zero_core.ZeroConfig`.
+        gradient_clipping: DeepSpeed's ``gradient_clipping`` (the max norm), or ``None`` when
+            it is absent, 0 or ``"auto"``. zero clips in the training loop: call
+            ``zero_core.clip_grad_norm_(model, conversion.gradient_clipping)`` after the
+            backward, before ``optimizer.step()``.
+        mapped: Key path to the ZeroConfig field and value it set.
+        no_ops: Key path to why zero needs no setting for it.
+        unmapped: Key path to why zero's config cannot hold it and what to do instead.
+    """
+
+    config: ZeroConfig
+    gradient_clipping: float | None
+    mapped: dict[str, str]
+    no_ops: dict[str, str]
+    unmapped: dict[str, str]
+
+    def report(self) -> str:
+        """The three lists as text, one key per line, for a log or a terminal."""
+        sections = [("mapped", self.mapped), ("accepted, nothing to set", self.no_ops),
+                    ("not mapped: do this instead", self.unmapped)]
+        lines = ["DeepSpeed config -> zero_core.ZeroConfig"]
+        for title, entries in sections:
+            lines.append(f"{title} ({len(entries)}):")
+            lines += [textwrap.fill(f"{key}: {text}", width=100, initial_indent="  ", subsequent_indent="      ",
+                                    break_on_hyphens=False, break_long_words=False) for key, text in entries.items()]
+        return "\n".join(lines)
+
+
+def convert_deepspeed_config(ds_config: Mapping[str, Any] | str | os.PathLike[str]) -> DeepSpeedConversion:
+    """Map a DeepSpeed config to a :class:`~zero_core.ZeroConfig` and report what could not be mapped.
+
+    ``zero_optimization`` gives the stage, the offload placement (zero-offload's ``static``
+    policy), the hpZ group (``reshard_after_forward``) and the bucket size; ``bf16`` /
+    ``fp16`` give the compute dtype and loss scaling; ``communication_data_type`` and
+    ``gradient_predivide_factor`` the reduction. Keys the config leaves out take zero's
+    defaults. The "Config files" page of the documentation has the table of every key.
+
+    Args:
+        ds_config: The DeepSpeed config, as a dict or the path of its JSON file.
+
+    Returns:
+        The config, the gradient clipping norm, and every key sorted into ``mapped``,
+            ``no_ops`` and ``unmapped``; ``report()`` prints them.
+
+    Raises:
+        ConfigError: No ``zero_optimization`` section or stage 0 (plain data parallelism: use
+            ``torch.nn.parallel.DistributedDataParallel``), both ``bf16`` and ``fp16`` enabled,
+            or an invalid value; the message names the DeepSpeed key path.
+    """
+    return _Converter(_load(ds_config)).convert()
+
+
+def config_from_deepspeed(ds_config: Any, *, strict: bool, stacklevel: int) -> ZeroConfig:
+    """:meth:`ZeroConfig.from_deepspeed`: the config, after one warning (or, strict, an error) listing the unmapped keys."""
+    conversion = convert_deepspeed_config(ds_config)
+    if conversion.unmapped:
+        listing = "\n".join(f"  {key}: {reason}" for key, reason in conversion.unmapped.items())
+        if strict:
+            raise ConfigError(
+                f"{len(conversion.unmapped)} DeepSpeed config key(s) cannot be mapped to ZeroConfig, and strict=True:\n"
+                f"{listing}\nRemove them from the DeepSpeed config, or pass strict=False to get a warning instead."
+            )
+        warnings.warn(
+            f"{len(conversion.unmapped)} DeepSpeed config key(s) were not mapped to ZeroConfig:\n{listing}\n"
+            "zero_core.convert_deepspeed_config(ds_config).report() shows the whole mapping "
+            "(and carries gradient_clipping); strict=True makes this an error.",
+            DeepSpeedConfigWarning, stacklevel=stacklevel,
+        )
+    return conversion.config
+
+
+def _load(ds_config: Any) -> Mapping[str, Any]:
+    if isinstance(ds_config, (str, os.PathLike)):
+        path = Path(ds_config)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from err
+        ds_config = data
+    if not isinstance(ds_config, Mapping):
+        raise ConfigError(
+            f"a DeepSpeed config must be a dict (the contents of ds_config.json) or the path of that file, "
+            f"got {type(ds_config).__name__}."
+        )
+    return ds_config
+
+
+def _source_order(ds: Mapping[str, Any]) -> dict[str, int]:
+    """Every key path of ``ds`` (nested sections walked) to its position in the document."""
+    order: dict[str, int] = {}
+
+    def walk(section: Mapping[str, Any], prefix: str) -> None:
+        for key, value in section.items():
+            order.setdefault(prefix + str(key), len(order))
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.")
+
+    walk(ds, "")
+    return order
+
+
+def _is_auto(value: object) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def _bool(path: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"DeepSpeed key {path} must be true or false, got {value!r}.")
+    return value
+
+
+def _number(path: str, value: object, *, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
+        raise ConfigError(f"DeepSpeed key {path} must be a number >= {minimum:g}, got {value!r}.")
+    return value
+
+
+def _int(path: str, value: object, *, minimum: int = 0) -> int:
+    whole = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= minimum
+             and value == int(value))
+    if not whole:
+        raise ConfigError(f"DeepSpeed key {path} must be a whole number >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+class _Converter:
+    """One conversion: walks the DeepSpeed dict once, filling the three reports and the config's fields."""
+
+    def __init__(self, ds: Mapping[str, Any]) -> None:
+        self.ds = ds
+        self.mapped: dict[str, str] = {}
+        self.no_ops: dict[str, str] = {}
+        self.unmapped: dict[str, str] = {}
+        self.fields: dict[str, Any] = {}  # ZeroConfig keyword arguments
+        self.precision: dict[str, Any] = {}
+        self.loss_scale: dict[str, Any] | None = None
+        self.options: dict[str, Any] = {}  # placement_options of the static policy
+        self.origin: dict[str, str] = {}  # zero field path ("precision.loss_scale.min_scale") -> DeepSpeed key path
+        self.gradient_clipping: float | None = None
+        self.bucket_elements: tuple[str, float] | None = None
+        self.bf16_key = "bf16"  # or DeepSpeed's old name, "bfloat16"
+
+    def set(self, field: str, value: Any, ds_path: str, text: str | None = None) -> None:
+        """Record one mapped key: ``field`` is the zero field path it set (``precision.compute``)."""
+        target, _, name = field.rpartition(".")
+        {"": self.fields, "precision": self.precision, "precision.loss_scale": self.loss_scale,
+         "placement_options": self.options}[target][name] = value
+        self.origin[field] = ds_path
+        self.mapped[ds_path] = text or f"{field}={value!r}"
+
+    def convert(self) -> DeepSpeedConversion:
+        ds = self.ds
+        zero = ds.get("zero_optimization")
+        if zero is None:
+            raise ConfigError(
+                "the DeepSpeed config has no zero_optimization section, which means stage 0: plain data parallelism, "
+                "which zero does not do. Use torch.nn.parallel.DistributedDataParallel, or add "
+                '"zero_optimization": {"stage": 1, 2 or 3}.'
+            )
+        if not isinstance(zero, Mapping):
+            raise ConfigError(f'DeepSpeed key zero_optimization must be an object such as {{"stage": 3}}, got {zero!r}.')
+        self.precision_sections()
+        self.zero_section(zero)
+        for key, value in ds.items():
+            if key not in ("zero_optimization", self.bf16_key, "fp16", "communication_data_type"):
+                self.top_level(key, value)
+        if self.bucket_elements is not None:  # last: its MiB are counted in the reduce dtype
+            self.bucket_size()
+        order = _source_order(ds)  # the reports list keys in the order the DeepSpeed config has them
+        mapped, no_ops, unmapped = (dict(sorted(d.items(), key=lambda item: order.get(item[0], len(order))))
+                                    for d in (self.mapped, self.no_ops, self.unmapped))
+        return DeepSpeedConversion(config=self.build(), gradient_clipping=self.gradient_clipping,
+                                   mapped=mapped, no_ops=no_ops, unmapped=unmapped)
+
+    # ------------------------------------------------------------------ precision
+
+    def precision_sections(self) -> None:
+        ds = self.ds
+        bf16_key = self.bf16_key = "bf16" if "bf16" in ds else "bfloat16"
+        bf16 = self.section(bf16_key)
+        fp16 = self.section("fp16")
+        bf16_on = self.enabled(bf16_key, bf16)
+        fp16_on = self.enabled("fp16", fp16)
+        if bf16_on and fp16_on:
+            raise ConfigError(f"DeepSpeed keys {bf16_key}.enabled and fp16.enabled are both true; enable one of them.")
+        if bf16 is not None:
+            self.bf16_section(bf16_key, bf16, bf16_on)
+        if fp16 is not None:
+            self.fp16_section(fp16, fp16_on)
+        if "communication_data_type" in ds:
+            value, path = ds["communication_data_type"], "communication_data_type"
+            if value is None:
+                self.no_ops[path] = "null: the default"
+            elif _is_auto(value):
+                self.unmapped[path] = _AUTO
+            elif isinstance(value, str) and value.lower() in _DTYPES:
+                self.set("precision.reduce", _DTYPE_NAMES[_DTYPES[value.lower()]], path)
+            else:
+                raise ConfigError(f"DeepSpeed key communication_data_type must be one of 'fp32', 'bf16', 'fp16', got {value!r}.")
+
+    def section(self, key: str) -> Mapping[str, Any] | None:
+        value = self.ds.get(key)
+        if value is not None and not isinstance(value, Mapping):
+            raise ConfigError(f'DeepSpeed key {key} must be an object such as {{"enabled": true}}, got {value!r}.')
+        return value
+
+    def enabled(self, key: str, section: Mapping[str, Any] | None) -> bool:
+        if section is None or "enabled" not in section:
+            return False
+        value = section["enabled"]
+        return False if _is_auto(value) else _bool(f"{key}.enabled", value)
+
+    def bf16_section(self, key: str, section: Mapping[str, Any], on: bool) -> None:
+        for name, value in section.items():
+            path = f"{key}.{name}"
+            if name == "enabled":
+                if _is_auto(value):
+                    self.unmapped[path] = _AUTO + " (fp32 compute)"
+                elif on:
+                    self.set("precision.compute", "bf16", path, "precision.compute='bf16' (gradients are reduced in "
+                             "precision.reduce: fp32 unless communication_data_type says otherwise)")
+                else:
+                    self.no_ops[path] = "false: fp32 compute, zero's default"
+            elif not on:
+                self.no_ops[path] = f"{key} is not enabled"
+            elif name in ("bf16_master_weights_and_grads", "bf16_optimizer_states") and value:
+                self.unmapped[path] = ("zero keeps master shards and optimizer states in the parameters' own dtype: "
+                                       "build the model in bf16 to get bf16 masters")
+            elif name in ("immediate_grad_update", "check_grad_overflow") and value:
+                self.unmapped[path] = ("zero reduces each chunk's gradients as soon as they are complete and checks "
+                                       "for overflow only with an fp16 loss scale")
+            elif name in ("bf16_master_weights_and_grads", "bf16_optimizer_states", "immediate_grad_update",
+                          "check_grad_overflow"):
+                self.no_ops[path] = "false: zero's behaviour"
+            else:
+                self.unmapped[path] = "no zero equivalent"
+
+    def fp16_section(self, section: Mapping[str, Any], on: bool) -> None:
+        if "enabled" in section and _is_auto(section["enabled"]):
+            self.unmapped["fp16.enabled"] = _AUTO + " (fp32 compute)"
+        elif "enabled" in section and not on:
+            self.no_ops["fp16.enabled"] = "false: fp32 compute, zero's default"
+        if not on:
+            for name in section:
+                if name != "enabled":
+                    self.no_ops[f"fp16.{name}"] = "fp16 is not enabled"
+            return
+        self.loss_scale = {}
+        self.set("precision.compute", "fp16", "fp16.enabled",
+                 "precision.compute='fp16' with precision.loss_scale=LossScale(...); call model.backward(loss)")
+        static = section.get("loss_scale", 0)
+        if _is_auto(static):
+            self.unmapped["fp16.loss_scale"] = _AUTO + " (dynamic scaling)"
+            static = 0
+        elif _number("fp16.loss_scale", static) > 0:
+            self.set("precision.loss_scale.init_scale", float(static), "fp16.loss_scale",
+                     f"precision.loss_scale: init_scale={float(static)!r}, dynamic=False (a static scale)")
+            self.loss_scale["dynamic"] = False
+        elif "loss_scale" in section:
+            self.mapped["fp16.loss_scale"] = "precision.loss_scale.dynamic=True (0 is dynamic scaling)"
+        for name, value in section.items():
+            path = f"fp16.{name}"
+            if name in ("enabled", "loss_scale") or path in self.unmapped:
+                continue
+            if _is_auto(value):
+                self.unmapped[path] = _AUTO
+            elif name == "initial_scale_power":
+                if static > 0:
+                    self.no_ops[path] = "a static loss_scale is set; the power applies to dynamic scaling only"
+                else:
+                    power = _int(path, value)
+                    self.set("precision.loss_scale.init_scale", float(2**power), path,
+                             f"precision.loss_scale.init_scale={float(2**power)!r} (2**{power})")
+            elif name == "loss_scale_window":
+                self.set("precision.loss_scale.growth_interval", _int(path, value, minimum=1), path)
+            elif name == "hysteresis":
+                hysteresis = _int(path, value, minimum=1)
+                self.set("precision.loss_scale.hysteresis", hysteresis, path,
+                         f"precision.loss_scale.hysteresis={hysteresis} (refilled by every clean step)")
+            elif name == "min_loss_scale":
+                self.set("precision.loss_scale.min_scale", float(_number(path, value)), path)
+            elif name == "consecutive_hysteresis":
+                if _bool(path, value):
+                    self.no_ops[path] = "zero refills the hysteresis after every clean step, as this asks"
+                else:
+                    self.unmapped[path] = ("zero refills the hysteresis after every clean step (DeepSpeed's "
+                                           "consecutive_hysteresis: true); false refills it only when the scale grows")
+            elif name == "auto_cast":
+                self.no_ops[path] = "zero always casts floating inputs to precision.compute"
+            elif name == "fp16_master_weights_and_grads" and value:
+                self.unmapped[path] = "zero keeps master shards in the parameters' own dtype (fp32 for an fp32 model)"
+            elif name == "fp16_master_weights_and_grads":
+                self.no_ops[path] = "false: zero's behaviour"
+            else:
+                self.unmapped[path] = "no zero equivalent"
+
+    # ------------------------------------------------------------------ zero_optimization
+
+    def zero_section(self, zero: Mapping[str, Any]) -> None:
+        stage = zero.get("stage", 0)
+        if isinstance(stage, bool) or not isinstance(stage, (int, float)) or stage not in (0, 1, 2, 3):
+            raise ConfigError(f"DeepSpeed key zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}.")
+        if stage == 0:
+            given = "is 0" if "stage" in zero else "is not set, which DeepSpeed reads as 0"
+            raise ConfigError(
+                f"DeepSpeed key zero_optimization.stage {given}: plain data parallelism (every rank holds every "
+                "state), which zero does not do. Use torch.nn.parallel.DistributedDataParallel, or set stage 1, 2 or 3."
+            )
+        stage = int(stage)
+        if "stage" in zero:
+            self.set("stage", stage, "zero_optimization.stage")
+        self.offload(zero, stage)
+        for name, value in zero.items():
+            path = f"zero_optimization.{name}"
+            if name in ("stage", "offload_optimizer", "offload_param") or self.reported(path):
+                continue
+            if name == "reduce_bucket_size":
+                if _is_auto(value):
+                    self.unmapped[path] = _AUTO
+                else:
+                    self.bucket_elements = (path, _number(path, value))
+            elif name == "zero_hpz_partition_size":
+                self.hpz(path, value, stage)
+            elif name in _ZERO_NO_OPS:
+                self.no_ops[path] = _ZERO_NO_OPS[name]
+            elif name in _OFF_IS_NO_OP and not value:
+                self.no_ops[path] = "off, as in zero"
+            elif name == "mics_shard_size" and isinstance(value, (int, float)) and value <= 0:
+                self.no_ops[path] = "MiCS is off"
+            elif name in _ZERO_UNMAPPED:
+                self.unmapped[path] = _ZERO_UNMAPPED[name]
+            else:
+                self.unmapped[path] = "no zero equivalent"
+
+    def reported(self, path: str) -> bool:
+        return path in self.mapped or path in self.no_ops or path in self.unmapped
+
+    def hpz(self, path: str, value: object, stage: int) -> None:
+        size = _int(path, value)
+        if size <= 1:
+            self.no_ops[path] = f"{size}: hpZ is off"
+        elif stage < 3:
+            self.unmapped[path] = "hpZ applies to stage 3 only, as in DeepSpeed"
+        else:
+            self.set("reshard_after_forward", size, path,
+                     f"reshard_after_forward={size} (after forward, keep a copy sharded over groups of {size} ranks)")
+
+    def offload(self, zero: Mapping[str, Any], stage: int) -> None:
+        optim = self.deprecated_flag(zero, "cpu_offload", self.offload_section(zero, "offload_optimizer"))
+        param = self.deprecated_flag(zero, "cpu_offload_param", self.offload_section(zero, "offload_param"))
+        if param is not None and stage < 3:
+            self.unmapped[param.path] = "DeepSpeed offloads parameters only at stage 3; set zero_optimization.stage to 3"
+            param = None
+        if optim is None and param is None:
+            return
+        self.fields["placement"] = "static"
+        self.origin["placement"] = (optim or param).path  # type: ignore[union-attr]
+        optim_frac = 1.0
+        if optim is not None:
+            if optim.ratio is not None:
+                optim_frac = optim.ratio
+                self.mapped[optim.ratio_path] = (f"placement_options.offload_optim_frac={optim_frac!r} "
+                                                 "(that share of the chunks steps on the host)")
+            self.options["offload_optim_frac"] = optim_frac
+            self.origin["placement_options.offload_optim_frac"] = optim.ratio_path if optim.ratio is not None else optim.path
+            where = "host memory" if optim.device == "cpu" else "host memory, spilling to disk_dir past host_budget_mb"
+            self.mapped[optim.path] = (f"placement='static' (zero-offload), placement_options.offload_optim_frac="
+                                       f"{optim_frac!r}: gradients, optimizer states and master shards step in {where}")
+        if param is not None:
+            # zero keeps a chunk's shard on the host only where its optimizer states are too: it steps there
+            frac = optim_frac if optim is not None else 1.0
+            self.options["offload_param_frac"] = frac
+            self.options.setdefault("offload_optim_frac", frac)
+            self.origin["placement_options.offload_param_frac"] = param.path
+            note = "" if optim is not None else " (and offload_optim_frac=1.0: a host-resident shard steps on the host)"
+            if frac < 1:
+                note = " (at most offload_optim_frac: the other chunks' shards stay on the device)"
+            self.mapped[param.path] = (f"placement='static' (zero-offload), placement_options.offload_param_frac={frac!r}: "
+                                       f"master shards stay in host memory between uses{note}")
+        disks = [o for o in (optim, param) if o is not None and o.nvme_path is not None]
+        if disks:
+            disk_dir = disks[0].nvme_path
+            self.options["disk_dir"] = disk_dir
+            self.origin["placement_options.disk_dir"] = disks[0].nvme_path_key
+            self.mapped[disks[0].nvme_path_key] = f"placement_options.disk_dir={disk_dir!r} (the disk tier)"
+            for other in disks[1:]:
+                if other.nvme_path == disk_dir:
+                    self.no_ops[other.nvme_path_key] = "the same directory as offload_optimizer's"
+                else:
+                    self.unmapped[other.nvme_path_key] = (f"zero has one disk tier, in {disk_dir!r} "
+                                                          f"(offload_optimizer's nvme_path); {other.nvme_path!r} is not used")
+
+    def deprecated_flag(self, zero: Mapping[str, Any], name: str, section: _Offload | None) -> _Offload | None:
+        """DeepSpeed's old spellings ``cpu_offload`` / ``cpu_offload_param`` (true = device cpu)."""
+        path = f"zero_optimization.{name}"
+        if zero.get(name) is None:
+            if name in zero:
+                self.no_ops[path] = "null: no offload"
+            return section
+        if not _bool(path, zero[name]):
+            self.no_ops[path] = "false: no offload"
+            return section
+        if section is not None:
+            self.no_ops[path] = "the offload section says the same"
+            return section
+        return _Offload(device="cpu", path=path)
+
+    def offload_section(self, zero: Mapping[str, Any], name: str) -> _Offload | None:
+        """The offload an ``offload_optimizer`` / ``offload_param`` section asks for (None: none); reports its other keys."""
+        section = zero.get(name)
+        prefix = f"zero_optimization.{name}"
+        if section is None:
+            if name in zero:
+                self.no_ops[prefix] = "null: no offload"
+            return None
+        if not isinstance(section, Mapping):
+            raise ConfigError(f'DeepSpeed key {prefix} must be an object such as {{"device": "cpu"}}, got {section!r}.')
+        device = section.get("device") or "none"
+        if not isinstance(device, str) or device.lower() not in _OFFLOAD_DEVICES:
+            raise ConfigError(f"DeepSpeed key {prefix}.device must be one of 'cpu', 'nvme', 'none', got {device!r}.")
+        device = device.lower()
+        if device == "none":
+            for key in section:
+                self.no_ops[f"{prefix}.{key}"] = "offload is off (device 'none')"
+            return None
+        nvme_path = section.get("nvme_path")
+        if device == "nvme" and not (isinstance(nvme_path, str) and nvme_path):
+            raise ConfigError(f"DeepSpeed key {prefix}.nvme_path must be a directory when {prefix}.device is 'nvme', "
+                              f"got {nvme_path!r}.")
+        ratio = section.get("ratio")
+        if ratio is not None and not 0 <= _number(f"{prefix}.ratio", ratio) <= 1:
+            raise ConfigError(f"DeepSpeed key {prefix}.ratio must be a fraction in [0, 1], got {ratio!r}.")
+        for key, value in section.items():
+            path = f"{prefix}.{key}"
+            if key in ("device", "ratio") or (key == "nvme_path" and device == "nvme"):
+                continue
+            if key == "pin_memory":
+                self.no_ops[path] = "zero pins host-resident shards whenever CUDA is present"
+            elif key == "nvme_path":
+                self.no_ops[path] = "device is 'cpu': no disk tier"
+            else:
+                self.unmapped[path] = _OFFLOAD_UNMAPPED.get(key, "no zero equivalent")
+        return _Offload(device=device, path=f"{prefix}.device", nvme_path=nvme_path if device == "nvme" else None,
+                        ratio=None if ratio is None else float(ratio))
+
+    def bucket_size(self) -> None:
+        path, elements = self.bucket_elements  # type: ignore[misc]
+        reduce = self.precision.get("reduce", "fp32")
+        mib = elements * _BYTES[reduce] / 2**20
+        self.set("reduce_bucket_mb", mib, path,
+                 f"reduce_bucket_mb={mib:.6g} ({elements:g} elements of {reduce}; used by bucketing comm backends: "
+                 "strategy='tensor' or comm='bucketed'; the chunk strategy reduces whole chunks)")
+
+    # ------------------------------------------------------------------ the rest
+
+    def top_level(self, key: str, value: Any) -> None:
+        if key == "gradient_clipping":
+            if _is_auto(value):
+                self.unmapped[key] = _AUTO + " (then call zero_core.clip_grad_norm_ as below)"
+            elif _number(key, value) == 0:
+                self.no_ops[key] = "0: no clipping"
+            else:
+                self.gradient_clipping = float(value)
+                self.unmapped[key] = (f"zero clips in the training loop: call zero_core.clip_grad_norm_(model, {value!r}) "
+                                      "after the backward, before optimizer.step() (the value is "
+                                      "DeepSpeedConversion.gradient_clipping)")
+        elif key == "gradient_predivide_factor":
+            if _is_auto(value):
+                self.unmapped[key] = _AUTO
+            else:
+                self.set("precision.gradient_predivide_factor", value, key)
+        elif key == "prescale_gradients":
+            if _bool(key, value):
+                self.unmapped[key] = ("set precision.gradient_predivide_factor to the world size for the same effect "
+                                      "(gradients divided by it before the reduction)")
+            else:
+                self.no_ops[key] = "false: gradients are averaged after the reduction, as zero does"
+        elif key in _TOP_NO_OPS:
+            self.no_ops[key] = _TOP_NO_OPS[key]
+        elif key in _TOP_UNMAPPED:
+            self.unmapped[key] = _TOP_UNMAPPED[key]
+        elif key in _MONITORS:
+            self.unmapped[key] = _LOOP + "log from the training loop; model.comm_stats has the communication"
+        else:
+            self.unmapped[key] = "not a setting zero has; configure it in the training loop, or drop it"
+
+    def build(self) -> ZeroConfig:
+        """The ZeroConfig, each dataclass's own check naming the DeepSpeed key that set the refused value."""
+        precision = dict(self.precision)
+        if self.loss_scale is not None:
+            precision["loss_scale"] = self.checked(LossScale, self.loss_scale, "precision.loss_scale.")
+        self.fields["precision"] = self.checked(Precision, precision, "precision.")
+        if self.options:
+            self.fields["placement_options"] = dict(self.options)
+        return self.checked(ZeroConfig, self.fields, "")
+
+    def checked(self, cls: type, kwargs: dict[str, Any], prefix: str) -> Any:
+        try:
+            return cls(**kwargs)
+        except ConfigError as err:
+            names = {f.name for f in dataclasses.fields(cls)}
+            keys = [self.origin[prefix + m.group(1)] for m in re.finditer(rf"\b{cls.__name__}\.(\w+)", str(err))
+                    if m.group(1) in names and prefix + m.group(1) in self.origin]
+            keys = keys or sorted({v for k, v in self.origin.items() if k.startswith(prefix)}) or ["(the config)"]
+            raise ConfigError(f"DeepSpeed key {', '.join(keys)}: {err}") from err

@@ -1,0 +1,217 @@
+"""The `zero` command: estimate, env, bench and the dispatch, through `main([...])`, and the console script once."""
+
+import ast
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero_core
+from zero_core import LossScale, Precision, ZeroConfig, estimate
+from zero_core._cli import main
+from zero_core._cli_bench import find_bench
+from zero_core._cli_common import human_bytes
+from zero_core._cli_estimate import parse_count
+
+CORE_SRC = Path(zero_core.__file__).parent
+REPO = Path(__file__).resolve().parents[3]
+BUILT_IN = {("shard strategy", "chunk"), ("shard strategy", "tensor"), ("comm backend", "torch"),
+            ("comm backend", "bucketed"), ("placement policy", "device"), ("placement policy", "host"),
+            ("placement policy", "gemini"), ("placement policy", "static")}
+
+
+def run(capsys, *argv: str, code: int = 0) -> str:
+    assert main(list(argv)) == code, capsys.readouterr()
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return out if code == 0 else err
+
+
+@pytest.mark.parametrize(("text", "count"), [("7e9", 7_000_000_000), ("7B", 7_000_000_000), ("350M", 350_000_000),
+                                             ("1.3b", 1_300_000_000), ("125k", 125_000), ("7_000_000_000", 7_000_000_000),
+                                             ("1.5T", 1_500_000_000_000), ("123", 123)])
+def test_parameter_counts(text, count):
+    assert parse_count(text) == count
+
+
+def test_estimate_by_world_size_prints_the_estimators_figures(capsys):
+    out = run(capsys, "estimate", "--params", "7e9", "--world-size", "64", "--stage", "3")
+    e = estimate(7_000_000_000, world_size=64, config=ZeroConfig(stage=3))
+    ddp = estimate(7_000_000_000, mesh_shape=(64, 1), config=ZeroConfig(stage=1))
+    assert "7,000,000,000 parameters on 64 ranks" in out and "stage 3" in out
+    for kind, n in e.per_rank[0].items():
+        assert f"{kind.replace('_', ' ')} " in out and human_bytes(n) in out
+    for kind, n in e.bytes_sent.items():
+        assert kind in out and human_bytes(n) in out
+    assert human_bytes(e.formula["model_state_bytes"]) in out and human_bytes(e.formula["bytes_sent"]) in out
+    # DDP: a full fp32 replica with Adam (16 bytes a parameter) and one fp32 all-reduce of 4-byte gradients
+    assert ddp.max_model_state_bytes == 16 * 7_000_000_000 and ddp.total_bytes_sent == round(2 * 63 / 64 * 4 * 7e9)
+    assert human_bytes(ddp.max_model_state_bytes) in out and human_bytes(ddp.total_bytes_sent) in out
+    assert "all_reduce" not in out  # no replicas, no all-reduce
+
+
+def test_estimate_by_mesh_shows_both_groups(capsys):
+    out = run(capsys, "estimate", "--params", "350M", "--mesh", "2x4", "--precision", "fp16", "--reduce", "bf16",
+              "--gpus-per-node", "4")
+    config = ZeroConfig(precision=Precision(compute="fp16", reduce="bf16", loss_scale=LossScale()))
+    e = estimate(350_000_000, mesh_shape=(2, 4), config=config)
+    assert "8 ranks as a 2x4 mesh" in out and "compute fp16, reduce bf16" in out
+    assert "replicate (2 ranks)" in out and "shard (4 ranks)" in out
+    assert human_bytes(e.bytes_sent["all_reduce"]) in out
+    assert human_bytes(e.formula["bytes_sent_replicate"]) in out and human_bytes(e.formula["bytes_sent_shard"]) in out
+    assert f"crossing nodes of 4 GPUs (ring model): {human_bytes(e.inter_node_bytes(4))}" in out
+
+
+def test_estimate_json_is_the_estimate(capsys):
+    data = json.loads(run(capsys, "estimate", "--params", "1.3b", "--mesh", "2x2", "--stage", "2", "--json",
+                          "--optimizer-bytes-per-element", "4"))
+    e = estimate(1_300_000_000, mesh_shape=(2, 2), config=ZeroConfig(stage=2), optimizer_bytes_per_element=4)
+    expected = json.loads(json.dumps(dataclasses.asdict(e)))  # tuples as JSON lists
+    assert {k: data[k] for k in expected} == expected
+    assert data["max_model_state_bytes"] == e.max_model_state_bytes and data["total_bytes_sent"] == e.total_bytes_sent
+    assert data["ddp"]["model_state_bytes"] == (4 + 4 + 4) * 1_300_000_000
+
+
+def test_estimate_places_states_by_tier(capsys):
+    out = run(capsys, "estimate", "--params", "1e9", "--world-size", "8", "--placement", "static",
+              "--placement-option", "offload_optim_frac=1")
+    tiers = estimate(10**9, world_size=8, config=ZeroConfig(placement="static",
+                                                            placement_options={"offload_optim_frac": 1})).tiers[0]
+    assert tiers["host"] > 0 and tiers["device"] > 0
+    for tier in ("device", "host"):
+        assert re.search(rf"on {tier}\s+{re.escape(human_bytes(tiers[tier]))}\n", out), tier
+    gemini = run(capsys, "estimate", "--params", "1e9", "--world-size", "8", "--placement", "gemini")
+    assert "placement 'gemini' decides at run time" in gemini
+
+
+def test_estimate_reads_a_config_file_and_flags_override_it(capsys, tmp_path):
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps({"stage": 2, "precision": {"compute": "bf16"}}))
+    out = run(capsys, "estimate", "--params", "1e9", "--world-size", "8", "--config", str(path))
+    assert "stage 2" in out and "compute bf16" in out
+    out = run(capsys, "estimate", "--params", "1e9", "--world-size", "8", "--config", str(path), "--stage", "1")
+    e = estimate(10**9, world_size=8, config=ZeroConfig.from_file(path).replace(stage=1))
+    assert "stage 1" in out and "compute bf16" in out and human_bytes(e.max_model_state_bytes) in out
+
+
+def test_estimate_builds_a_hugging_face_config_on_the_meta_device(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
+    config.save_pretrained(tmp_path)
+    out = run(capsys, "estimate", "--model", str(tmp_path), "--world-size", "4")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    e = estimate(model, world_size=4)
+    assert f"{e.params:,} parameters" in out and "exact, chunk by chunk" in out
+    assert e.calls is not None
+    assert f"total {sum(e.calls.values())} {human_bytes(e.total_bytes_sent)}" in " ".join(out.split())
+    assert human_bytes(e.max_model_state_bytes) in out
+
+
+@pytest.mark.parametrize(("argv", "code", "fragment"), [
+    ([], 2, "the following arguments are required: COMMAND"),
+    (["nope"], 2, "invalid choice: 'nope'"),
+    (["estimate", "--world-size", "8"], 2, "one of the arguments --params --model is required"),
+    (["estimate", "--params", "7x", "--world-size", "8"], 2, "'7x' is not a parameter count; write e.g. 7e9, 7B"),
+    (["estimate", "--params", "1.5", "--world-size", "8"], 2, "not a positive whole number"),
+    (["estimate", "--params", "0", "--world-size", "8"], 2, "not a positive whole number"),
+    (["estimate", "--params", "7B"], 2, "give the ranks: --world-size N"),
+    (["estimate", "--params", "7B", "--mesh", "8x"], 2, "not a mesh shape; write RxS"),
+    (["estimate", "--params", "7B", "--world-size", "0"], 2, "'0' is not a positive integer"),
+    (["estimate", "--params", "7B", "--world-size", "8", "--stage", "4"], 2, "invalid choice: 4"),
+    (["estimate", "--params", "7B", "--world-size", "8", "--placement-option", "x"], 2, "is not KEY=VALUE"),
+    (["estimate", "--params", "7B", "--world-size", "64", "--mesh", "4x4"], 1, "mesh_shape=(4, 4) spans 16 ranks"),
+    (["estimate", "--params", "7B", "--world-size", "8", "--placement", "nope"], 1,
+     "no placement policy named 'nope' is registered (available: device,"),
+    (["estimate", "--params", "7B", "--world-size", "8", "--strategy", "nope"], 1, "no shard strategy named 'nope'"),
+    (["estimate", "--params", "7B", "--world-size", "8", "--placement", "static", "--placement-option",
+      "offload_optim_frac=3"], 1, "offload_optim_frac must be a fraction in [0, 1]"),
+    (["estimate", "--params", "7B", "--world-size", "8", "--config", "/nowhere/zero.json"], 1, "no such file"),
+    (["estimate", "--model", "/nowhere", "--world-size", "8"], 1, "never downloads"),
+    (["bench", "--no-such-option"], 2, "unrecognized arguments: --no-such-option"),
+    (["consolidate", "/nowhere", "/nowhere-out"], 1, "does not exist"),
+])
+def test_bad_input_says_what_is_wrong(capsys, monkeypatch, argv, code, fragment):
+    monkeypatch.chdir(REPO)  # `zero bench` finds the checkout's benchmarks/
+    monkeypatch.setattr(sys, "path", sys.path[:])
+    err = run(capsys, *argv, code=code)
+    assert fragment in err
+    assert err.count("error:") == 1
+
+
+def test_bad_config_file_names_the_key(capsys, tmp_path):
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps({"precision": {"compute": "fp64"}}))
+    err = run(capsys, "estimate", "--params", "7B", "--world-size", "8", "--config", str(path), code=1)
+    assert "precision.compute" in err
+
+
+def test_env_lists_torch_distributions_and_every_built_in_plugin(capsys):
+    out = run(capsys, "env")
+    assert re.search(rf"^torch\s+{re.escape(torch.__version__)}\s", out, re.M) and "gloo yes" in out
+    for kind, name in BUILT_IN:
+        assert re.search(rf"^  {kind}\s+{name}\s", out, re.M), name
+    report = json.loads(run(capsys, "env", "--json"))
+    registered = {(r["kind"], r["name"]): r for r in report["plugins"]["registered"]}
+    assert BUILT_IN <= registered.keys()
+    assert registered[("placement policy", "device")]["distribution"] == "zero-core"
+    assert registered[("shard strategy", "chunk")]["distribution"] == "zero-strategy-chunk"
+    assert all(r["version"] for r in registered.values())
+    assert {d["name"] for d in report["distributions"]} >= {"zero-core", "zero-comm", "zero-strategy-chunk"}
+    assert report["torch"]["backends"]["gloo"] is True
+    assert set(report["packages"]) >= {"transformers", "PyYAML", "rich", "matplotlib"}
+
+
+def test_bench_help_passes_through(capsys, monkeypatch):
+    monkeypatch.chdir(REPO / "docs")  # a sub-directory of the checkout
+    monkeypatch.setattr(sys, "path", sys.path[:])
+    out = run(capsys, "bench", "--help")
+    assert "--quick" in out and "--compare" in out  # the bench's own options
+
+
+def test_bench_outside_a_checkout_says_how_to_install(monkeypatch, tmp_path):
+    for name in ("zero_bench", "zero_bench.main"):  # as if zero-bench were not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(Exception, match=r"pip install \./benchmarks") as info:
+        find_bench(tmp_path)
+    assert "nox -s bench" in str(info.value) and info.value.exit_code == 1
+
+
+def test_help_everywhere(capsys):
+    top = run(capsys, "--help")
+    for command in ("estimate", "env", "bench", "consolidate"):
+        assert f"    {command}" in top
+    for command in ("estimate", "env", "consolidate"):
+        assert "examples:" in run(capsys, command, "--help")
+    assert run(capsys, "--version").strip() == f"zero-core {zero_core.__version__}"
+
+
+def test_cli_modules_import_torch_only_when_a_command_runs():
+    """`zero --help` builds every command's parser: the modules it imports take the standard library only."""
+    for path in [CORE_SRC / "_cli.py", *sorted(CORE_SRC.glob("_cli_*.py"))]:
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert top in sys.stdlib_module_names or name.startswith("zero_core._cli") \
+                    or name in ("zero_core", "zero_core._version"), f"{path.name} imports {name} at module level"
+
+
+def test_console_script():
+    zero = shutil.which("zero")
+    assert zero, "the console script of zero-core is not installed: pip install -e packages/core"
+    done = subprocess.run([zero, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "estimate" in done.stdout and "consolidate" in done.stdout, done.stderr
+    done = subprocess.run([zero, "env"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "zero-core" in done.stdout and "chunk" in done.stdout, done.stderr

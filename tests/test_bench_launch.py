@@ -1,0 +1,106 @@
+"""The bench's launcher and command line: a failed row names its ranks, how each ended and their last lines;
+``--out`` takes a folder; the bench runs without matplotlib and rich."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from zero_bench import main as bench_main  # noqa: E402
+from zero_bench.configs import MODELS, BenchConfig  # noqa: E402
+from zero_bench.launch import explain, launch, sigterm_raises  # noqa: E402
+from zero_bench.plot import plot  # noqa: E402
+
+# torchrun's summary when rank 1 aborted and torchrun then stopped rank 0 (the shape of the old flaky reference rows)
+ABORT_SUMMARY = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=======================================================
+zero_bench.worker FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-25_02:50:36
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 30604)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 30604
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-25_02:50:36
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -6 (pid: 30605)
+  error_file: <N/A>
+  traceback : Signal 6 (SIGABRT) received by PID 30605
+=======================================================
+"""
+
+
+def _rank_logs(log_dir: Path, stderr: dict[int, str]) -> None:
+    for rank, text in stderr.items():  # torchrun --log-dir --redirects 3 writes RUN/attempt_0/LOCAL_RANK/std{out,err}.log
+        folder = log_dir / "run_abc" / "attempt_0" / str(rank)
+        folder.mkdir(parents=True)
+        (folder / "stderr.log").write_text(text)
+        (folder / "stdout.log").write_text("")
+
+
+def test_an_aborted_rank_is_named_first_with_its_signal_and_last_lines(tmp_path):
+    _rank_logs(tmp_path, {0: "training\n", 1: "training\nterminate called without an active exception\n"})
+    failure = explain(ABORT_SUMMARY, tmp_path, 1)
+    assert failure["error"] == "rank 1 killed by SIGABRT: terminate called without an active exception"
+    first, second = failure["log_tail"].split("\n  rank 0")
+    assert first.startswith("  rank 1 (killed by SIGABRT), its last lines:") and "terminate called" in first
+    assert second.startswith(" (killed by SIGTERM), its last lines:") and "training" in second
+
+
+def test_a_rank_that_raised_is_named_with_its_exception(tmp_path):
+    spec = {"model": MODELS["tiny"].options(), "steps": 2, "warmup": 1, "timeout_s": 60}
+    record = launch(BenchConfig(name="bogus", kind="bogus"), spec, 2, 120.0, tmp_path,
+                    pythonpath=Path(bench_main.__file__).resolve().parents[1])
+    assert record["status"] == "failed"
+    assert record["error"].startswith("rank ") and record["error"].endswith("ValueError: unknown configuration kind 'bogus'")
+    assert "its last lines:" in record["log_tail"] and "raise ValueError" in record["log_tail"]
+
+
+def test_out_is_a_folder_or_a_json_file(tmp_path):
+    assert bench_main.parse_args(["--out", str(tmp_path)]).out == tmp_path / "latest.json"
+    assert bench_main.parse_args(["--out", str(tmp_path / "run.json")]).out == tmp_path / "run.json"
+    # this checkout's results folder, where the default points when the bench runs from a checkout
+    assert bench_main.parse_args([]).out == Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "latest.json"
+
+
+def test_no_matplotlib_means_no_plot_and_a_note(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert plot([], tmp_path / "latest.png", title="t") is False
+    assert "matplotlib is not installed" in capsys.readouterr().out and not (tmp_path / "latest.png").exists()
+
+
+def test_no_rich_means_plain_progress_lines(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "rich.progress", None)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)  # where the bar would be drawn
+    progress = bench_main.Progress(1, plain=False)
+    progress.start("ddp")
+    progress.finish("ddp", {"status": "ok", "median_step_s": 0.05})
+    progress.close()
+    assert progress.bar is None and "[1/1] ddp ... 50.0 ms/step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("code, ending", [(1, "exit code 1"), (-6, "killed by SIGABRT"), (-9, "killed by SIGKILL")])
+def test_torchrun_failing_on_its_own_is_reported(tmp_path, code, ending):
+    failure = explain("torchrun: error: something\n", tmp_path, code)
+    assert failure == {"error": f"torchrun {ending}", "log_tail": "torchrun: error: something"}
+
+
+def test_sigterm_raises_inside_only_so_the_ranks_get_stopped():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped, sigterm_raises():
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs as soon as os.kill returns
+    assert stopped.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) is before
