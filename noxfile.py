@@ -94,7 +94,7 @@ def bench(session: nox.Session) -> None:
     plus device-mesh rows at 4 ranks: HSDP on a 2x2 mesh and full sharding on 1x4 (``--meshes``),
     each beside DDP and FSDP2 on the same 4 ranks.
 
-    Writes benchmarks/results/latest.{json,md,png} (``-- --out DIR`` for another folder). Options after
+    Writes benchmarks/results/latest.{json,md,png} and latest-memory.png (``-- --out DIR`` for another folder). Options after
     -- go to the bench, e.g. ``nox -s bench -- --quick`` (under 5 minutes on 2 CPU cores), ``-- --meshes ''``
     to leave the mesh rows out, ``-- --help`` for the rest. The bench is the zero-bench distribution
     (benchmarks/pyproject.toml), installed editable with its plot and rich extras.

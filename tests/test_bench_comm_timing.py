@@ -20,7 +20,9 @@ from zero_bench.worker import run_config  # noqa: E402
 
 
 def _rows(configs: list[dict]) -> list[dict | None]:
-    return [run_config(config, MODELS["tiny"].options(), steps=3, warmup=1) for config in configs]
+    # two warm-up steps: from the third on, stage 3 replays its gather sequences, so every timed step has the
+    # same collectives (see [Note: replaying a repeated gather sequence])
+    return [run_config(config, MODELS["tiny"].options(), steps=4, warmup=2) for config in configs]
 
 
 def test_zero_rows_carry_timed_collectives_and_the_table_shows_them():
@@ -48,3 +50,39 @@ def test_zero_rows_carry_timed_collectives_and_the_table_shows_them():
         predicted = zero["estimate"]["bytes_sent"].get(kind)
         assert cells[4] == ("–" if predicted is None else f"{predicted / MiB:.3f}")
     assert by_kind["all_gather"][4] == by_kind["all_gather"][3]  # the estimate is exact
+
+
+def test_rows_carry_a_memory_timeline_that_adds_up(tmp_path):
+    """Both rows sample one step after the timed ones: RSS, the allocator's in-use bytes and the system's own
+    accounting by kind. Zero's kinds at the last sample are exactly its model states and idle buffers; the
+    breakdown at the peak adds up to the RSS there; the table and the plot show them."""
+    from zero_bench.plot import plot_memory
+    from zero_bench.report import peak_table, table
+    from zero_bench.report import add_ratios
+
+    configs = [BenchConfig(name="ddp", kind="ddp").as_dict(),
+               BenchConfig(name="chunk-s2", kind="zero", strategy="chunk", stage=2).as_dict()]
+    ddp, zero = ({"name": config["name"], "config": config, **record}
+                 for config, record in zip(configs, run_distributed(_rows, 2, configs, timeout=300)[0]))
+    for row in (ddp, zero):
+        assert row["status"] == "ok"
+        for tl, at in zip(row["memory_timeline"], row["memory_at_peak"]):
+            n = len(tl["t_s"])
+            assert n >= 3 and len(tl["rss_mib"]) == len(tl["in_use_mib"]) == n
+            assert [p for _, p in tl["phases"]] == ["zero_grad", "forward", "backward", "step", "end"]
+            assert all(len(v) == n for v in tl["by_kind_mib"].values())
+            parts = at["baseline"] + at["states"] + at["buffers"] + at["other"] + at["slack"]
+            assert abs(parts - at["rss"]) < 1e-6 * at["rss"]
+        assert all(p is not None and p > 0 for p in row["peak_in_use_mib"])
+    kinds = zero["memory_timeline"][0]["by_kind_mib"]
+    assert set(kinds) == {"params", "grads", "optimizer_states", "gathered", "gradient_buffers", "pool", "kept_copies"}
+    state = zero["model_state_by_kind"][0]  # taken after the timed steps; the sampled step ends in the same state
+    for kind in ("params", "grads", "optimizer_states"):
+        assert kinds[kind][-1] == round(state[kind] / MiB, 2), kind
+    assert kinds["gradient_buffers"][-1] == 0  # nothing is lent between steps
+    assert set(ddp["memory_timeline"][0]["by_kind_mib"]) == {"params", "grads", "optimizer_states"}
+    add_ratios([ddp, zero])
+    assert f"| {max(zero['peak_in_use_mib']):.0f} |" in table([ddp, zero]).splitlines()[3]
+    lines = peak_table([ddp, zero]).splitlines()
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["ddp", "chunk-s2"]
+    assert plot_memory([ddp, zero], tmp_path / "memory.png", title="tiny") and (tmp_path / "memory.png").stat().st_size > 10_000

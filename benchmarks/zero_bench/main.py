@@ -10,8 +10,8 @@
 Each configuration trains in its own torchrun launch (so peak memory is its own), for the same steps
 on the same data (a mesh row, and the references beside it, on the mesh's own ranks). Results go
 to ``--out`` (a checkout's ``benchmarks/results``, else ``./bench-results``): ``latest.json``
-(schema in docs/benchmarks.md), a Markdown table to stdout and ``latest.md``, and the plot to
-``latest.png``. The exit status is 1 when
+(schema in docs/benchmarks.md), a Markdown table to stdout and ``latest.md``, the plot to
+``latest.png`` and each row's memory across one sampled step to ``latest-memory.png``. The exit status is 1 when
 any configuration failed, trained a different model (losses disagree), or regressed against
 ``--compare``; 0 otherwise.
 """
@@ -35,8 +35,8 @@ import torch
 from zero_bench import compare as compare_mod
 from zero_bench.configs import MODELS, ModelSize, discover
 from zero_bench.launch import launch, sigterm_raises
-from zero_bench.plot import plot
-from zero_bench.report import add_ratios, check_losses, comm_table, table
+from zero_bench.plot import plot, plot_memory
+from zero_bench.report import add_ratios, check_losses, comm_table, peak_table, table
 from zero_core import ZeroPlugins, __version__, estimate
 from zero_core.testing.gpt import GPT, GPTConfig
 
@@ -44,7 +44,7 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[1]
 # Run from a zero checkout (an editable install included): the package is benchmarks/zero_bench
 CHECKOUT = PACKAGE_PARENT.parent if PACKAGE_PARENT.name == "benchmarks" and (PACKAGE_PARENT / "bench.py").is_file() else None
 RESULTS = CHECKOUT / "benchmarks" / "results" if CHECKOUT is not None else Path("bench-results")
-SCHEMA_VERSION = 2  # 2: records carry comm_timing_per_step
+SCHEMA_VERSION = 3  # 2: records carry comm_timing_per_step; 3: the memory timeline, in-use and setup peaks
 
 
 def _number(kind: type, minimum: float, what: str) -> Any:
@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loss-rtol-16", type=float, default=3e-2, help="the same for bf16/fp16 runs")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds one configuration may take")
     p.add_argument("--out", type=Path, default=RESULTS, metavar="DIR",
-                   help="results folder: latest.json, .md and .png (default: a checkout's benchmarks/results, else "
+                   help="results folder: latest.json, .md, .png and -memory.png (default: a checkout's benchmarks/results, else "
                         "./bench-results); a path ending in .json names the results file, the .md and .png go beside it")
     p.add_argument("--compare", type=Path, default=None, help="after the run, compare with this saved results file")
     p.add_argument("--compare-only", type=Path, default=None, metavar="BASELINE", help="compare --out with BASELINE; run nothing")
@@ -261,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if regressions else 0
     result = run(args)
     records = result["records"]
-    text = table(records) + "\n\nCollectives per step by kind, zero rows, rank 0, measured after warm-up:\n\n" + comm_table(records)
+    text = (table(records) + "\n\nCollectives per step by kind, zero rows, rank 0, measured after warm-up:\n\n" + comm_table(records)
+            + "\n\nWhere the peak goes (rank 0, MiB, at the highest RSS of one sampled step after the timed ones):\n\n"
+            + peak_table(records))
     m = result["model"]
     own = sorted({r["world_size"] for r in records} - {result["world_size"]})
     ranks = f"{result['world_size']} ranks" + (f" ({', '.join(map(str, own))} for the mesh rows)" if own else "")
@@ -286,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1))
     out.with_suffix(".md").write_text(f"{title}\n\n{text}\n")
     plotted = plot(records, out.with_suffix(".png"), title=title)
+    memory_plot = out.with_name(out.stem + "-memory.png")
+    plotted_memory = plot_memory(records, memory_plot, title=title)
     print(f"wrote {out}, {out.with_suffix('.md')}" + (f", {out.with_suffix('.png')}" if plotted else "")
+          + (f", {memory_plot}" if plotted_memory else "")
           + f" in {result['wall_s']:.0f} s")
     if args.save_baseline is not None:
         args.save_baseline.parent.mkdir(parents=True, exist_ok=True)

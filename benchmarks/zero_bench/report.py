@@ -115,21 +115,53 @@ def _vs_estimate(r: dict[str, Any]) -> str:
     return "DIFFERS: " + ", ".join(wrong) + told
 
 
+def _in_use(r: dict[str, Any]) -> str:
+    """The allocator's peak in-use bytes over the sampled step, the largest rank (``–``: not measurable here)."""
+    peaks = [p for p in r.get("peak_in_use_mib") or [] if p is not None]
+    return f"{max(peaks):.0f}" if peaks else "–"
+
+
+def _setup_peak(r: dict[str, Any]) -> str:
+    """Rank 0's high-water mark when setup (building and sharding or wrapping the model) was done."""
+    peaks = r.get("setup_peak_memory_mib") or [None]
+    return "–" if peaks[0] is None else f"{peaks[0]:.0f}"
+
+
+def peak_table(records: list[dict[str, Any]]) -> str:
+    """Where each row's peak goes (rank 0, the sample of highest RSS in the sampled step; MiB): the process at
+    start, the model states the ZeRO formulas count, the system's other buffers, activations and temporaries,
+    and the allocator's slack (held from the system, not lent). The columns add up to the RSS at that sample. The
+    last column is the high-water mark when setup was done, which the peak column of :func:`table` includes."""
+    head = ("| config | RSS at peak | at start | model states | buffers | activations, other | allocator slack "
+            "| peak in use | buffers by kind | setup peak |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in records:
+        at = (r.get("memory_at_peak") or [None])[0]
+        if not at:
+            continue
+        buffers = ", ".join(f"{k[5:]} {v:.0f}" for k, v in at.items()
+                            if k.startswith("kind:") and k[5:] not in ("params", "grads", "optimizer_states") and v >= 0.5)
+        rows.append(f"| {r['name']} | {at['rss']:.0f} | {at['baseline']:.0f} | {at['states']:.0f} | {at['buffers']:.0f} "
+                    f"| {at['other']:.0f} | {at['slack']:.0f} | {at['peak_in_use']:.0f} | {buffers or '–'} "
+                    f"| {_setup_peak(r)} |")
+    return "\n".join(rows)
+
+
 def table(records: list[dict[str, Any]]) -> str:
     """One row per configuration, in run order (references, strategies by stage, variants, then mesh rows)."""
-    head = ("| config | status | step ms | tokens/s | peak mem/rank MiB | above start | step vs DDP | step vs FSDP2 | mem vs DDP | mem vs FSDP2 "
+    head = ("| config | status | step ms | tokens/s | peak mem/rank MiB | peak in use MiB | above start | step vs DDP | step vs FSDP2 | mem vs DDP | mem vs FSDP2 "
             "| model state/rank MiB | state vs theory | sent/step/rank MiB | sent vs theory | shard / replicate MiB | vs estimate "
             "| collectives/step |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         if r.get("median_step_s") is None:
-            rows.append(f"| {r['name']} | {r['status']}: {r.get('error') or ''} |" + " |" * 15)
+            rows.append(f"| {r['name']} | {r['status']}: {r.get('error') or ''} |" + " |" * 16)
             continue
         q = r["ratios"]
         above = max(p - s for p, s in zip(r["peak_memory_mib"], r["start_memory_mib"]))
         rows.append(
             f"| {r['name']} | {r['status']} | {1000 * r['median_step_s']:.1f} | {r['tokens_per_s']:,.0f} "
-            f"| {max(r['peak_memory_mib']):.0f} | {above:.0f} | {_x(q['step_vs_ddp'])} | {_x(q['step_vs_fsdp2'])} | {_x(q['memory_vs_ddp'])} "
+            f"| {max(r['peak_memory_mib']):.0f} | {_in_use(r)} | {above:.0f} | {_x(q['step_vs_ddp'])} | {_x(q['step_vs_fsdp2'])} | {_x(q['memory_vs_ddp'])} "
             f"| {_x(q['memory_vs_fsdp2'])} | {max(r['model_state_bytes']) / MiB:.2f} | {_x(q['state_vs_theory'])} "
             f"| {max(r['bytes_sent_per_step']) / MiB:.2f} | {_x(q['sent_vs_theory'])} | {_groups(r)} | {_vs_estimate(r)} | {_calls(r)} |")
     return "\n".join(rows)

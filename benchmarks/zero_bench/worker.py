@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from zero_bench.counting import Counter, count_ddp, count_fsdp2
 from zero_bench.teardown import destroy_process_group_checked
+from zero_bench.timeline import MemoryProbe, MemoryTimeline, breakdown_at_peak
 from zero_core import ChunkPolicy, CommStats, ConfigError, LossScale, Precision, ZeroConfig, estimate, shard
 from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
 from zero_core.chunk import to_local
@@ -133,6 +134,28 @@ def zero_tiers(model: Any) -> dict[str, int]:
     return tiers
 
 
+def reference_accounting(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """A DDP or FSDP2 rank's model states now (FSDP2's gathered parameters are not among them: they count as ``other``)."""
+    return reference_state_bytes(model, optimizer)
+
+
+def _one_step(net: Any, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, kind: str, mark: Any = None) -> torch.Tensor:
+    mark = mark or (lambda phase: None)
+    mark("zero_grad")
+    optimizer.zero_grad(set_to_none=True)
+    mark("forward")
+    loss = lm_loss(net(tokens), tokens)
+    mark("backward")
+    if kind == "zero":
+        net.backward(loss)
+    else:
+        loss.backward()
+    mark("step")
+    optimizer.step()
+    mark("end")
+    return loss
+
+
 def _not_applicable(exc: BaseException) -> bool:
     """A configuration refused for its options on this machine (a config or budget error), not a failure."""
     return isinstance(exc, ConfigError) or type(exc).__name__ == "TierBudgetError"
@@ -144,6 +167,8 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     peak_memory_reset(device)
     at_start = current_memory_mib(device)  # the interpreter, torch and the process group: the same for every row
+    probe = MemoryProbe(device)
+    start_rss, (start_in_use, start_held) = probe.rss(), probe.allocator_bytes()
     cfg = GPTConfig(vocab_size=model["vocab"], seq_len=model["seq_len"], d_model=model["d_model"], n_layer=model["layers"],
                     n_head=model["heads"])
     data = SyntheticTokens(vocab_size=model["vocab"], seq_len=model["seq_len"])
@@ -178,6 +203,7 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
         refused = exc
     else:
         refused = None
+    setup_peak = peak_memory_mib(device)  # the high-water mark is monotone: this much of it is the setup's
     # Every rank learns whether any rank refused, before anyone starts a step that would wait for it.
     verdicts: list[Any] = [None] * world
     dist.all_gather_object(verdicts, None if refused is None else (type(refused).__name__, str(refused), _not_applicable(refused)))
@@ -198,13 +224,7 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         with count_fsdp2(counter) if kind == "fsdp2" else contextlib.nullcontext():
-            optimizer.zero_grad(set_to_none=True)
-            loss = lm_loss(net(tokens), tokens)
-            if kind == "zero":
-                net.backward(loss)
-            else:
-                loss.backward()
-            optimizer.step()
+            loss = _one_step(net, optimizer, tokens, kind)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
@@ -225,8 +245,16 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
         comm = counter.steps[-1]
         state = reference_state_bytes(net, optimizer)
         tiers = {"device": sum(state.values()), "host": 0, "disk": 0}
+    # One more step, untimed and not among the losses, sampled for the memory timeline (after warm-up, so
+    # every buffer and optimizer state exists; the sampling hooks are never installed during the timed steps).
+    tokens = data.batch(steps, model["batch_size"] * world)[rank * model["batch_size"]:(rank + 1) * model["batch_size"]]
+    accounting = net.memory_by_kind if kind == "zero" else (lambda: reference_accounting(net, optimizer))
+    with MemoryTimeline(probe, accounting, optimizer) as sampler:
+        _one_step(net, optimizer, tokens.to(device), kind, sampler.mark)
+    timeline = sampler.as_dict(start_rss=start_rss, start_in_use=start_in_use, start_held=start_held)
+    probe.close()
     mine = {"peak_memory_mib": peak_memory_mib(device), "start_memory_mib": at_start, "model_state": state, "tiers": tiers, "comm": comm,
-            "comm_timing": timing}
+            "comm_timing": timing, "timeline": timeline, "setup_peak": setup_peak}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if kind == "zero":
@@ -247,6 +275,10 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
         "peak_memory_mib": [r["peak_memory_mib"] for r in everyone],
         "start_memory_mib": [r["start_memory_mib"] for r in everyone],
         "model_state_bytes": [sum(r["model_state"].values()) for r in everyone],
+        "setup_peak_memory_mib": [r["setup_peak"] for r in everyone],
+        "peak_in_use_mib": [None if r["timeline"]["in_use_mib"] is None else max(r["timeline"]["in_use_mib"]) for r in everyone],
+        "memory_timeline": [r["timeline"] for r in everyone],
+        "memory_at_peak": [breakdown_at_peak(r["timeline"]) for r in everyone],
         "model_state_by_kind": [r["model_state"] for r in everyone],
         "model_state_by_tier": [r["tiers"] for r in everyone],
         "bytes_sent_per_step": [sum(v["bytes_sent"] for k, v in r["comm"].items() if k in DATA_KINDS) for r in everyone],

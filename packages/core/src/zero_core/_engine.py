@@ -37,6 +37,30 @@ backward dropped, and the chunks released (``_abort_backward``). Until then the 
 hold the sharded parameters with the optimizer's gradients untouched, because a backward
 never registers the full parameters (only a recomputation does).
 
+[Note: no idle buffers between steps]
+A backward borrows full-size buffers (gradient buffers, the send and receive buffers of its
+reduce-scatters) and a stage 1 or 2 step borrows receive buffers for its all-gathers; pools
+keep them so that one phase reuses the same few buffers instead of allocating and faulting
+in a fresh one per chunk. Kept past their phase they would be reserved for nothing: on GPT-2
+small at 2 ranks the engine's pool and the gloo backend's receive pool held about 380 MiB
+idle through the next forward, at the step's peak, when the activations needed that memory.
+So when a backward's reductions are complete, and again after a step's all-gathers, the
+engine drops the idle buffers of its pool and every comm backend's (``CommBackend.free``);
+the next phase allocates them again, mostly from memory the allocator already holds.
+A ``no_sync()`` backward keeps its pool: the gradients it accumulated live in it.
+
+[Note: gradient buffers on arrival]
+A chunk's gradients are reduced from one full-size buffer, and autograd accumulates into it
+in place when each parameter's ``.grad`` is a view of it. Prepared when a module's backward
+begins, that buffer lives from there to the chunk's reduction, which waits for the last of
+its parameters' gradients: for GPT-2's tied embedding (its own 147 MiB chunk) that is the
+whole backward, since the head's gradient comes first and the embedding's last, and
+autograd itself already holds the head's part until then. So at stages 2 and 3 the buffer
+is taken when the chunk's first gradient arrives (the post-accumulate-grad hook): that
+gradient, which autograd made, is copied in (and dropped), and the other parameters'
+``.grad`` point at their zeroed views from then on. Stage 1 keeps its buffer for the whole run and prepares it as
+before; a chunk gathered on demand or exposed prepares it when it is gathered.
+
 [Note: torch.compile]
 Compiling a block (``block.compile()`` or ``torch.compile(block)``, before or after shard)
 makes dynamo trace the forward hooks of the modules the block calls. Zero's hooks gather,
@@ -383,6 +407,8 @@ class Engine(GradientReduction, OptimizerBridge, Inspection):
             )
         if not chunk.is_gathered:
             self._gather([chunk])
+        elif chunk.state is ChunkState.GATHERING:  # prefetched and still in flight: its parameters are empty until then
+            chunk.wait()
         if self.state is TrainingState.BACKWARD:
             chunk.prepare_gradients()
         elif torch.is_grad_enabled():
@@ -623,8 +649,8 @@ class Engine(GradientReduction, OptimizerBridge, Inspection):
         self._enter_backward()
         self._gather(chunks)
         for chunk in chunks:
-            if chunk.index not in self._reduced:
-                chunk.prepare_gradients()
+            if chunk.index not in self._reduced and chunk.stage == 1:  # its kept buffer is there anyway
+                chunk.prepare_gradients()  # stages 2 and 3: see [Note: gradient buffers on arrival]
 
 
 
@@ -644,6 +670,8 @@ class Engine(GradientReduction, OptimizerBridge, Inspection):
                 self.placement.after_backward(self.chunks)
                 self._publish_gradients()
             self._release(self.chunks)
+            if self.sync_gradients:
+                self._free_idle_buffers()
         except BaseException:
             # nothing of this backward reaches the optimizer, and nothing stays gathered or lent
             for chunk in self.chunks:
@@ -666,6 +694,13 @@ class Engine(GradientReduction, OptimizerBridge, Inspection):
 
 
 
+
+    def _free_idle_buffers(self) -> None:
+        """See [Note: no idle buffers between steps]."""
+        if self.chunks:
+            self.chunks[0].pool.clear()
+        for comm in (self.comm, self.reduce_comm, *self._mesh_comms):
+            comm.free()
 
     # -- inspection ----------------------------------------------------------------
 

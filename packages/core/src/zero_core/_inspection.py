@@ -79,6 +79,56 @@ class Inspection:
         report["grads"] = sum(grad_storages.values())
         return report
 
+    def memory_by_kind(self) -> dict[str, int]:
+        """Every byte the engine holds now, by what it is for (exact, each storage once, any tier).
+
+        ``params``, ``grads`` and ``optimizer_states`` are the model states the ZeRO formulas count
+        (as :meth:`model_state_bytes`, with gradients reduced in this backward but not yet handed to the
+        optimizer counted as ``grads``); the rest are the engine's working buffers: ``gathered``
+        (stage 3's full buffers gathered now), ``gradient_buffers`` (full-size gradient and send
+        buffers lent to a backward or a reduction in flight), ``pool`` (idle buffers kept for reuse),
+        ``kept_copies`` (the parts a forward kept for ``reshard_after_forward=k``). Safe to call from
+        another thread (a memory sampler): it only reads.
+        """
+        params: dict[int, int] = {}
+        grads: dict[int, int] = {}
+        states = 0
+        gathered = copies = 0
+
+        def add(storages: dict[int, int], tensor: torch.Tensor) -> None:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+
+        for chunk in list(self.chunks):
+            shard = chunk._shard
+            if shard is not None and shard.stride(0) != 0:  # an absent (disk) shard holds nothing
+                add(params, shard)
+            if chunk.persistent:
+                add(params, chunk.full)
+            elif chunk.is_gathered:
+                gathered += chunk.full.untyped_storage().nbytes()
+            if chunk.grad_full is not None:
+                add(grads, chunk.grad_full)
+            copy = chunk.copy
+            if copy is not None:
+                copies += copy.untyped_storage().nbytes()
+            for piece in chunk.reduced_grad or ():
+                add(grads, piece)
+            for seg in chunk.segments:
+                grad = seg.param.grad
+                if grad is not None:
+                    add(grads, to_local(grad))
+                for value in list(self.optimizer.state.get(seg.param, {}).values()):
+                    if isinstance(value, torch.Tensor) and (isinstance(value, DTensor) or value.dim() > 0):
+                        value = to_local(value)
+                        if value.stride() and value.stride(0) == 0:
+                            continue
+                        states += value.numel() * value.element_size()
+        pool = self.chunks[0].pool if self.chunks else None
+        return {"params": sum(params.values()), "grads": sum(grads.values()), "optimizer_states": states,
+                "gathered": gathered, "gradient_buffers": pool.lent if pool is not None else 0,
+                "pool": pool.nbytes if pool is not None else 0, "kept_copies": copies}
+
     @torch.no_grad()
     def iter_full_chunks(self) -> Iterator[tuple[Chunk, torch.Tensor]]:
         """Each chunk with its whole master values (a device tensor), one chunk at a time.

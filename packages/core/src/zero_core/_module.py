@@ -148,6 +148,11 @@ class ZeroModule:
         """Bytes of parameter shards, gradient shards and optimizer states this rank holds now."""
         return self._zero_engine.model_state_bytes()
 
+    def memory_by_kind(self) -> dict[str, int]:
+        """Every byte zero holds on this rank now, by kind: the model states and the working buffers
+        (gathered chunks, gradient buffers in flight, idle pooled buffers). See :meth:`Engine.memory_by_kind`."""
+        return self._zero_engine.memory_by_kind()
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on the CPU. Collective: call on every rank."""
         return self._zero_engine.full_parameters()

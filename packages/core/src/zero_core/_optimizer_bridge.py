@@ -130,6 +130,7 @@ class OptimizerBridge:
         skipped = self.scaler is not None and self.scaler.last_step_skipped
         if not skipped:
             self._publish_kept_buffers()
+        self._free_idle_buffers()
         self.placement.after_step(self.chunks)
         self._expected, self._last_expected = {}, {}  # graphs built before the step cannot be backwarded after it
         self._exposed = set()
@@ -162,6 +163,7 @@ class OptimizerBridge:
             param.grad = grad
         self._stepped = []
         self._publish_kept_buffers()
+        self._free_idle_buffers()
         self.placement.after_step(self.chunks)
 
     def discard_accumulation(self, set_to_none: bool = True) -> None:

@@ -28,7 +28,9 @@ class GradientReduction:
                 "activation checkpointing (use torch.utils.checkpoint(..., use_reentrant=False)) or when a "
                 "parameter's gradient does not flow through the wrapped model's outputs."
             )
-        chunk.got_grad[self._slot_of[id(param)]] = True
+        slot = self._slot_of[id(param)]
+        chunk.got_grad[slot] = True
+        self._adopt_gradient(chunk, slot)
         waiting = self._waiting.get(chunk.index)
         if waiting is not None:
             waiting.discard(id(param))
@@ -36,6 +38,10 @@ class GradientReduction:
                 self._ready[chunk.index] = True
         if self.sync_gradients:
             self._reduce_ready()
+
+    @engine_work
+    def _adopt_gradient(self, chunk: Chunk, slot: int) -> None:
+        chunk.adopt_gradient(slot)  # see [Note: gradient buffers on arrival]
 
     def _flush_reductions(self) -> None:
         """Every reduce group launches what a bucketing backend still holds (on every rank, in one order)."""

@@ -17,6 +17,24 @@ same pass (a tied weight, a module called twice) starts a new lap of the walk.
 With ``ZeroConfig(static_graph=True)`` the user promises that every rank runs the
 same modules in the same order, and the agreement rounds are skipped.
 
+[Note: replaying a repeated gather sequence]
+Most models never need the rounds: every rank gathers the same chunks in the same
+order in every pass. The scheduler finds that out itself. The sequence of all-gathers a
+pass issued (the agreed ones, the served ones and the prefetches, in order) is the same
+on every rank, by construction; when two passes in a row of the same direction issued
+the same sequence, every rank knows it at the same moment, and the next pass of that
+direction *replays* it: each rank issues the recorded all-gathers in the recorded order,
+with no agreement round, one ahead of its need (a prefetch), serving the ones it did not
+use last time. Its own needs only choose how far along the sequence it is; the
+collectives are the recording's on every rank, so they pair. The pass then ends with
+the one round of the drain that every pass has, which verifies it: a rank that needed a
+chunk the rest of the recording does not hold (the model took another branch) issues
+the rest of the recording, then proposes that chunk in the ordinary way, and its peers,
+already in their drain, serve it. Such a pass's sequence differs from the recording, so
+every rank leaves replay together and agrees again until a sequence repeats. A pass
+that never reached its drain (it raised) clears the recordings. So one control round
+per pass replaces one per all-gather, without the user promising a static graph.
+
 [Note: prefetch]
 After every all-gather of a pass, the scheduler starts an asynchronous all-gather of the
 chunk at the next position of the walk, so it travels while the current chunk computes,
@@ -56,11 +74,82 @@ class GatherScheduler:
         self._reverse = False
         # Groups the agreed sequence gathered in this pass: never prefetched again in it.
         self._seen: set[int] = set()
+        # See [Note: replaying a repeated gather sequence]. This pass's all-gathers: (group, how, cursor after).
+        self._record: list[tuple[int, str, int]] = []
+        # By direction (reverse): the last completed pass's record and how many passes in a row issued its sequence.
+        self._history: dict[bool, tuple[list[tuple[int, str, int]], int]] = {}
+        self._replay: list[tuple[int, str, int]] | None = None
+        self._next = 0  # the next entry of the replay to issue
+        self._open = False  # a pass began and has not drained
+        self.replayed_passes = 0  # passes that started as replays (for tests and the bench)
 
     def begin_pass(self, *, reverse: bool) -> None:
+        if self._open:  # the last pass raised before its drain: its record is partial and ranks may differ
+            self._history = {}
         self._cursor = -1
         self._reverse = reverse
         self._seen = set()
+        self._record = []
+        self._next = 0
+        self._open = True
+        history = self._history.get(reverse)
+        self._replay = history[0] if self.agree and history is not None and history[1] >= 2 else None
+        if self._replay is not None:
+            self.replayed_passes += 1
+
+    def _issue(self, group: GatherGroup, how: str) -> None:
+        """Issue one all-gather of the pass and record it: ``own`` (this rank needs it now), ``serve`` (only peers
+        do: dropped after), ``prefetch`` (asynchronous, kept). An ``own`` group's shards were brought in by
+        :meth:`gather` already, with everything else that call needs."""
+        if how != "own":
+            self.placement.before_gather(group.chunks)
+        if how == "serve":
+            group.gather(self.comm, keep=False)
+            # the shards were read for the peers only: a policy may put those of chunks not gathered here away again
+            self.placement.after_release([c for c in group.chunks if not c.is_gathered])
+        else:
+            group.gather(self.comm, async_op=how == "prefetch")
+        self._seen.add(group.index)
+        self._record.append((group.index, how, self._cursor))
+
+    def _issue_next(self, *, serve: bool = False) -> None:
+        """Issue the replay's next entry this rank does not need yet: as a prefetch (kept), or served (dropped) when
+        it was served last time, prefetching is off, or ``serve``."""
+        assert self._replay is not None
+        index, how, cursor = self._replay[self._next]
+        self._next += 1
+        self._cursor = cursor
+        drop = serve or how == "serve" or not self.placement.allow_prefetch
+        self._issue(self.groups[index], "serve" if drop else "prefetch")
+
+    def _replay_rest(self) -> None:
+        """Issue the rest of the replay, served, and leave replay for this pass."""
+        while self._replay is not None and self._next < len(self._replay):
+            self._issue_next(serve=True)
+        self._replay = None
+
+    def _gather_replayed(self, todo: Sequence[GatherGroup]) -> bool:
+        """Replay until every group of ``todo`` is gathered; False if one is not in the rest of the replay."""
+        assert self._replay is not None
+        for group in todo:
+            while not group.is_gathered:
+                ahead = [e[0] for e in self._replay[self._next :]]
+                if group.index not in ahead:
+                    return False
+                if ahead[0] == group.index:
+                    index, _, cursor = self._replay[self._next]
+                    self._next += 1
+                    self._cursor = cursor
+                    self._issue(group, "own")
+                else:
+                    self._issue_next()
+        return True
+
+    def _prefetch_replayed(self) -> None:
+        """One all-gather ahead of the need: issue the replay's next entry, unless it is one to serve."""
+        if (self._replay is not None and self.placement.allow_prefetch and self._next < len(self._replay)
+                and self._replay[self._next][1] != "serve"):
+            self._issue_next()
 
     def _position(self, index: int) -> int:
         return len(self.groups) - 1 - index if self._reverse else index
@@ -80,8 +169,10 @@ class GatherScheduler:
         todo = sorted(needed, key=lambda g: self._position(g.index))
         if todo:
             self.placement.before_gather([c for g in todo for c in g.chunks])
+        if self._replay is not None and not self._gather_replayed(todo):
+            self._replay_rest()  # the model took another path: finish the recording, then agree as usual
         for group in todo:
-            if group.is_gathered:  # prefetched by an earlier round of this loop
+            if group.is_gathered:  # prefetched by an earlier round of this loop, or replayed
                 continue
             if not self.agree:
                 group.gather(self.comm)
@@ -94,32 +185,38 @@ class GatherScheduler:
                 agreed = self.comm.agree_min(proposal)
                 self._cursor = agreed
                 if agreed == proposal:
-                    group.gather(self.comm)
-                    self._seen.add(group.index)
+                    self._issue(group, "own")
                     self._prefetch_next()
                 else:
                     self._serve(self._group_at(agreed))
+        # a replay keeps one all-gather in flight: chained when this call gathered or consumed one
+        consumed = any(chunk.state is ChunkState.GATHERING for chunk in chunks)
         for chunk in chunks:
             if chunk.state is ChunkState.GATHERING:
                 chunk.wait()
                 # Consuming a prefetch is rank-local, so only a static graph may chain the next one from here.
                 if not self.agree and self._cursor == self._position(self._group_of[chunk.index].index):
                     self._prefetch_next()
+        if todo or consumed:
+            self._prefetch_replayed()
 
     def drain(self) -> None:
         """This rank's pass is over: keep serving other ranks until none needs anything."""
         if not self.agree:
             return
+        self._replay_rest()
         while (agreed := self.comm.agree_min(_NOTHING)) != _NOTHING:
             self._cursor = agreed
             self._serve(self._group_at(agreed))
+        self._open = False
+        # See [Note: replaying a repeated gather sequence]: the sequence is the same on every rank, so is this
+        sequence = [e[0] for e in self._record]
+        last = self._history.get(self._reverse)
+        repeats = last[1] + 1 if last is not None and [e[0] for e in last[0]] == sequence else 1
+        self._history[self._reverse] = (self._record, repeats)
 
     def _serve(self, group: GatherGroup) -> None:
-        self.placement.before_gather(group.chunks)
-        group.gather(self.comm, keep=False)
-        # the shards were read for the peers only: a policy may put those of chunks not gathered here away again
-        self.placement.after_release([c for c in group.chunks if not c.is_gathered])
-        self._seen.add(group.index)
+        self._issue(group, "serve")
         self._prefetch_next()
 
     def _prefetch_next(self) -> None:
@@ -135,6 +232,4 @@ class GatherScheduler:
         if all(c.persistent for c in group.chunks):
             return  # kept gathered on every rank (decided alike at setup): nothing to fetch
         self._cursor += 1
-        self._seen.add(group.index)
-        self.placement.before_gather(group.chunks)
-        group.gather(self.comm, async_op=True)  # members this rank holds already only take part
+        self._issue(group, "prefetch")  # members this rank holds already only take part

@@ -21,6 +21,7 @@ from zero_core._plugins import ZeroPlugins
 from zero_core._scaler import LossScaler
 from zero_core._setup import check_ranks_agree, collect_params, first_use_order, resolve_device, resolve_group
 from zero_core._sources import open_source
+from zero_core._host_memory import return_freed_host_memory
 from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk
 from zero_core.errors import CheckpointError, ConfigError, ZeroSetupError
@@ -96,6 +97,8 @@ def shard(
         raise ZeroSetupError("this model is already sharded by zero_core.shard; wrap the original model only once")
     if getattr(optimizer, "_zero_sharded", False):
         raise ZeroSetupError("this optimizer was already re-pointed by zero_core.shard; create a new optimizer")
+    if config.release_host_memory:  # before any chunk buffer exists. See [Note: host memory that is freed is returned]
+        return_freed_host_memory()
     params = collect_params(model, optimizer)
     # Parameters built under lazy_init() are meta tensors; their values come from replaying the recording.
     metas = {id(p.param): p.param.data for p in params if p.param.device.type == "meta"}

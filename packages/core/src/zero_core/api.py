@@ -231,7 +231,13 @@ class ZeroConfig:
             in every forward and backward (no data-dependent branches, every module's
             output reaches the loss on every rank). Skips the scalar agreement round
             before each all-gather; a broken promise hangs or corrupts, so leave it off
-            unless the agreement rounds show up in a profile.
+            unless the agreement rounds show up in a profile. Without the promise, a pass whose
+            sequence of all-gathers repeated is replayed with one round instead of one per
+            all-gather (see :doc:`concepts`), falling back to agreeing when the model branches.
+        release_host_memory: Let host buffers the engine frees go back to the system: on glibc,
+            ``shard()`` fixes malloc's mmap threshold at 4 MiB (process-wide), so buffers of a
+            chunk's size are mapped on their own instead of fragmenting malloc's heap. ``False``
+            leaves malloc as it is.
     """
 
     stage: int = 3
@@ -248,6 +254,7 @@ class ZeroConfig:
     check_ranks_agree: bool = True
     static_graph: bool = False
     reshard_after_forward: bool | int = True
+    release_host_memory: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -288,7 +295,7 @@ class ZeroConfig:
         from zero_core.strategy import check_reshard_after_forward
 
         check_reshard_after_forward(self.reshard_after_forward, "ZeroConfig.reshard_after_forward")
-        for name in ("sync_module_states", "check_ranks_agree", "static_graph"):
+        for name in ("sync_module_states", "check_ranks_agree", "static_graph", "release_host_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"ZeroConfig.{name} must be True or False, got {getattr(self, name)!r}.")
 

@@ -253,7 +253,9 @@ class BufferPool:
 
     Fresh multi-megabyte CPU allocations are mapped anew and page-faulted on first touch,
     which cost about as much as the gradient copy itself; a pool keeps the few buffers a
-    backward has in flight at once. Thread-safe: the reduction waiter returns buffers.
+    backward has in flight at once. It keeps them for one phase only (:meth:`clear`): see
+    [Note: no idle buffers between steps] in ``zero_core._engine``. Thread-safe: the
+    reduction waiter returns buffers.
     """
 
     def __init__(self) -> None:
@@ -281,6 +283,15 @@ class BufferPool:
         """``buf`` was taken and will never come back (it became a gradient): stop counting it as lent."""
         with self._lock:
             self.lent -= buf.numel() * buf.element_size()
+
+    def clear(self) -> None:
+        """Drop the idle buffers (the lent ones come back and are kept until the next ``clear``).
+
+        The engine clears its pool when a backward's reductions are done and after each step, so no
+        full-size buffer sits idle between steps: the memory goes back to the allocator, where the next
+        forward's activations reuse it, instead of being reserved for a phase that is over."""
+        with self._lock:
+            self._free.clear()
 
     @property
     def nbytes(self) -> int:
@@ -780,6 +791,35 @@ class Chunk:
         for slot in self.slots:
             if slot.param.grad is None and slot.param.requires_grad:
                 slot.param.grad = self._grad_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def adopt_gradient(self, slot: int) -> None:
+        """Parameter ``slot``'s gradient has just been accumulated: make sure it lives in this backward's buffer.
+
+        At stages 2 and 3 no buffer is prepared before backward reaches the chunk (see [Note: gradient
+        buffers on arrival] in ``zero_core._engine``): the first gradient to arrive was made by autograd, so the
+        buffer is taken now and the gradient copied in, and every other trainable parameter's ``.grad`` points
+        at its zeroed view, where autograd accumulates in place as for a prepared buffer.
+        """
+        if self._grad_flat is not None:
+            flat = self._grad_flat
+            grad = self.slots[slot].param.grad
+            target = flat[self.slots[slot].offset : self.slots[slot].offset + self.slots[slot].numel]
+            if grad is not None and grad.data_ptr() != target.data_ptr():  # replaced behind our back: take it in
+                with torch.no_grad():
+                    target.copy_(grad.reshape(-1))
+                self.slots[slot].param.grad = target.view(self.slots[slot].shape)
+            return
+        # Always copied, even where autograd's tensor has the buffer's layout: what the engine keeps must be the
+        # engine's allocation, or a memory tracer would count it as activations (see zero_core._accounting).
+        self._grad_flat = self._take_grad_buffer()
+        for i, s in enumerate(self.slots):
+            view = self._grad_flat[s.offset : s.offset + s.numel].view(s.shape)
+            if s.param.grad is not None:
+                with torch.no_grad():
+                    view.copy_(s.param.grad)
+                s.param.grad = view
+            elif s.param.requires_grad:
+                s.param.grad = view
 
     def discard_gradients(self) -> None:
         """Drop every gradient not yet handed to the optimizer: the running backward's, a ``no_sync()`` window's,

@@ -63,6 +63,8 @@ class RunResult:
     placement: dict[str, Any] = field(default_factory=dict)
     #: Per chunk: (mesh shape, this rank's (replicate, shard) coordinates, sha256 of its master shard's bytes).
     shards: list[tuple[tuple[int, ...], tuple[int, int], str]] = field(default_factory=list)
+    #: Passes that replayed a repeated gather sequence (see [Note: replaying a repeated gather sequence]).
+    replayed_passes: int = 0
 
 
 def make_optimizer(case: ZooCase, model: torch.nn.Module, name: str = "adamw", lr: float = 1e-3) -> torch.optim.Optimizer:
@@ -249,6 +251,7 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
                  "real": [sum(s.local_rows(r) * s.row for s in c.slots) for r in range(c.world_size)]}
                 for c in engine.chunks],
         groups=[[c.index for c in g.chunks] for g in engine.groups],
+        replayed_passes=engine._scheduler.replayed_passes,
         norms=norms,
         scales=scales,
         placement=engine.placement.report() if hasattr(engine.placement, "report") else {},
