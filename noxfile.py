@@ -24,8 +24,9 @@ def install_zero(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit tests of every package plus the cross-package parity, counting and demo tests."""
-    # build: tests/test_packaging.py builds the wheels as `nox -s build` does
-    install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "rich>=13", "build>=1.2", "-e", "packages/integrations[hf,lightning]")
+    # build: tests/test_packaging.py builds the wheels as `nox -s build` does; matplotlib: the bench's plots are tested
+    install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "rich>=13", "build>=1.2", "matplotlib>=3.8",
+                 "-e", "packages/integrations[hf,lightning]")
     session.run("pytest", *session.posargs)
 
 

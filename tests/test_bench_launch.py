@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from zero_bench import main as bench_main  # noqa: E402
 from zero_bench.configs import MODELS, BenchConfig  # noqa: E402
 from zero_bench.launch import explain, launch, sigterm_raises  # noqa: E402
-from zero_bench.plot import plot  # noqa: E402
+from zero_bench.plot import plot, plot_memory  # noqa: E402
 
 # torchrun's summary when rank 1 aborted and torchrun then stopped rank 0 (the shape of the old flaky reference rows)
 ABORT_SUMMARY = """\
@@ -81,6 +81,8 @@ def test_no_matplotlib_means_no_plot_and_a_note(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     assert plot([], tmp_path / "latest.png", title="t") is False
     assert "matplotlib is not installed" in capsys.readouterr().out and not (tmp_path / "latest.png").exists()
+    assert plot_memory([], tmp_path / "latest-memory.png", title="t") is False
+    assert "no memory plot written" in capsys.readouterr().out and not (tmp_path / "latest-memory.png").exists()
 
 
 def test_no_rich_means_plain_progress_lines(monkeypatch, capsys):

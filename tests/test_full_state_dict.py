@@ -169,7 +169,9 @@ def _save_peak(directory, fmt):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=8192, seq_len=64, d_model=512, n_layer=8, n_head=8))
     numel = sum(p.numel() for p in model.parameters())
-    model, _ = shard(model, torch.optim.AdamW(model.parameters()), config=ZeroConfig(chunk=ChunkPolicy(chunk_size=1 << 20)))
+    # release_host_memory=False: this test sets malloc itself (a lower threshold than shard()'s)
+    model, _ = shard(model, torch.optim.AdamW(model.parameters()),
+                     config=ZeroConfig(chunk=ChunkPolicy(chunk_size=1 << 20), release_host_memory=False))
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the high-water mark to the current RSS
     baseline = status("VmRSS:")
@@ -184,9 +186,11 @@ def test_streamed_full_state_dict_holds_one_chunk_at_a_time(tmp_path):
     streamed = run_distributed(_save_peak, 2, str(tmp_path), "safetensors")
     whole = run_distributed(_save_peak, 2, str(tmp_path), "pt")
     for rank in range(2):
-        # One gathered chunk, which gloo's all-gather receives into a temporary of its size first (NCCL
-        # gathers in place), plus bookkeeping: never the model, not even on rank 0, which writes the file.
-        assert streamed[rank]["peak"] <= 2 * streamed[rank]["largest_chunk"] + 16 * 2**20, streamed[rank]
+        # One gathered chunk, the all-gather's receive buffer it is copied out of, and on gloo the all-gather's
+        # send buffer of the same size (it runs as an all-to-all, see [Note: all-gather on gloo] in zero_comm),
+        # plus bookkeeping: never the model, not even on rank 0, which writes the file.
+        assert streamed[rank]["peak"] <= 3 * streamed[rank]["largest_chunk"] + 16 * 2**20, streamed[rank]
+        assert 3 * streamed[rank]["largest_chunk"] + 16 * 2**20 < streamed[rank]["model"]
     assert whole[0]["peak"] >= whole[0]["model"]  # torch.save needs the whole state dict on rank 0
 
 
