@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -94,22 +95,41 @@ class MemoryTimeline:
     Samples are taken on the training thread only: before and after each module's forward
     (global module hooks), when each module output's gradient arrives in backward (a hook on
     the output, which fires as that module's backward begins), around ``optimizer.step()``
-    (optimizer hooks) and at each :meth:`mark`. A sampling thread would see the engine's
-    buffers while the training thread replaces them; at module granularity every sample is
-    consistent, and nothing runs between the timed steps' work.
+    (optimizer hooks) and at each :meth:`mark`: the accounting is read there only, where it
+    is consistent (a sampling thread would read the engine's buffers while the training
+    thread replaces them). In between, a ticker thread reads the resident set and the
+    allocator alone every ``period_s`` (the loss and a large matmul's backward hold the
+    step's peak between two boundaries), carrying the kinds of the last boundary.
     """
 
     def __init__(self, probe: MemoryProbe, accounting: Callable[[], dict[str, int]],
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
-        self.probe, self.accounting, self.optimizer = probe, accounting, optimizer
+                 optimizer: torch.optim.Optimizer | None = None, *, period_s: float = 0.005) -> None:
+        self.probe, self.accounting, self.optimizer, self.period_s = probe, accounting, optimizer, period_s
         self.samples: list[tuple[float, float, float | None, float | None, dict[str, int]]] = []
         self.phases: list[tuple[float, str]] = []
         self._t0 = 0.0
         self._handles: list[Any] = []
+        self._kinds: dict[str, int] = {}
+        # The probe's file is shared by the training thread's samples and the ticker's.
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     def sample(self, *_: Any) -> None:
-        in_use, held = self.probe.allocator_bytes()
-        self.samples.append((time.perf_counter() - self._t0, self.probe.rss(), in_use, held, self.accounting()))
+        self._kinds = self.accounting()
+        self._read()
+
+    def _read(self) -> None:
+        with self._lock:
+            in_use, held = self.probe.allocator_bytes()
+            self.samples.append((time.perf_counter() - self._t0, self.probe.rss(), in_use, held, self._kinds))
+
+    def _tick(self) -> None:
+        # Between module boundaries (inside the loss, a large matmul's backward) the resident set and the allocator
+        # are read on their own every ``period_s``, with the kinds of the last boundary: the ticker never touches the
+        # engine's objects, which the training thread changes (a reader of those could see a freed buffer).
+        while not self._stop.wait(self.period_s):
+            self._read()
 
     def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self.sample()
@@ -136,9 +156,14 @@ class MemoryTimeline:
             self._handles += [self.optimizer.register_step_pre_hook(lambda *a: self.sample()),
                               self.optimizer.register_step_post_hook(lambda *a: self.sample())]
         self.sample()
+        self._ticker = threading.Thread(target=self._tick, name="zero-bench-memory", daemon=True)
+        self._ticker.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -216,7 +216,7 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
             raise RuntimeError(f"another rank failed at setup with {name}: {message}")
         record.update(status="not applicable", error=f"{name}: {message}")
         return record if rank == 0 else None
-    losses, times = [], []
+    losses, times, step_peaks = [], [], []
     for step in range(steps):
         tokens = data.batch(step, model["batch_size"] * world)[rank * model["batch_size"]:(rank + 1) * model["batch_size"]]
         tokens = tokens.to(device)
@@ -228,6 +228,7 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
+        step_peaks.append(peak_memory_mib(device))
         counter.end_step()
         reported = loss.detach().float().reshape(1)
         dist.all_reduce(reported)
@@ -254,7 +255,7 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
     timeline = sampler.as_dict(start_rss=start_rss, start_in_use=start_in_use, start_held=start_held)
     probe.close()
     mine = {"peak_memory_mib": peak_memory_mib(device), "start_memory_mib": at_start, "model_state": state, "tiers": tiers, "comm": comm,
-            "comm_timing": timing, "timeline": timeline, "setup_peak": setup_peak}
+            "comm_timing": timing, "timeline": timeline, "setup_peak": setup_peak, "step_peaks": step_peaks}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if kind == "zero":
@@ -276,6 +277,7 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
         "start_memory_mib": [r["start_memory_mib"] for r in everyone],
         "model_state_bytes": [sum(r["model_state"].values()) for r in everyone],
         "setup_peak_memory_mib": [r["setup_peak"] for r in everyone],
+        "peak_memory_by_step_mib": [r["step_peaks"] for r in everyone],
         "peak_in_use_mib": [None if r["timeline"]["in_use_mib"] is None else max(r["timeline"]["in_use_mib"]) for r in everyone],
         "memory_timeline": [r["timeline"] for r in everyone],
         "memory_at_peak": [breakdown_at_peak(r["timeline"]) for r in everyone],
