@@ -80,6 +80,8 @@ def test_rows_carry_a_memory_timeline_that_adds_up(tmp_path):
     for kind in ("params", "grads", "optimizer_states"):
         assert kinds[kind][-1] == round(state[kind] / MiB, 2), kind
     assert kinds["gradient_buffers"][-1] == 0  # nothing is lent between steps
+    assert kinds["pool"][-1] == 0  # and nothing idle is kept: see [Note: no idle buffers between steps]
+    assert max(kinds["pool"]) > 0  # the backward and the step's all-gathers did reuse pooled buffers
     assert set(ddp["memory_timeline"][0]["by_kind_mib"]) == {"params", "grads", "optimizer_states"}
     add_ratios([ddp, zero])
     assert f"| {max(zero['peak_in_use_mib']):.0f} |" in table([ddp, zero]).splitlines()[3]
