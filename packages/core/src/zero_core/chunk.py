@@ -812,7 +812,7 @@ class Chunk:
         # Always copied, even where autograd's tensor has the buffer's layout: what the engine keeps must be the
         # engine's allocation, or a memory tracer would count it as activations (see zero_core._accounting).
         self._grad_flat = self._take_grad_buffer()
-        for i, s in enumerate(self.slots):
+        for s in self.slots:
             view = self._grad_flat[s.offset : s.offset + s.numel].view(s.shape)
             if s.param.grad is not None:
                 with torch.no_grad():
