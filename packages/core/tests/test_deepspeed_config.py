@@ -12,6 +12,7 @@ from zero_core import (
     LossScale,
     Precision,
     ZeroConfig,
+    config_from_deepspeed,
     convert_deepspeed_config,
 )
 
@@ -252,7 +253,7 @@ def test_every_key_lands_in_exactly_one_report():
 
 def test_from_deepspeed_warns_once_listing_every_unmapped_key():
     with pytest.warns(DeepSpeedConfigWarning) as record:
-        config = ZeroConfig.from_deepspeed(FULL)
+        config = config_from_deepspeed(FULL)
     assert len(record) == 1 and record[0].filename == __file__  # points at the caller's line
     unmapped = convert_deepspeed_config(FULL).unmapped
     assert f"{len(unmapped)} DeepSpeed config key(s) were not mapped" in str(record[0].message)
@@ -262,18 +263,18 @@ def test_from_deepspeed_warns_once_listing_every_unmapped_key():
 
 def test_strict_raises_instead_and_a_fully_mapped_config_is_silent():
     with pytest.raises(ConfigError, match=r"(?s)cannot be mapped to ZeroConfig, and strict=True:\n  .*gradient_clipping: "):
-        ZeroConfig.from_deepspeed(FULL, strict=True)
+        config_from_deepspeed(FULL, strict=True)
     clean = ds({"overlap_comm": True, "offload_optimizer": {"device": "cpu"}}, bf16={"enabled": True})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert ZeroConfig.from_deepspeed(clean, strict=True) == ZeroConfig.from_deepspeed(clean)
+        assert config_from_deepspeed(clean, strict=True) == config_from_deepspeed(clean)
 
 
 def test_a_ds_config_json_path(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(ds(bf16={"enabled": True})))
     assert convert_deepspeed_config(path).config == convert_deepspeed_config(str(path)).config
-    assert ZeroConfig.from_deepspeed(path).precision.compute is torch.bfloat16
+    assert config_from_deepspeed(path).precision.compute is torch.bfloat16
     bad = tmp_path / "broken.json"
     bad.write_text('{"zero_optimization": ')
     with pytest.raises(ConfigError, match=rf"^DeepSpeed config {bad} is not valid JSON: .*line 1"):

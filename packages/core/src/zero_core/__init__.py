@@ -4,7 +4,7 @@ The one verb is :func:`shard`; everything else configures, extends or inspects i
 """
 
 from zero_core._clip import clip_grad_norm_
-from zero_core._deepspeed import DeepSpeedConversion, convert_deepspeed_config
+from zero_core._deepspeed import DeepSpeedConversion, config_from_deepspeed, convert_deepspeed_config
 from zero_core._engine import Engine
 from zero_core._estimate import Estimate, estimate
 from zero_core._lazy import lazy_init
@@ -83,6 +83,7 @@ __all__ = [
     "ZeroSetupError",
     "__version__",
     "clip_grad_norm_",
+    "config_from_deepspeed",
     "convert_deepspeed_config",
     "estimate",
     "hookimpl",

@@ -1,4 +1,8 @@
-"""``ZeroConfig`` as plain data and as JSON, TOML or YAML files.
+"""Frozen config dataclasses as plain data and as JSON, TOML or YAML files.
+
+A codec that knows no config class: ``zero_core.api`` passes its classes in (``nested`` names
+the fields that hold another dataclass), so the config objects stay a leaf that imports nothing
+of zero's but this and the errors.
 
 [Note: the config file schema]
 A config is written as nested tables that mirror the dataclasses: ``precision``,
@@ -36,39 +40,31 @@ from typing import Any
 
 import torch
 
-from zero_core.api import ChunkPolicy, LossScale, Precision, ZeroConfig
 from zero_core.errors import ConfigError
 
-__all__ = ["FORMATS", "config_from_dict", "config_to_dict", "read_config", "write_config"]
+__all__ = ["FORMATS", "Nested", "dataclass_from_dict", "dataclass_to_dict", "read_file", "write_file"]
 
 #: File suffix -> format name.
 FORMATS = {".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml"}
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-# The fields that hold another config dataclass, per class: they become nested tables.
-_NESTED: dict[type, dict[str, type]] = {
-    ZeroConfig: {"precision": Precision, "chunk": ChunkPolicy},
-    Precision: {"loss_scale": LossScale},
-}
+#: Per dataclass, the fields that hold another dataclass (by field name): they become nested tables.
+Nested = Mapping[type, Mapping[str, type]]
 _OPTIONS = "placement_options"
 
 
 # ---------------------------------------------------------------------------------------- to plain data
 
-def config_to_dict(config: ZeroConfig) -> dict[str, Any]:
-    """``config`` as nested dicts of str, int, float and bool, see [Note: the config file schema]."""
-    return _dataclass_to_dict(config)
-
-
-def _dataclass_to_dict(obj: Any) -> dict[str, Any]:
-    nested = _NESTED.get(type(obj), {})
+def dataclass_to_dict(obj: Any, nested: Nested) -> dict[str, Any]:
+    """``obj`` as nested dicts of str, int, float and bool, see [Note: the config file schema]."""
+    inner = nested.get(type(obj), {})
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if value is None:
             continue
-        if f.name in nested:
-            value = _dataclass_to_dict(value)
+        if f.name in inner:
+            value = dataclass_to_dict(value, nested)
         elif isinstance(value, torch.dtype):
             value = _DTYPE_NAMES[value]
         elif f.name == _OPTIONS:
@@ -114,12 +110,8 @@ def _plain(value: Any, path: str) -> Any:
 
 # ---------------------------------------------------------------------------------------- from plain data
 
-def config_from_dict(data: Any) -> ZeroConfig:
-    """Build a ZeroConfig from nested mappings, see [Note: the config file schema]."""
-    return _dataclass_from_dict(ZeroConfig, data, "")
-
-
-def _dataclass_from_dict(cls: type, data: Any, prefix: str) -> Any:
+def dataclass_from_dict(cls: type, data: Any, nested: Nested, prefix: str = "") -> Any:
+    """Build ``cls`` from nested mappings, see [Note: the config file schema]."""
     where = prefix.rstrip(".") or "the config"
     if not isinstance(data, Mapping):
         raise ConfigError(
@@ -127,13 +119,13 @@ def _dataclass_from_dict(cls: type, data: Any, prefix: str) -> Any:
             f"got {type(data).__name__} {data!r}."
         )
     names = [f.name for f in dataclasses.fields(cls)]
-    nested = _NESTED.get(cls, {})
+    inner = nested.get(cls, {})
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in names:
             raise _unknown_key(key, names, prefix)
-        if key in nested:
-            value = _dataclass_from_dict(nested[key], value, f"{prefix}{key}.")
+        if key in inner:
+            value = dataclass_from_dict(inner[key], value, nested, f"{prefix}{key}.")
         elif key == _OPTIONS:
             if not isinstance(value, Mapping):
                 raise ConfigError(
@@ -183,8 +175,8 @@ def _yaml() -> Any:
     return yaml
 
 
-def read_config(path: str | os.PathLike[str]) -> ZeroConfig:
-    """Read a ZeroConfig from a .json, .toml, .yaml or .yml file."""
+def read_file(path: str | os.PathLike[str], build: Callable[[Any], Any]) -> Any:
+    """``build`` applied to the plain data of a .json, .toml, .yaml or .yml file; its errors name the file."""
     path = Path(path)
     fmt = _format(path)
     text = path.read_text(encoding="utf-8")
@@ -202,16 +194,15 @@ def read_config(path: str | os.PathLike[str]) -> ZeroConfig:
     if data is None and fmt == "yaml":  # an empty YAML document, like an empty TOML file: every default
         data = {}
     try:
-        return config_from_dict(data)
+        return build(data)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from err
 
 
-def write_config(config: ZeroConfig, path: str | os.PathLike[str]) -> None:
-    """Write ``config`` to a .json, .toml, .yaml or .yml file (the format follows the suffix)."""
+def write_file(data: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write plain ``data`` to a .json, .toml, .yaml or .yml file (the format follows the suffix)."""
     path = Path(path)
     fmt = _format(path)
-    data = config_to_dict(config)
     if fmt == "json":
         text = json.dumps(data, indent=2) + "\n"
     elif fmt == "toml":

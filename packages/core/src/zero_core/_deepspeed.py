@@ -220,8 +220,30 @@ def convert_deepspeed_config(ds_config: Mapping[str, Any] | str | os.PathLike[st
     return _Converter(_load(ds_config)).convert()
 
 
-def config_from_deepspeed(ds_config: Any, *, strict: bool, stacklevel: int) -> ZeroConfig:
-    """:meth:`ZeroConfig.from_deepspeed`: the config, after one warning (or, strict, an error) listing the unmapped keys."""
+def config_from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike[str], *, strict: bool = False,
+                          stacklevel: int = 2) -> ZeroConfig:
+    """Convert a DeepSpeed config (a dict, or the path of a ``ds_config.json``) to a :class:`~zero_core.ZeroConfig`.
+
+    Maps ``zero_optimization`` (stage, offload, hpZ, bucket size), ``bf16``/``fp16``
+    (loss scaling), ``communication_data_type`` and ``gradient_predivide_factor``; see
+    :func:`zero_core.convert_deepspeed_config` for the full result (including
+    ``gradient_clipping``, which zero applies in the training loop) and the "Config
+    files" page of the documentation for the mapping table.
+
+    Args:
+        ds_config: The DeepSpeed config.
+        strict: Raise instead of warning when a key cannot be mapped.
+        stacklevel: Where the warning points, as for :func:`warnings.warn`.
+
+    Returns:
+        The equivalent config. Every key that could not be mapped is listed, with what
+            to do instead, in one :class:`~zero_core.DeepSpeedConfigWarning`.
+
+    Raises:
+        ConfigError: Stage 0 or a missing ``zero_optimization`` (plain data parallelism:
+            use DDP), an invalid value (named by its DeepSpeed key path), or, with
+            ``strict=True``, any key that could not be mapped.
+    """
     conversion = convert_deepspeed_config(ds_config)
     if conversion.unmapped:
         listing = "\n".join(f"  {key}: {reason}" for key, reason in conversion.unmapped.items())

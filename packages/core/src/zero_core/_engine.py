@@ -195,7 +195,7 @@ class Engine(GradientReduction, OptimizerBridge, Inspection):
             self._by_chunk.setdefault(chunk.index, []).append((m, pname, i))
         # What the modules hold, inside forward and backward, for parameters of chunks not gathered.
         # See [Note: parameters used outside their module].
-        self._stand_ins = {(c.index, i): ReleasedParameter(self, c, i) for c in chunks if not c.persistent
+        self._stand_ins = {(c.index, i): ReleasedParameter(self.gather_on_demand, c, i) for c in chunks if not c.persistent
                            for i in range(len(c.slots))}
         # Chunks whose parameters a forward with a graph read outside their modules: gathered when backward begins.
         self._exposed: set[int] = set()

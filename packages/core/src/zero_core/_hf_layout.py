@@ -121,13 +121,9 @@ def file_names(count: int) -> list[str]:
 
 # -- the model's config ------------------------------------------------------------------------------
 def _plain_class_name(model: Any) -> str:
-    """The model's own class name, not the ``Zero<name>`` subclass that ``shard`` makes it."""
-    from zero_core._module import ZeroModule
-
-    for cls in type(model).__mro__:
-        if not issubclass(cls, ZeroModule):
-            return cls.__name__
-    return type(model).__name__
+    """The model's own class name, not the ``Zero<name>`` subclass that ``shard`` makes it (which records the
+    model's class as ``_zero_plain_class``)."""
+    return getattr(type(model), "_zero_plain_class", type(model)).__name__
 
 
 def _json_of(obj: Any, file_name: str) -> dict[str, Any] | None:

@@ -205,7 +205,8 @@ def adopt(model: nn.Module, engine: Engine) -> ZeroModule:
     add_module = not hasattr(model, "module")
     key = (cls, add_module)
     if key not in _CLASSES:
-        attrs: dict[str, Any] = {"__module__": cls.__module__, "__doc__": cls.__doc__}
+        # _zero_plain_class: what exports name as the architecture (from_pretrained knows the plain class)
+        attrs: dict[str, Any] = {"__module__": cls.__module__, "__doc__": cls.__doc__, "_zero_plain_class": cls}
         if add_module:
             attrs["module"] = property(lambda self: self, doc="The model itself (DDP's ``model.module`` idiom).")
         _CLASSES[key] = type(f"Zero{cls.__name__}", (ZeroModule, cls), attrs)

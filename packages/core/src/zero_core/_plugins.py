@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pluggy
 
-from zero_core import hookspecs
+from zero_core import _default_plugins, hookspecs
 from zero_core._registry import Registry
 from zero_core.comm import CommBackend
 from zero_core.placement import PlacementPolicy
@@ -17,7 +17,7 @@ from zero_core.strategy import ShardStrategy
 __all__ = ["ENTRY_POINT_GROUP", "ZeroPlugins", "hookimpl"]
 
 ENTRY_POINT_GROUP = "zero"
-hookimpl = pluggy.HookimplMarker("zero")
+hookimpl = hookspecs.hookimpl
 
 # The name of zero-core's own entry point (packages/core/pyproject.toml): blocking it blocks the direct registration too.
 _CORE_PLUGIN_NAME = "zero-core"
@@ -63,8 +63,6 @@ class ZeroPlugins:
         # with autoload disabled or without installed metadata (a source checkout on sys.path).
         # pluggy skips an entry point whose name is already registered, so it is not loaded twice.
         if not pm.is_blocked(_CORE_PLUGIN_NAME):
-            from zero_core import _default_plugins  # imported here: it imports hookimpl from this module
-
             pm.register(_default_plugins, name=_CORE_PLUGIN_NAME)
         if not os.environ.get("ZERO_DISABLE_PLUGIN_AUTOLOAD"):
             pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)

@@ -24,8 +24,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from zero_core.errors import ZeroError
+
 if TYPE_CHECKING:
-    from zero_core._engine import Engine
+    from collections.abc import Callable
+
     from zero_core.chunk import Chunk
 
 __all__ = ["ReleasedParameter"]
@@ -46,15 +49,17 @@ _DEVICE = {torch.Tensor.device.__get__, torch.Tensor.is_cuda.__get__, torch.Tens
 class ReleasedParameter(nn.Parameter):
     """Stands for a stage-3 parameter whose chunk is not gathered. See [Note: parameters used outside their module]."""
 
-    _zero_engine: Any
+    _zero_gather: Any
     _zero_chunk: Chunk
     _zero_slot: int
 
-    def __new__(cls, engine: Engine, chunk: Chunk, slot: int) -> ReleasedParameter:
+    def __new__(cls, gather: Callable[[Chunk, int], nn.Parameter], chunk: Chunk, slot: int) -> ReleasedParameter:
+        """``gather(chunk, slot)`` gathers the chunk and returns the real parameter (a bound method of the
+        engine's, held weakly: a stand-in kept past its engine must not keep the engine alive)."""
         param = chunk.slots[slot].param
         meta = torch.empty(chunk.slots[slot].shape, dtype=chunk.dtype, device="meta")
         stub = torch.Tensor._make_subclass(cls, meta, param.requires_grad)
-        stub._zero_engine = weakref.ref(engine)
+        stub._zero_gather = weakref.WeakMethod(gather)
         stub._zero_chunk = chunk
         stub._zero_slot = slot
         return stub
@@ -72,10 +77,11 @@ class ReleasedParameter(nn.Parameter):
         raise TypeError(f"{self!r} cannot be pickled or copied; read parameters between steps")
 
     def _real(self) -> nn.Parameter:
-        engine = self._zero_engine()
-        if engine is None:
-            raise RuntimeError(f"{self!r} outlived its zero engine")
-        return engine.gather_on_demand(self._zero_chunk, self._zero_slot)
+        gather = self._zero_gather()
+        if gather is None:
+            raise ZeroError(f"{self!r} outlived its zero engine (the model was closed or deleted); read the "
+                            "parameters of a live sharded model")
+        return gather(self._zero_chunk, self._zero_slot)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -15,11 +15,22 @@ from typing import Any, Literal
 
 import torch
 
+from zero_core._config_io import dataclass_from_dict, dataclass_to_dict, read_file, write_file
 from zero_core.errors import ConfigError
 
 __all__ = ["ChunkPolicy", "LossScale", "Precision", "ZeroConfig"]
 
 STAGES = (1, 2, 3)
+
+def check_reshard_after_forward(value: object, owner: str = "reshard_after_forward") -> None:
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, int) or value < 2:
+        raise ConfigError(
+            f"{owner} must be True (reshard after forward), False (keep gathered until backward) or a group size "
+            f"above 1 (keep a copy sharded over that many ranks for backward), got {value!r}"
+        )
+
 
 _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
@@ -292,8 +303,6 @@ class ZeroConfig:
         timeout = self.collective_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"ZeroConfig.collective_timeout_s must be a positive number of seconds, got {timeout!r}.")
-        from zero_core.strategy import check_reshard_after_forward
-
         check_reshard_after_forward(self.reshard_after_forward, "ZeroConfig.reshard_after_forward")
         for name in ("sync_module_states", "check_ranks_agree", "static_graph", "release_host_memory"):
             if not isinstance(getattr(self, name), bool):
@@ -318,9 +327,7 @@ class ZeroConfig:
             ConfigError: ``placement_options`` holds a value a config file cannot (not a
                 string, number, boolean, list or dict); the message names its key.
         """
-        from zero_core._config_io import config_to_dict
-
-        return config_to_dict(self)
+        return dataclass_to_dict(self, _NESTED)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ZeroConfig:
@@ -334,9 +341,7 @@ class ZeroConfig:
                 dataclasses refuse; each message starts with the key's full path, such as
                 ``precision.compute``.
         """
-        from zero_core._config_io import config_from_dict
-
-        return config_from_dict(data)
+        return dataclass_from_dict(cls, data, _NESTED)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ZeroConfig:
@@ -350,9 +355,7 @@ class ZeroConfig:
                 missing for a YAML file, or a key or value is invalid (as in :meth:`from_dict`);
                 the message starts with the file's path.
         """
-        from zero_core._config_io import read_config
-
-        return read_config(path)
+        return read_file(path, cls.from_dict)
 
     def to_file(self, path: str | os.PathLike[str]) -> None:
         """Write this config to ``path`` as JSON, TOML or YAML, chosen by the suffix as in :meth:`from_file`.
@@ -361,33 +364,8 @@ class ZeroConfig:
             ConfigError: As :meth:`to_dict`; also for an unknown suffix, a ``None`` inside
                 ``placement_options`` in a TOML file (TOML has no null), or YAML without PyYAML.
         """
-        from zero_core._config_io import write_config
+        write_file(self.to_dict(), path)
 
-        write_config(self, path)
 
-    @classmethod
-    def from_deepspeed(cls, ds_config: Mapping[str, Any] | str | os.PathLike[str], *, strict: bool = False) -> ZeroConfig:
-        """Convert a DeepSpeed config (a dict, or the path of a ``ds_config.json``).
-
-        Maps ``zero_optimization`` (stage, offload, hpZ, bucket size), ``bf16``/``fp16``
-        (loss scaling), ``communication_data_type`` and ``gradient_predivide_factor``; see
-        :func:`zero_core.convert_deepspeed_config` for the full result (including
-        ``gradient_clipping``, which zero applies in the training loop) and the "Config
-        files" page of the documentation for the mapping table.
-
-        Args:
-            ds_config: The DeepSpeed config.
-            strict: Raise instead of warning when a key cannot be mapped.
-
-        Returns:
-            The equivalent config. Every key that could not be mapped is listed, with what
-                to do instead, in one :class:`~zero_core.DeepSpeedConfigWarning`.
-
-        Raises:
-            ConfigError: Stage 0 or a missing ``zero_optimization`` (plain data parallelism:
-                use DDP), an invalid value (named by its DeepSpeed key path), or, with
-                ``strict=True``, any key that could not be mapped.
-        """
-        from zero_core._deepspeed import config_from_deepspeed
-
-        return config_from_deepspeed(ds_config, strict=strict, stacklevel=3)
+# The fields that hold another config dataclass, per class: nested tables in a config file.
+_NESTED = {ZeroConfig: {"precision": Precision, "chunk": ChunkPolicy}, Precision: {"loss_scale": LossScale}}

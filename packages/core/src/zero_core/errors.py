@@ -25,7 +25,7 @@ class ConfigError(ZeroError, ValueError):
 
 
 class DeepSpeedConfigWarning(UserWarning):
-    """:meth:`ZeroConfig.from_deepspeed` could not map some keys; the message lists each with what to do instead."""
+    """:func:`config_from_deepspeed` could not map some keys; the message lists each with what to do instead."""
 
 
 class PluginNotFoundError(ZeroError, KeyError):

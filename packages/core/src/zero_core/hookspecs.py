@@ -25,8 +25,11 @@ if TYPE_CHECKING:
     from zero_core.strategy import ShardStrategy
 
 hookspec = pluggy.HookspecMarker("zero")
+#: Marks a plugin's implementation of a hook (re-exported as ``zero_core.hookimpl``).
+hookimpl = pluggy.HookimplMarker("zero")
 
 __all__ = [
+    "hookimpl",
     "hookspec",
     "zero_add_hookspecs",
     "zero_after_step",

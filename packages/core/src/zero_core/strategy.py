@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from zero_core.api import check_reshard_after_forward
 from zero_core.chunk import ChunkSpec, ParamInfo
 from zero_core.errors import ConfigError
 from zero_core.mesh import MeshSpec, Topology
@@ -53,16 +54,6 @@ class Reduction(enum.Enum):
 
 
 ReshardAfterForward = bool | int
-
-
-def check_reshard_after_forward(value: object, owner: str = "reshard_after_forward") -> None:
-    if isinstance(value, bool):
-        return
-    if not isinstance(value, int) or value < 2:
-        raise ConfigError(
-            f"{owner} must be True (reshard after forward), False (keep gathered until backward) or a group size "
-            f"above 1 (keep a copy sharded over that many ranks for backward), got {value!r}"
-        )
 
 
 def reshard_for_mesh(value: bool | int, mesh: MeshSpec) -> bool | int:
