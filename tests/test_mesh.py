@@ -135,7 +135,7 @@ def _counting_worker():
         opt.step()
     engine = model.engine
     chunks = [{"size": c.size, "shard": c.shard_size} for c in engine.chunks]
-    result = {"psi": psi, "bytes": engine.model_state_bytes(), "chunks": chunks,
+    result = {"psi": psi, "bytes": model.model_state_bytes(), "chunks": chunks,
               "steps": [engine.comm.stats.summary(s) for s in engine.comm.stats.steps]}
     model.close()
     return result

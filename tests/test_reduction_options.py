@@ -66,7 +66,7 @@ def _offloaded_gradients(strategy):
         "devices": {str(g.device) for g in grads},
         "storages": len(storages),
         "chunks": len(engine.chunks),
-        "grad_bytes": engine.model_state_bytes()["grads"],
+        "grad_bytes": model.model_state_bytes()["grads"],
         "shard_bytes": sum(c.shard_size * 4 for c in engine.chunks),
         "tiers": {c.tier.value for c in engine.chunks},
         "state_devices": {str(v.device) for s in opt.state.values() for v in s.values() if v.dim() > 0},

@@ -30,12 +30,12 @@ def gathered_parameters(engine: Engine, *, writable: bool = False) -> Iterator[N
                 slot.param.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 slot.param.requires_grad_(seg.param.requires_grad)
     engine.use_unsharded(stand_ins=False)
-    engine._gathered_context = True
+    engine.params.full_copies = True
     try:
         yield
     finally:
-        engine._gathered_context = False
-        engine.use_sharded()
+        engine.params.full_copies = False
+        engine.params.use_sharded()
         with torch.no_grad(), engine_work_context():
             for chunk, full in fulls:
                 # the unsharded parameters go back to the chunk's own buffer (or to nothing, when released)

@@ -1,171 +1,172 @@
 """Inspection: what the engine holds (bytes, exactly) and the full parameters on demand.
 
-Mixed into :class:`~zero_core.Engine`.
+Free functions over the chunks (and the optimizer that steps their segments): they read, and
+only :func:`iter_full_chunks` communicates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from zero_core._accounting import engine_work_context as _engine_work
 from zero_core.chunk import Chunk, to_local
+from zero_core.comm import CommBackend
+from zero_core.placement import PlacementPolicy
 
-__all__ = ["Inspection"]
+__all__ = ["device_bytes", "full_parameters", "iter_full_chunks", "memory_by_kind", "model_state_bytes"]
 
 
-class Inspection:
-    """Read-only views of the engine's memory and parameters."""
+def device_bytes(chunks: Sequence[Chunk]) -> int:
+    """Bytes the engine holds on the device now: gathered or kept full buffers, gradient buffers, idle pooled buffers.
 
-    def device_bytes(self) -> int:
-        """Bytes the engine holds on the device now: gathered or kept full buffers, gradient buffers, idle pooled buffers.
+    Exact, from storage sizes. Master shards, their gradients and optimizer states are not
+    counted here: where they live is the placement policy's to account.
+    """
+    pool = chunks[0].pool if chunks else None
+    # pooled buffers: idle, or lent to a backward or a reduction in flight (gradient buffers, receive buffers)
+    total = pool.nbytes + pool.lent if pool is not None else 0
+    for chunk in chunks:
+        if not chunk.shard_is_view:
+            total += chunk.full.untyped_storage().nbytes()
+        else:  # the kept buffer holds the shard: the shard's part is the policy's
+            total += chunk.full_bytes - chunk.shard_bytes
+        if chunk.grad_full is not None:
+            total += chunk.grad_full.untyped_storage().nbytes()
+    return total
 
-        Exact, from storage sizes. Master shards, their gradients and optimizer states are not
-        counted here: where they live is the placement policy's to account.
-        """
-        pool = self.chunks[0].pool if self.chunks else None
-        # pooled buffers: idle, or lent to a backward or a reduction in flight (gradient buffers, receive buffers)
-        total = pool.nbytes + pool.lent if pool is not None else 0
-        for chunk in self.chunks:
-            if not chunk.shard_is_view:
-                total += chunk.full.untyped_storage().nbytes()
-            else:  # the kept buffer holds the shard: the shard's part is the policy's
-                total += chunk.full_bytes - chunk.shard_bytes
-            if chunk.grad_full is not None:
-                total += chunk.grad_full.untyped_storage().nbytes()
-        return total
+def model_state_bytes(chunks: Sequence[Chunk], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of model states this rank holds now, by kind (exact, from tensor storages).
 
-    def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of model states this rank holds now, by kind (exact, from tensor storages).
+    ``params`` counts master shards and the full buffers stages 1 and 2 keep, each
+    storage once (in one dtype the kept buffer holds the shard). ``grads`` counts each
+    gradient storage once: the segments' gradients (views of one shard-sized buffer
+    per chunk) and the full-size buffer stage 1 keeps. ``optimizer_scalars`` counts
+    zero-dimensional optimizer states (step counters) separately, because the ZeRO
+    formulas leave them out. ``gathered_buffers`` is stage 3's full buffers gathered
+    right now; ``gradient_workspace`` the idle full-size gradient buffers kept for reuse.
+    """
+    report = {"params": 0, "grads": 0, "optimizer_states": 0, "optimizer_scalars": 0, "gathered_buffers": 0,
+              "gradient_workspace": chunks[0].pool.nbytes if chunks else 0}
+    param_storages: dict[int, int] = {}
+    grad_storages: dict[int, int] = {}
 
-        ``params`` counts master shards and the full buffers stages 1 and 2 keep, each
-        storage once (in one dtype the kept buffer holds the shard). ``grads`` counts each
-        gradient storage once: the segments' gradients (views of one shard-sized buffer
-        per chunk) and the full-size buffer stage 1 keeps. ``optimizer_scalars`` counts
-        zero-dimensional optimizer states (step counters) separately, because the ZeRO
-        formulas leave them out. ``gathered_buffers`` is stage 3's full buffers gathered
-        right now; ``gradient_workspace`` the idle full-size gradient buffers kept for reuse.
-        """
-        report = {"params": 0, "grads": 0, "optimizer_states": 0, "optimizer_scalars": 0, "gathered_buffers": 0,
-                  "gradient_workspace": self.chunks[0].pool.nbytes if self.chunks else 0}
-        param_storages: dict[int, int] = {}
-        grad_storages: dict[int, int] = {}
+    def add(storages: dict[int, int], tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
 
-        def add(storages: dict[int, int], tensor: torch.Tensor) -> None:
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+    for chunk in chunks:
+        if chunk._shard is not None:  # else the kept full buffer holds the master values
+            add(param_storages, chunk._shard)
+        if chunk.persistent:
+            add(param_storages, chunk.full)
+        elif chunk.is_gathered:
+            report["gathered_buffers"] += chunk.full_bytes
+        if chunk.grad_full is not None:
+            add(grad_storages, chunk.grad_full)
+        for seg in chunk.segments:
+            if seg.param.grad is not None:
+                add(grad_storages, to_local(seg.param.grad))
+            for value in optimizer.state.get(seg.param, {}).values():
+                if isinstance(value, torch.Tensor):
+                    per_element = isinstance(value, DTensor) or value.dim() > 0
+                    value = to_local(value)
+                    key = "optimizer_states" if per_element else "optimizer_scalars"
+                    report[key] += value.numel() * value.element_size()
+    report["params"] = sum(param_storages.values())
+    report["grads"] = sum(grad_storages.values())
+    return report
 
-        for chunk in self.chunks:
-            if chunk._shard is not None:  # else the kept full buffer holds the master values
-                add(param_storages, chunk._shard)
-            if chunk.persistent:
-                add(param_storages, chunk.full)
-            elif chunk.is_gathered:
-                report["gathered_buffers"] += chunk.full_bytes
-            if chunk.grad_full is not None:
-                add(grad_storages, chunk.grad_full)
-            for seg in chunk.segments:
-                if seg.param.grad is not None:
-                    add(grad_storages, to_local(seg.param.grad))
-                for value in self.optimizer.state.get(seg.param, {}).values():
-                    if isinstance(value, torch.Tensor):
-                        per_element = isinstance(value, DTensor) or value.dim() > 0
-                        value = to_local(value)
-                        key = "optimizer_states" if per_element else "optimizer_scalars"
-                        report[key] += value.numel() * value.element_size()
-        report["params"] = sum(param_storages.values())
-        report["grads"] = sum(grad_storages.values())
-        return report
+def memory_by_kind(chunks: Sequence[Chunk], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Every byte the engine holds now, by what it is for (exact, each storage once, any tier).
 
-    def memory_by_kind(self) -> dict[str, int]:
-        """Every byte the engine holds now, by what it is for (exact, each storage once, any tier).
+    ``params``, ``grads`` and ``optimizer_states`` are the model states the ZeRO formulas count
+    (as :meth:`model_state_bytes`, with gradients reduced in this backward but not yet handed to the
+    optimizer counted as ``grads``); the rest are the engine's working buffers: ``gathered``
+    (stage 3's full buffers gathered now), ``gradient_buffers`` (full-size gradient and send
+    buffers lent to a backward or a reduction in flight), ``pool`` (idle buffers kept for reuse),
+    ``kept_copies`` (the parts a forward kept for ``reshard_after_forward=k``). Safe to call from
+    another thread (a memory sampler): it only reads.
+    """
+    params: dict[int, int] = {}
+    grads: dict[int, int] = {}
+    states = 0
+    gathered = copies = 0
 
-        ``params``, ``grads`` and ``optimizer_states`` are the model states the ZeRO formulas count
-        (as :meth:`model_state_bytes`, with gradients reduced in this backward but not yet handed to the
-        optimizer counted as ``grads``); the rest are the engine's working buffers: ``gathered``
-        (stage 3's full buffers gathered now), ``gradient_buffers`` (full-size gradient and send
-        buffers lent to a backward or a reduction in flight), ``pool`` (idle buffers kept for reuse),
-        ``kept_copies`` (the parts a forward kept for ``reshard_after_forward=k``). Safe to call from
-        another thread (a memory sampler): it only reads.
-        """
-        params: dict[int, int] = {}
-        grads: dict[int, int] = {}
-        states = 0
-        gathered = copies = 0
+    def add(storages: dict[int, int], tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
 
-        def add(storages: dict[int, int], tensor: torch.Tensor) -> None:
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+    for chunk in list(chunks):
+        shard = chunk._shard
+        if shard is not None and shard.stride(0) != 0:  # an absent (disk) shard holds nothing
+            add(params, shard)
+        if chunk.persistent:
+            add(params, chunk.full)
+        elif chunk.is_gathered:
+            gathered += chunk.full.untyped_storage().nbytes()
+        if chunk.grad_full is not None:
+            add(grads, chunk.grad_full)
+        copy = chunk.copy
+        if copy is not None:
+            copies += copy.untyped_storage().nbytes()
+        for piece in chunk.reduced_grad or ():
+            add(grads, piece)
+        for seg in chunk.segments:
+            grad = seg.param.grad
+            if grad is not None:
+                add(grads, to_local(grad))
+            for value in list(optimizer.state.get(seg.param, {}).values()):
+                if isinstance(value, torch.Tensor) and (isinstance(value, DTensor) or value.dim() > 0):
+                    value = to_local(value)
+                    if value.stride() and value.stride(0) == 0:
+                        continue
+                    states += value.numel() * value.element_size()
+    pool = chunks[0].pool if chunks else None
+    return {"params": sum(params.values()), "grads": sum(grads.values()), "optimizer_states": states,
+            "gathered": gathered, "gradient_buffers": pool.lent if pool is not None else 0,
+            "pool": pool.nbytes if pool is not None else 0, "kept_copies": copies}
 
-        for chunk in list(self.chunks):
-            shard = chunk._shard
-            if shard is not None and shard.stride(0) != 0:  # an absent (disk) shard holds nothing
-                add(params, shard)
-            if chunk.persistent:
-                add(params, chunk.full)
-            elif chunk.is_gathered:
-                gathered += chunk.full.untyped_storage().nbytes()
-            if chunk.grad_full is not None:
-                add(grads, chunk.grad_full)
-            copy = chunk.copy
-            if copy is not None:
-                copies += copy.untyped_storage().nbytes()
-            for piece in chunk.reduced_grad or ():
-                add(grads, piece)
-            for seg in chunk.segments:
-                grad = seg.param.grad
-                if grad is not None:
-                    add(grads, to_local(grad))
-                for value in list(self.optimizer.state.get(seg.param, {}).values()):
-                    if isinstance(value, torch.Tensor) and (isinstance(value, DTensor) or value.dim() > 0):
-                        value = to_local(value)
-                        if value.stride() and value.stride(0) == 0:
-                            continue
-                        states += value.numel() * value.element_size()
-        pool = self.chunks[0].pool if self.chunks else None
-        return {"params": sum(params.values()), "grads": sum(grads.values()), "optimizer_states": states,
-                "gathered": gathered, "gradient_buffers": pool.lent if pool is not None else 0,
-                "pool": pool.nbytes if pool is not None else 0, "kept_copies": copies}
+@torch.no_grad()
+def iter_full_chunks(chunks: Sequence[Chunk], *, placement: PlacementPolicy,
+                     comm: CommBackend) -> Iterator[tuple[Chunk, torch.Tensor]]:
+    """Each chunk with its whole master values (a device tensor), one chunk at a time.
 
-    @torch.no_grad()
-    def iter_full_chunks(self) -> Iterator[tuple[Chunk, torch.Tensor]]:
-        """Each chunk with its whole master values (a device tensor), one chunk at a time.
-
-        Collective: every rank iterates to the end. The tensor is only valid until the next
-        item; no rank holds more than one gathered chunk beyond its shards.
-        """
-        self.require_idle("reading the full parameters")
-        for chunk in self.chunks:
+    Collective: every rank iterates to the end. The tensor is only valid until the next
+    item; no rank holds more than one gathered chunk beyond its shards. The engine must be
+    idle (``Engine.require_idle``).
+    """
+    for chunk in chunks:
+        with _engine_work():
+            placement.before_gather([chunk])  # a shard on disk comes back to be read
+            if chunk.shard_is_view:
+                full = chunk.full
+            else:
+                received = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
+                gather = chunk.groups.gather if chunk.groups is not None else comm
+                gather.all_gather(received, chunk.shard.to(chunk.device))
+                full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
+                torch.split_with_sizes_copy(received.view(chunk.world_size, chunk.shard_size), chunk._split, dim=1,
+                                            out=chunk._regions(full))
+                del received
+        try:
+            yield chunk, full
+        finally:
+            del full
             with _engine_work():
-                self.placement.before_gather([chunk])  # a shard on disk comes back to be read
-                if chunk.shard_is_view:
-                    full = chunk.full
-                else:
-                    received = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-                    gather = chunk.groups.gather if chunk.groups is not None else self.comm
-                    gather.all_gather(received, chunk.shard.to(chunk.device))
-                    full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-                    torch.split_with_sizes_copy(received.view(chunk.world_size, chunk.shard_size), chunk._split, dim=1,
-                                                out=chunk._regions(full))
-                    del received
-            try:
-                yield chunk, full
-            finally:
-                del full
-                with _engine_work():
-                    self.placement.after_release([chunk])
+                placement.after_release([chunk])
 
-    @torch.no_grad()
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, whole, as CPU copies of the master values, one chunk at a time.
+@torch.no_grad()
+def full_parameters(chunks: Sequence[Chunk], *, placement: PlacementPolicy, comm: CommBackend) -> dict[str, torch.Tensor]:
+    """Every parameter, whole, as CPU copies of the master values, one chunk at a time.
 
-        Collective: call on every rank. With 16-bit compute these are the fp32 masters
-        the optimizer updates, not the 16-bit copies forward uses.
-        """
-        result: dict[str, torch.Tensor] = {}
-        for chunk, full in self.iter_full_chunks():
-            for slot in chunk.slots:
-                result[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
-        return result
+    Collective: call on every rank. With 16-bit compute these are the fp32 masters
+    the optimizer updates, not the 16-bit copies forward uses.
+    """
+    result: dict[str, torch.Tensor] = {}
+    for chunk, full in iter_full_chunks(chunks, placement=placement, comm=comm):
+        for slot in chunk.slots:
+            result[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
+    return result

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map
 
 from zero_core._engine import Engine
 from zero_core._full_state import full_state_dict, load_full_state_dict
+from zero_core._inspection import full_parameters, memory_by_kind, model_state_bytes
 from zero_core._scaler import LossScaler
 from zero_core.comm import CommStats
 from zero_core.errors import ZeroError
@@ -81,7 +82,7 @@ class ZeroModule:
         if scaler is None:
             loss.backward(**kwargs)
             return
-        self._zero_engine.loss_scaled = True
+        self._zero_engine.bridge.loss_scaled = True
         # Scaled in fp32: a 16-bit loss times 2**16 would overflow before backward starts.
         (loss.float() * scaler.scale).backward(**kwargs)
 
@@ -102,12 +103,12 @@ class ZeroModule:
         the context, or before a backward outside it, raises :class:`ZeroError`.
         """
         engine = self._zero_engine
-        previous = engine.sync_gradients
-        engine.sync_gradients = False
+        previous = engine.reducer.sync
+        engine.reducer.sync = False
         try:
             yield
         finally:
-            engine.sync_gradients = previous
+            engine.reducer.sync = previous
 
     @contextlib.contextmanager
     def gathered_parameters(self, *, writable: bool = False) -> Iterator[None]:
@@ -146,16 +147,20 @@ class ZeroModule:
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameter shards, gradient shards and optimizer states this rank holds now."""
-        return self._zero_engine.model_state_bytes()
+        engine = self._zero_engine
+        return model_state_bytes(engine.chunks, engine.optimizer)
 
     def memory_by_kind(self) -> dict[str, int]:
         """Every byte zero holds on this rank now, by kind: the model states and the working buffers
-        (gathered chunks, gradient buffers in flight, idle pooled buffers). See :meth:`Engine.memory_by_kind`."""
-        return self._zero_engine.memory_by_kind()
+        (gathered chunks, gradient buffers in flight, idle pooled buffers), each storage once."""
+        engine = self._zero_engine
+        return memory_by_kind(engine.chunks, engine.optimizer)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on the CPU. Collective: call on every rank."""
-        return self._zero_engine.full_parameters()
+        engine = self._zero_engine
+        engine.require_idle("reading the full parameters")
+        return full_parameters(engine.chunks, placement=engine.placement, comm=engine.comm)
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The plain model's state dict, whole, on the CPU, in master precision. Collective.

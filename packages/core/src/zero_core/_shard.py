@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
@@ -12,18 +13,22 @@ from torch import nn
 
 from zero_core._agreement import raise_if_any_failed
 from zero_core._engine import Engine
+from zero_core._inspection import device_bytes
 from zero_core._layout import ModelLayout, check_names, fill_from_source, publish_kept
 from zero_core._lazy import LazyRecording, find_recording, release_if_unused
 from zero_core._materialize import materialize
 from zero_core._meshes import MeshGroups
 from zero_core._module import ZeroModule, adopt
+from zero_core._optimizer_bridge import OptimizerBridge
 from zero_core._plugins import ZeroPlugins
+from zero_core._reducer import GradientReducer
 from zero_core._scaler import LossScaler
 from zero_core._setup import check_ranks_agree, collect_params, first_use_order, resolve_device, resolve_group
 from zero_core._sources import open_source
 from zero_core._host_memory import return_freed_host_memory
 from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk
+from zero_core.comm import CommBackend
 from zero_core.errors import CheckpointError, ConfigError, ZeroSetupError
 from zero_core.mesh import MeshSpec, Topology
 from zero_core.placement import PlacementContext
@@ -188,24 +193,43 @@ def shard(
                     comm.broadcast(buf, src=0)
                 module._buffers[name] = buf
     _repoint_optimizer(optimizer, chunks)
-    engines: list[Engine] = []  # the context's callables reach the engine built below
+    # Built in an order without cycles: the reducer and the optimizer bridge exist before the placement policy,
+    # which receives the bridge's step_chunks; the engine last, holding all of them.
+    mesh_comms = _mesh_comms(chunks, comm, reduce_comm)
+    reducer = GradientReducer(chunks, reduce_comm=reduce_comm, mesh_comms=mesh_comms, agree=not config.static_graph)
+    loss_scale = config.precision.loss_scale
+    bridge = OptimizerBridge(optimizer, reducer=reducer, comm=comm, device=device,
+                             scaler=LossScaler(loss_scale) if loss_scale is not None else None)
     placement.setup(PlacementContext(
         optimizer=optimizer, device=device, comm=comm, config=config, groups=groups,
-        step_chunks=lambda cs: engines[0].step_chunks(cs), device_bytes=lambda: engines[0].device_bytes(),
+        step_chunks=bridge.step_chunks, device_bytes=functools.partial(device_bytes, tuple(chunks)),
     ))
     placement.attach(chunks)  # after the optimizer holds the segments: states created eagerly (Adagrad) move too
 
     engine = Engine(
-        module=model, optimizer=optimizer, chunks=chunks, gather_groups=plan.gather_groups, comm=comm, reduce_comm=reduce_comm, strategy=strategy,
-        placement=placement, config=config, hook=plugins_.manager.hook, device=device,
+        module=model, optimizer=optimizer, chunks=chunks, comm=comm, reduce_comm=reduce_comm, mesh_comms=mesh_comms,
+        gather_groups=plan.gather_groups, reducer=reducer, bridge=bridge, strategy=strategy, placement=placement,
+        config=config, hook=plugins_.manager.hook, device=device,
     )
-    engines.append(engine)
-    if engine.scaler is not None:
-        _attach_scaler_state(optimizer, engine.scaler)
+    if bridge.scaler is not None:
+        _attach_scaler_state(optimizer, bridge.scaler)
     comm.stats.end_setup()
     model._zero_sharded = True  # type: ignore[attr-defined]
     optimizer._zero_sharded = True  # type: ignore[attr-defined]
     return Sharded(adopt(model, engine), optimizer)
+
+
+def _mesh_comms(chunks: list[Chunk], comm: CommBackend, reduce_comm: CommBackend) -> list[CommBackend]:
+    """The chunks' own groups beyond the default two (meshes, see [Note: one group per direction of traffic])."""
+    found: list[CommBackend] = []
+    for chunk in chunks:
+        if chunk.groups is None:
+            continue
+        g = chunk.groups
+        for c in (g.gather, g.reduce, g.reduce_all, g.replicate, g.sub):
+            if c is not None and c is not comm and c is not reduce_comm and all(c is not f for f in found):
+                found.append(c)
+    return found
 
 
 def _resolve_mesh_group(process_group: Any, mesh: Any) -> Any:

@@ -30,8 +30,8 @@ def param_keys(engine: Engine) -> dict[str, tuple[Chunk, int]]:
     cached = getattr(engine, "_param_keys", None)
     if cached is not None:
         return cached
-    where = {id(m): [] for m, _, _, _ in engine._registrations}
-    for m, name, chunk, i in engine._registrations:
+    where = {id(m): [] for m, _, _, _ in engine.params.registrations}
+    for m, name, chunk, i in engine.params.registrations:
         where[id(m)].append((name, chunk, i))
     keys: dict[str, tuple[Chunk, int]] = {}
     for prefix, m in engine.module.named_modules(remove_duplicate=False):
@@ -42,7 +42,7 @@ def param_keys(engine: Engine) -> dict[str, tuple[Chunk, int]]:
 
 
 def _require_between_steps(engine: Engine, what: str) -> None:
-    if engine._unsharded:
+    if engine.params.unsharded:
         raise ZeroError(
             f"model.{what}() was called inside forward or backward, while the modules hold the gathered parameters; "
             "call it between steps (after optimizer.step() or before the next forward)"
@@ -57,7 +57,7 @@ def _require_between_steps(engine: Engine, what: str) -> None:
 
 
 def state_dict_pre_hook(engine: Engine, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    if engine._unsharded:
+    if engine.params.unsharded:
         _require_between_steps(engine, "state_dict")
 
 

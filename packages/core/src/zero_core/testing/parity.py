@@ -245,7 +245,7 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         losses=losses,
         params=model.full_parameters(),
         step_stats=[engine.comm.stats.summary(s) for s in engine.comm.stats.steps],
-        model_state_bytes=engine.model_state_bytes(),
+        model_state_bytes=model.model_state_bytes(),
         chunks=[{"size": c.size, "used": c.used, "requires_grad": c.requires_grad, "params": len(c.slots),
                  # real (not padding) elements of each rank's shard: torch.chunk pieces, see [Note: chunk layout]
                  "real": [sum(s.local_rows(r) * s.row for s in c.slots) for r in range(c.world_size)]}

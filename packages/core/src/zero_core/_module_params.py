@@ -1,0 +1,92 @@
+"""Which parameter objects the modules hold: the sharded ones between steps, the unsharded ones inside a step.
+
+See [Note: parameter views] in ``zero_core.chunk`` for the two objects of each parameter and
+[Note: parameters used outside their module] in ``zero_core._released`` for the stand-ins.
+One object owns every write to ``module._parameters`` the engine makes, so "what does a module
+hold now" has one answer (:attr:`ModuleParameters.unsharded`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from zero_core._released import ReleasedParameter
+from zero_core.chunk import Chunk
+
+__all__ = ["ModuleParameters"]
+
+
+class ModuleParameters:
+    """Every place a parameter is registered (a tied one under several modules) and what it holds there."""
+
+    def __init__(self, module: nn.Module, chunks: Sequence[Chunk],
+                 gather_on_demand: Callable[[Chunk, int], nn.Parameter]) -> None:
+        self.chunks = tuple(chunks)
+        # Unsharded parameter (by id) -> its chunk, its slot in the chunk, its (first) name.
+        self.chunk_of: dict[int, Chunk] = {id(s.param): c for c in chunks for s in c.slots}
+        self.slot_of: dict[int, int] = {id(s.param): i for c in chunks for i, s in enumerate(c.slots)}
+        self.name_of: dict[int, str] = {id(s.param): s.name for c in chunks for s in c.slots}
+        # (module, name, chunk, slot) for every registration, in modules() order.
+        self.registrations: list[tuple[nn.Module, str, Chunk, int]] = []
+        for m in module.modules():
+            for pname, p in m._parameters.items():
+                if p is not None and id(p) in self.chunk_of:
+                    self.registrations.append((m, pname, self.chunk_of[id(p)], self.slot_of[id(p)]))
+        self._by_chunk: dict[int, list[tuple[nn.Module, str, int]]] = {}
+        for m, pname, chunk, i in self.registrations:
+            self._by_chunk.setdefault(chunk.index, []).append((m, pname, i))
+        # What the modules hold, inside forward and backward, for parameters of chunks not gathered.
+        self._stand_ins = {(c.index, i): ReleasedParameter(gather_on_demand, c, i) for c in chunks if not c.persistent
+                           for i in range(len(c.slots))}
+        # Whether the modules hold the unsharded parameters (inside forward and backward) or the sharded ones.
+        self.unsharded = True
+        # True inside model.gathered_parameters(): the modules hold the context's full copies.
+        self.full_copies = False
+
+    def use_unsharded(self, *, stand_ins: bool = True) -> list[nn.Parameter]:
+        """Register the unsharded parameters in the modules (forward and backward run on them).
+
+        Each takes its sharded parameter's ``requires_grad``, so freezing or unfreezing through
+        ``model.parameters()`` between steps applies to the next forward; the ones that became
+        trainable are returned (their gradients need watching). ``stand_ins=False`` registers every
+        unsharded parameter whatever its chunk holds (``gathered_parameters`` points them at full
+        copies of its own)."""
+        unfrozen: list[nn.Parameter] = []
+        if self.unsharded:
+            return unfrozen
+        for chunk in self.chunks:
+            for seg in chunk.segments:
+                unsharded = chunk.slots[seg.slot].param
+                if unsharded.requires_grad != seg.param.requires_grad:
+                    unsharded.requires_grad_(seg.param.requires_grad)
+                    if unsharded.requires_grad:
+                        unfrozen.append(unsharded)
+        for m, name, chunk, i in self.registrations:
+            real = chunk.is_gathered or not stand_ins
+            m._parameters[name] = chunk.slots[i].param if real else self._stand_ins[(chunk.index, i)]
+        self.unsharded = True
+        return unfrozen
+
+    def use_sharded(self) -> None:
+        """Register the sharded parameters in the modules: what the user and the optimizer see between steps."""
+        if not self.unsharded:
+            return
+        for m, name, chunk, i in self.registrations:
+            m._parameters[name] = chunk.segments[i].param
+        self.unsharded = False
+
+    def show(self, chunks: Sequence[Chunk]) -> None:
+        """Inside forward and backward: register each chunk's real parameters if it is gathered, else stand-ins."""
+        if not self.unsharded:
+            return
+        for chunk in chunks:
+            gathered = chunk.is_gathered
+            for m, name, i in self._by_chunk.get(chunk.index, ()):
+                m._parameters[name] = chunk.slots[i].param if gathered else self._stand_ins[(chunk.index, i)]
+
+    def returned(self, tensors: Sequence[torch.Tensor]) -> set[int]:
+        """Indices of the chunks whose unsharded parameters are among ``tensors`` (a module returned one)."""
+        return {self.chunk_of[id(t)].index for t in tensors if id(t) in self.chunk_of}
