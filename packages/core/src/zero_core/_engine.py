@@ -291,7 +291,7 @@ class Engine:
     def _drop_leftovers(self) -> None:
         """No backward will use what forwards kept for it (copies, chunks kept gathered): free them."""
         for chunk in self.chunks:
-            chunk.copy = None
+            chunk.drop_post_forward_copy()
         self._release(self.chunks)
 
     def _free_idle_buffers(self) -> None:
@@ -353,7 +353,7 @@ class Engine:
         for chunk in self.chunks:
             if chunk.state is ChunkState.GATHERING:
                 chunk.wait()
-            chunk.copy = None
+            chunk.drop_post_forward_copy()
         self._release(self.chunks)
         self._set_state(TrainingState.IDLE)
         self.params.use_sharded()
@@ -481,7 +481,7 @@ class Engine:
             raise
         finally:
             for chunk in self.chunks:
-                chunk.copy = None
+                chunk.drop_post_forward_copy()
             self.reducer.end()
             self._callback_queued = False
             self._set_state(TrainingState.IDLE)
@@ -523,7 +523,7 @@ class Engine:
         finally:
             for chunk in self.chunks:
                 chunk.discard_gradients()
-                chunk.copy = None
+                chunk.drop_post_forward_copy()
             self._release(self.chunks)
             self.reducer.end()
             self._callback_queued = False

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from zero_core._state import ChunkState
 from zero_core.chunk import BufferPool, Chunk
 from zero_core.comm import CommBackend, Pending
 
@@ -59,7 +60,7 @@ class GatherGroup:
             else:
                 self.chunks[0].gather_for_peers(comm)
             return
-        if all(c.copy is not None for c in self.chunks):  # copies kept by the forward: gather inside their groups of k
+        if all(c.state is ChunkState.SHARDED_POST_FORWARD for c in self.chunks):  # copies kept by the forward: gather inside their groups of k
             self._gather_copies(targets, async_op=async_op)
             return
         send = self.pool.take(self.shard_numel, self.dtype, self.device, zeroed=False)
@@ -86,9 +87,7 @@ class GatherGroup:
         sub = self.chunks[0].groups.sub
         k = sub.world_size
         parts = [c.size // k for c in self.chunks]
-        send = torch.cat([c.copy for c in self.chunks])
-        for chunk in self.chunks:
-            chunk.copy = None
+        send = torch.cat([c.take_post_forward_copy() for c in self.chunks])
         received = self.pool.take(k * sum(parts), self.dtype, self.device, zeroed=False)
         pending = sub.all_gather(received, send, async_op=True)
         unpack = _CopiesOut(self, pending, received, parts, targets)

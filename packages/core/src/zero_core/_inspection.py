@@ -109,7 +109,7 @@ def memory_by_kind(chunks: Sequence[Chunk], optimizer: torch.optim.Optimizer) ->
             gathered += chunk.full.untyped_storage().nbytes()
         if chunk.grad_full is not None:
             add(grads, chunk.grad_full)
-        copy = chunk.copy
+        copy = chunk.post_forward_copy
         if copy is not None:
             copies += copy.untyped_storage().nbytes()
         for piece in chunk.reduced_grad or ():

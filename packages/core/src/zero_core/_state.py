@@ -26,6 +26,10 @@ class ChunkState(enum.Enum):
     #: Only this rank's shard exists; the full buffer's storage is freed, so any
     #: access to a parameter view fails loudly instead of reading stale data.
     SHARDED = "sharded"
+    #: Released by a forward with ``reshard_after_forward=k``: as SHARDED, and this rank also keeps
+    #: its ``1/k`` of the gathered values, so the backward's all-gather runs inside its group of ``k``
+    #: ranks. FSDP2's ``SHARDED_POST_FORWARD``.
+    SHARDED_POST_FORWARD = "sharded_post_forward"
     #: An all-gather into the full buffer is in flight (a prefetch); wait before use.
     GATHERING = "gathering"
     #: The full buffer holds every rank's shard; parameter views are valid.

@@ -385,9 +385,9 @@ class Chunk:
         self.grad_full: torch.Tensor | None = None
         # Where reduced gradients go; None: where the master shard is. Set by placement policies.
         self.grad_device: torch.device | None = None
-        # reshard_after_forward=k: this rank's 1/k of the rank-major gathered buffer, kept from a forward for the
-        # backward's gather inside its group of k ranks (see release(keep_copy=True)).
-        self.copy: torch.Tensor | None = None
+        # In SHARDED_POST_FORWARD only: this rank's 1/k of the rank-major gathered buffer, kept from a forward for
+        # the backward's gather inside its group of k ranks (see release(keep_copy=True)).
+        self._post_forward_copy: torch.Tensor | None = None
 
     # -- which group a collective runs on -------------------------------------------------
     def _comm(self, given: CommBackend, role: str = "gather") -> CommBackend:
@@ -597,17 +597,37 @@ class Chunk:
     @property
     def is_gathered(self) -> bool:
         """Whether the full buffer exists or is being filled (GATHERING counts: it needs no new all-gather)."""
-        return self.state is not ChunkState.SHARDED
+        return self.state is ChunkState.GATHERED or self.state is ChunkState.GATHERING
+
+    @property
+    def post_forward_copy(self) -> torch.Tensor | None:
+        """The part a forward kept in SHARDED_POST_FORWARD (``None`` in every other state)."""
+        return self._post_forward_copy
+
+    def take_post_forward_copy(self) -> torch.Tensor:
+        """SHARDED_POST_FORWARD -> SHARDED: hand over the kept part (to the all-gather that uses it)."""
+        self._assert_state(ChunkState.SHARDED_POST_FORWARD)
+        copy, self._post_forward_copy = self._post_forward_copy, None
+        self.state = ChunkState.SHARDED
+        return copy
+
+    def drop_post_forward_copy(self) -> None:
+        """SHARDED_POST_FORWARD -> SHARDED: no backward will use the kept part (no-op in other states)."""
+        if self.state is ChunkState.SHARDED_POST_FORWARD:
+            self._post_forward_copy = None
+            self.state = ChunkState.SHARDED
 
     def gather(self, comm: CommBackend, *, async_op: bool = False) -> None:
-        """SHARDED -> GATHERED (or GATHERING with ``async_op``): re-allocate the full buffer and all-gather into it."""
+        """SHARDED -> GATHERED (or GATHERING with ``async_op``): re-allocate the full buffer and all-gather into it.
+
+        From SHARDED_POST_FORWARD the kept part is gathered inside its group of ``k`` ranks instead."""
         if self.persistent:
             return
         self._assert_state_mover("gather it")
-        self._assert_state(ChunkState.SHARDED)
+        self._assert_state(ChunkState.SHARDED, ChunkState.SHARDED_POST_FORWARD)
         comm, send = self._comm(comm), None
-        if self.copy is not None:  # the forward kept a copy: gather it inside the group of k ranks instead
-            comm, send, self.copy = self.groups.sub, self.copy, None
+        if self.state is ChunkState.SHARDED_POST_FORWARD:
+            comm, send = self.groups.sub, self.take_post_forward_copy()
         send = self._compute_shard() if send is None else send
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
         if self._direct:  # the ranks' shards side by side are the full buffer
@@ -623,7 +643,9 @@ class Chunk:
 
     def begin_gather(self, pending: Pending) -> None:
         """SHARDED -> GATHERING for an all-gather someone else issued (a gather group's), which
-        fills the full buffer by the time ``pending.wait()`` returns."""
+        fills the full buffer by the time ``pending.wait()`` returns. A kept post-forward part is
+        dropped (a group takes the parts it gathers with :meth:`take_post_forward_copy` first)."""
+        self.drop_post_forward_copy()
         self._assert_state(ChunkState.SHARDED)
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
         self._pending_gather = pending
@@ -645,26 +667,28 @@ class Chunk:
     def release(self, *, keep_copy: bool = False) -> None:
         """GATHERED -> SHARDED: free the full buffer's storage; parameters become empty tensors.
 
-        ``keep_copy`` (a forward's release, with ``reshard_after_forward=k``): first keep this
-        rank's ``1/k`` of the gathered values, so the backward gathers them inside its group of
-        ``k`` ranks (:meth:`gather` uses the copy, then drops it)."""
+        ``keep_copy`` (a forward's release, with ``reshard_after_forward=k``): GATHERED ->
+        SHARDED_POST_FORWARD, keeping this rank's ``1/k`` of the gathered values, so the backward
+        gathers them inside its group of ``k`` ranks (:meth:`gather` uses the copy, then drops it)."""
         if self.persistent:
             return
         self._assert_state_mover("release it")
         self.wait()
         self._assert_state(ChunkState.GATHERED)
+        kept = None
         if keep_copy and self.groups is not None and self.groups.sub is not None:
             k = self.groups.sub.world_size
             rank_major = torch.empty(self.size, dtype=self.dtype, device=self.device)
             self.copy_in(self.full, rank_major)
             part = self.size // k
             at = self.groups.sub.rank * part
-            self.copy = rank_major[at : at + part].clone()
+            kept = rank_major[at : at + part].clone()
             del rank_major
         self.full.untyped_storage().resize_(0)
         for slot in self.slots:
             slot.param.data = self._empty
-        self.state = ChunkState.SHARDED
+        self._post_forward_copy = kept
+        self.state = ChunkState.SHARDED if kept is None else ChunkState.SHARDED_POST_FORWARD
 
     def gather_for_peers(self, comm: CommBackend) -> None:
         """Join an all-gather of this chunk that other ranks need, without changing local state."""
