@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from zero_core import ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, ZeroError, ZeroPlugins, clip_grad_norm_, shard
+from zero_core import ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, ZeroError, clip_grad_norm_, shard
+from zero_core.plugin import ZeroPlugins
 from zero_core.testing import assert_parity, run_distributed, train_reference, train_sharded
 from zero_core.testing.zoo import get_case
 

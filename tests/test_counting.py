@@ -20,7 +20,8 @@ paper keeps 16-bit ones; the paper's count has no gradient for the masters in st
 import pytest
 
 from zero_comm import BucketedCommBackend
-from zero_core import ChunkPolicy, CollectiveKind, LossScale, Precision, ZeroConfig, ZeroPlugins, ring_bytes_sent
+from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig
+from zero_core.plugin import CollectiveKind, ZeroPlugins, ring_bytes_sent
 from zero_core.testing import run_distributed, train_sharded
 
 PRECISIONS = {"fp32": Precision(), "bf16": Precision(compute="bf16")}

@@ -12,25 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_core import (
-    ChunkPlan,
-    ChunkPolicy,
-    ChunkSpec,
-    CollectiveKind,
-    ConfigError,
-    MeshSpec,
-    Precision,
-    Reduction,
-    ShardPlan,
-    ShardStrategy,
-    Topology,
-    ZeroConfig,
-    ZeroPlugins,
-    estimate,
-    hookimpl,
-    ring_bytes_sent,
-    round_up,
-)
+from zero_core import ChunkPolicy, ConfigError, Precision, ZeroConfig, estimate
+from zero_core.plugin import ChunkPlan, ChunkSpec, CollectiveKind, MeshSpec, Reduction, ShardPlan, ShardStrategy, Topology, ZeroPlugins, hookimpl, ring_bytes_sent, round_up
 from zero_core.testing import run_distributed, train_sharded
 from zero_core.testing.gpt import GPT, GPTConfig
 from zero_core.testing.parity import make_optimizer

@@ -29,7 +29,8 @@ TRAIN = textwrap.dedent(
 
     import zero_core
     import zero_placement_lru
-    from zero_core import ChunkPolicy, MemoryTier, ZeroConfig
+    from zero_core import ChunkPolicy, ZeroConfig
+    from zero_core.plugin import MemoryTier
 
     # Installed, not imported from the checkout.
     assert "site-packages" in zero_placement_lru.__file__, zero_placement_lru.__file__

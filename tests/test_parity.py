@@ -12,7 +12,8 @@ second step, so growth is exercised).
 
 import pytest
 
-from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig, ZeroPlugins
+from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig
+from zero_core.plugin import ZeroPlugins
 from zero_core.testing import ZOO, assert_parity, run_distributed, train_reference, train_sharded, train_zoo_sharded
 
 STRATEGIES = ZeroPlugins.load().strategies.names()  # every installed strategy runs the whole matrix

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig, ZeroError, ZeroPlugins, shard
+from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig, ZeroError, shard
+from zero_core.plugin import ZeroPlugins
 from zero_core.testing import run_distributed
 from zero_core.testing.zoo import get_case
 

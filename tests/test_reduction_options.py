@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_core import ChunkPolicy, Precision, ZeroConfig, ZeroPlugins, ZeroSetupError, shard
+from zero_core import ChunkPolicy, Precision, ZeroConfig, ZeroSetupError, shard
+from zero_core.plugin import ZeroPlugins
 from zero_core.testing import assert_parity, run_distributed, train_reference, train_sharded
 from zero_core.testing.zoo import get_case
 

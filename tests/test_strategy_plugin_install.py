@@ -36,7 +36,7 @@ TRAIN = textwrap.dedent(
     # Installed, not imported from the checkout; and no built-in strategy is installed at all.
     assert "site-packages" in zero_strategy_nodelocal.__file__, zero_strategy_nodelocal.__file__
     assert "site-packages" in zero_core.__file__, zero_core.__file__
-    assert zero_core.ZeroPlugins.load().strategies.names() == ["node-local"], zero_core.ZeroPlugins.load().strategies.names()
+    assert zero_core.plugin.ZeroPlugins.load().strategies.names() == ["node-local"], zero_core.plugin.ZeroPlugins.load().strategies.names()
     # torchrun says the node has 4 ranks; the override makes "nodes" of 2
     assert os.environ["LOCAL_WORLD_SIZE"] == "4" and os.environ["ZERO_NODELOCAL_SHARD_SIZE"] == "2"
 

@@ -50,7 +50,8 @@ import torch
 import torch.distributed as dist
 
 from zero_comm import BucketedCommBackend, TorchCommBackend
-from zero_core import Chunk, ChunkPolicy, CollectiveKind, CommBackend, MemoryTier, ParamInfo, ZeroConfig, round_up
+from zero_core import ChunkPolicy, ZeroConfig
+from zero_core.plugin import Chunk, CollectiveKind, CommBackend, MemoryTier, ParamInfo, round_up
 from zero_core._group import build_groups
 from zero_core.chunk import BufferPool
 from zero_core.testing.gpt import GPT, GPTConfig

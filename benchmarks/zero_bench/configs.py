@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from zero_core import ZeroPlugins
+from zero_core.plugin import ZeroPlugins
 
 __all__ = ["MODELS", "BenchConfig", "ModelSize", "discover", "mesh_name"]
 

@@ -3,7 +3,7 @@
 DDP launches its all-reduces from C++, so a comm hook (the stock all-reduce hook, wrapped) sees each
 bucket. FSDP2 calls ``torch.distributed.all_gather_single`` / ``reduce_scatter_single`` / ``all_reduce``
 from Python, so wrapping those module functions sees each of its collectives. Bytes are the ring
-volume one rank sends (``zero_core.ring_bytes_sent``): ``(N-1)/N`` of the full payload for all-gather
+volume one rank sends (``zero_core.plugin.ring_bytes_sent``): ``(N-1)/N`` of the full payload for all-gather
 and reduce-scatter, twice that for all-reduce.
 """
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from zero_core import CollectiveKind, ring_bytes_sent
+from zero_core.plugin import CollectiveKind, ring_bytes_sent
 
 
 class Counter:

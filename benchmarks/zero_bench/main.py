@@ -37,7 +37,8 @@ from zero_bench.configs import MODELS, ModelSize, discover
 from zero_bench.launch import launch, sigterm_raises
 from zero_bench.plot import plot, plot_memory
 from zero_bench.report import add_ratios, check_losses, comm_table, peak_table, table
-from zero_core import ZeroPlugins, __version__, estimate
+from zero_core import __version__, estimate
+from zero_core.plugin import ZeroPlugins
 from zero_core.testing.gpt import GPT, GPTConfig
 
 PACKAGE_PARENT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """A griffe extension for the API reference: show Sphinx roles in docstrings as code.
 
-The docstrings cross-reference with Sphinx roles (``:class:`~zero_core.Chunk```), which
+The docstrings cross-reference with Sphinx roles (``:class:`~zero_core.plugin.Chunk```), which
 mkdocstrings would print as they are. This turns each role into a code span holding the
 name (the last component when the target starts with ``~``, as Sphinx shows it) and an
 RST literal-block marker (``text::``) into a plain colon. A pointer to a note in the sources

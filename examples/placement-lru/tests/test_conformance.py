@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from zero_core import ConfigError, ZeroConfig, ZeroPlugins
+from zero_core import ConfigError, ZeroConfig
+from zero_core.plugin import ZeroPlugins
 from zero_core.testing import PlacementPolicyConformance
 from zero_placement_lru import LruConfig, LruPolicy
 

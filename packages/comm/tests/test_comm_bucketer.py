@@ -27,7 +27,8 @@ from zero_comm import (
     ReduceScatterBucketer,
     TorchCommBackend,
 )
-from zero_core import CollectiveKind, CommStats, ZeroConfig, ring_bytes_sent
+from zero_core import CommStats, ZeroConfig
+from zero_core.plugin import CollectiveKind, ring_bytes_sent
 from zero_core.testing import CommBackendConformance, run_distributed
 
 KIB = 1 / 1024  # in MiB, the unit of bucket sizes

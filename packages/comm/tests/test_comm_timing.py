@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from zero_comm import BucketedCommBackend, TorchCommBackend
-from zero_core import ChunkPolicy, CollectiveCount, CollectiveKind, CommStats, ZeroConfig, clip_grad_norm_, ring_bytes_sent, shard
+from zero_core import ChunkPolicy, CommStats, ZeroConfig, clip_grad_norm_, shard
+from zero_core.plugin import CollectiveCount, CollectiveKind, ring_bytes_sent
 from zero_core.testing import run_distributed
 from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
 

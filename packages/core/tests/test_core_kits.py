@@ -1,6 +1,6 @@
 """zero-core's own parts pass the conformance kits it ships."""
 
-from zero_core import DevicePlacementPolicy
+from zero_core.plugin import DevicePlacementPolicy
 from zero_core.testing import ChunkConformance, PlacementPolicyConformance
 
 

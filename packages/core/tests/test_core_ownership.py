@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_core import Chunk, ChunkSpec, MemoryTier, ParamInfo
+from zero_core.plugin import Chunk, ChunkSpec, MemoryTier, OwnershipError, ParamInfo
 from zero_core._ownership import in_policy_call
 from zero_core.placement import DevicePlacementPolicy
 
@@ -31,9 +31,9 @@ def _owned_chunk() -> Chunk:
 
 def test_a_tier_changes_only_inside_a_policy_hook():
     chunk = _owned_chunk()
-    with pytest.raises(AssertionError, match="only a placement policy"):
+    with pytest.raises(OwnershipError, match="only a placement policy"):
         chunk.tier = MemoryTier.HOST
-    with pytest.raises(AssertionError, match="only a placement policy"):
+    with pytest.raises(OwnershipError, match="only a placement policy"):
         chunk.replace_shard(chunk.shard.clone())
     DevicePlacementPolicy().attach([chunk])  # a hook: allowed
     assert chunk.tier is MemoryTier.DEVICE and not in_policy_call()
@@ -42,7 +42,7 @@ def test_a_tier_changes_only_inside_a_policy_hook():
 def test_a_policy_may_not_gather_or_release():
     chunk = _owned_chunk()
     chunk.persistent = False  # a stage-3 chunk, gathered
-    with pytest.raises(AssertionError, match="only the engine gathers and releases"):
+    with pytest.raises(OwnershipError, match="only the engine gathers and releases"):
         _Rogue().before_gather([chunk])
     chunk.release()  # the engine (outside any hook) may
 

@@ -4,8 +4,8 @@ import importlib.metadata
 
 import pytest
 
-from zero_core import ENTRY_POINT_GROUP, ChunkSpec, PluginNotFoundError, Registry, ZeroConfig, ZeroPlugins, _default_plugins, hookimpl, shard
-from zero_core.plugin import hookspec
+from zero_core import PluginNotFoundError, ZeroConfig, _default_plugins, shard
+from zero_core.plugin import ENTRY_POINT_GROUP, ChunkSpec, Registry, ZeroPlugins, hookimpl, hookspec
 from zero_core.testing.zoo import get_case
 
 

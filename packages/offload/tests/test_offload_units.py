@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from zero_core import ChunkPolicy, ConfigError, MemoryTier, PluginNotFoundError, ZeroConfig, ZeroPlugins, shard
-from zero_core.plugin import policy_call
+from zero_core import ChunkPolicy, ConfigError, PluginNotFoundError, ZeroConfig, shard
+from zero_core.plugin import MemoryTier, ZeroPlugins, policy_call
 from zero_core.testing import PlacementPolicyConformance
 from zero_offload import DiskStore, DiskTierError, GeminiConfig, GeminiPolicy, MemoryTracer, Part, StaticConfig, StaticPolicy
 

@@ -6,7 +6,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zero_core import Chunk, ConfigError, MemoryTier
+from zero_core import ConfigError
+from zero_core.plugin import Chunk, MemoryTier
 from zero_offload import Part, TierConfig, TieredPolicy
 
 __all__ = ["LruConfig", "LruPolicy"]

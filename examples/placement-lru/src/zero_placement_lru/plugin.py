@@ -6,6 +6,6 @@ import zero_core
 from zero_placement_lru._policy import LruPolicy
 
 
-@zero_core.hookimpl
-def zero_register_placement_policies(registry: zero_core.Registry[type[zero_core.PlacementPolicy]]) -> None:
+@zero_core.plugin.hookimpl
+def zero_register_placement_policies(registry: zero_core.plugin.Registry[type[zero_core.plugin.PlacementPolicy]]) -> None:
     registry.add(LruPolicy.name, LruPolicy)

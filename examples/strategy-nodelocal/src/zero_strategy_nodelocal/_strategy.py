@@ -3,7 +3,7 @@
 [Note: node-local plan]
 Each chunk is sharded over ``g`` consecutive ranks (one node, when ``g`` is the ranks per
 node) and replicated over the ``W / g`` groups: the chunk's mesh is the user's default mesh
-re-laid as ``(W / g, g)`` by :meth:`zero_core.MeshSpec.hybrid`. All-gathers then stay inside
+re-laid as ``(W / g, g)`` by :meth:`zero_core.plugin.MeshSpec.hybrid`. All-gathers then stay inside
 a node, gradients are reduce-scattered inside the node and the ``1 / g``-sized results are
 all-reduced across nodes (``Reduction.for_mesh`` picks that for a 2-D mesh). Core builds the
 process groups for whatever mesh a plan returns, so nothing here touches torch.distributed.
@@ -25,12 +25,12 @@ means ``True`` here, since the backward's gathers already stay inside ``g`` rank
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from zero_core.plugin import (
+    get_logger,
     ChunkPlan,
     ChunkSpec,
     ConfigError,
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "SHARD_SIZE_ENV", "NodeLocalStrategy", "node_shard_size", "reshard_for"]
 
-logger = logging.getLogger("zero.strategy.nodelocal")
+logger = get_logger("strategy.nodelocal")
 
 #: The environment variable that overrides ``LOCAL_WORLD_SIZE`` as the shard group size.
 SHARD_SIZE_ENV = "ZERO_NODELOCAL_SHARD_SIZE"

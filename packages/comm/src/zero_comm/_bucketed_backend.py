@@ -11,7 +11,8 @@ import torch
 
 from zero_comm._bucketer import ReduceScatterBucketer, Ticket
 from zero_comm._torch_backend import TorchCommBackend, check_reduce_scatter_sizes
-from zero_core import CommBackend, CommStats
+from zero_core import CommStats
+from zero_core.plugin import CommBackend
 
 if TYPE_CHECKING:
     from zero_core import ZeroConfig

@@ -54,10 +54,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from zero_core import ZeroError
+from zero_core.plugin import CommError
 
 if TYPE_CHECKING:
-    from zero_core import CommBackend
-    from zero_core.plugin import Pending
+    from zero_core.plugin import CommBackend, Pending
 
 __all__ = ["Bucket", "BucketCallbackError", "BucketError", "BucketState", "ReduceScatterBucketer", "Ticket"]
 
@@ -166,7 +166,7 @@ class Bucket:
 
     def __init__(self, world_size: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         if world_size < 1 or capacity < 1:
-            raise ValueError(f"a bucket needs world_size >= 1 and capacity >= 1, got {world_size} and {capacity}")
+            raise CommError(f"a bucket needs world_size >= 1 and capacity >= 1, got {world_size} and {capacity}")
         self.world_size, self.capacity, self.dtype, self.device = world_size, capacity, dtype, torch.device(device)
         self.filled = 0
         self._state = BucketState.FREED
@@ -306,32 +306,32 @@ def _check_inputs(inputs: Inputs, world_size: int) -> tuple[torch.Size, torch.dt
     if isinstance(inputs, torch.Tensor):
         if inputs.dim() == 0 or inputs.shape[0] != world_size:
             got = "a 0-d tensor" if inputs.dim() == 0 else f"a tensor whose first dimension is {inputs.shape[0]}"
-            raise ValueError(
+            raise CommError(
                 f"reduce_scatter_async got {got} but comm.world_size is {world_size}; pass a tensor of shape "
                 f"({world_size}, ...) with one row per rank, or a list of {world_size} tensors"
             )
         return inputs.shape[1:], inputs.dtype, inputs.device
     if not isinstance(inputs, (list, tuple)):
-        raise ValueError(
+        raise CommError(
             f"reduce_scatter_async takes a list of comm.world_size tensors or one tensor with a row per rank, "
             f"got {type(inputs).__name__}"
         )
     if not inputs:
-        raise ValueError(f"reduce_scatter_async got an empty list of inputs; pass comm.world_size = {world_size} tensors, one per rank")
+        raise CommError(f"reduce_scatter_async got an empty list of inputs; pass comm.world_size = {world_size} tensors, one per rank")
     if len(inputs) != world_size:
-        raise ValueError(
+        raise CommError(
             f"reduce_scatter_async got {len(inputs)} inputs but comm.world_size is {world_size}; pass one tensor per rank"
         )
     for i, t in enumerate(inputs):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"reduce_scatter_async inputs[{i}] is a {type(t).__name__}, not a tensor; pass one tensor per rank")
+            raise CommError(f"reduce_scatter_async inputs[{i}] is a {type(t).__name__}, not a tensor; pass one tensor per rank")
     first = inputs[0]
     for i, t in enumerate(inputs[1:], start=1):
         for what in ("shape", "dtype", "device"):
             mine, theirs = getattr(t, what), getattr(first, what)
             if mine != theirs:
                 shown = (tuple(mine), tuple(theirs)) if what == "shape" else (mine, theirs)
-                raise ValueError(
+                raise CommError(
                     f"reduce_scatter_async inputs[{i}] has {what} {shown[0]} but inputs[0] has {shown[1]}; "
                     "every rank's input must have the same shape, dtype and device"
                 )

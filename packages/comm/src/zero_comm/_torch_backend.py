@@ -10,8 +10,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zero_core import CollectiveCount, CollectiveKind, CollectiveTimeoutError, CommBackend, CommStats, ring_bytes_sent
-from zero_core.plugin import BufferPool, Pending
+from zero_core import CollectiveTimeoutError, CommStats
+from zero_core.plugin import (
+    BufferPool,
+    CollectiveCount,
+    CollectiveKind,
+    CommBackend,
+    CommError,
+    Pending,
+    ring_bytes_sent,
+)
 
 __all__ = ["TorchCommBackend"]
 
@@ -21,7 +29,7 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 def check_reduce_scatter_sizes(output: torch.Tensor, input: torch.Tensor, world_size: int) -> None:
     """A reduce-scatter's input must hold ``world_size`` outputs; say so when it does not."""
     if input.numel() != output.numel() * world_size:
-        raise ValueError(
+        raise CommError(
             f"reduce_scatter input has {input.numel()} elements, expected world_size x output = "
             f"{world_size} x {output.numel()}"
         )
@@ -170,7 +178,7 @@ class TorchCommBackend(CommBackend):
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
         if output.numel() != input.numel() * self._world:
-            raise ValueError(
+            raise CommError(
                 f"all_gather output has {output.numel()} elements, expected world_size x input = "
                 f"{self._world} x {input.numel()}"
             )
@@ -211,7 +219,7 @@ class TorchCommBackend(CommBackend):
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         if op not in _OPS:
-            raise ValueError(f"all_reduce op must be one of {sorted(_OPS)}, got {op!r}")
+            raise CommError(f"all_reduce op must be one of {sorted(_OPS)}, got {op!r}")
         if self._world == 1:
             return
         timer = self._record(CollectiveKind.ALL_REDUCE, tensor.numel() * tensor.element_size(), tensor.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from zero_comm._bucketed_backend import BucketedCommBackend
 from zero_comm._torch_backend import TorchCommBackend
-from zero_core import CommBackend, Registry, hookimpl
+from zero_core.plugin import CommBackend, Registry, hookimpl
 
 
 @hookimpl

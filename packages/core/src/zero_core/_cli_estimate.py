@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
                            "(R replicas, each sharding over S ranks)", exit_code=USAGE)
     config = _config(args)
     model = args.params if args.params is not None else _meta_model(args.model)
-    from zero_core import ZeroConfig, ZeroPlugins, estimate  # here, not at import: `zero --help` should not pay for torch
+    from zero_core import ZeroConfig, estimate  # here, not at import: `zero --help` should not pay for torch
+    from zero_core._plugins import ZeroPlugins
 
     plugins = ZeroPlugins.load()
     # a count never consults the strategy or comm backend, but a misspelt name must not pass unnoticed

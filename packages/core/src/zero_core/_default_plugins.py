@@ -1,6 +1,6 @@
 """zero-core's own plugin: the ``device`` and ``host`` placement policies.
 
-:meth:`zero_core.ZeroPlugins.load` registers it directly under its entry-point name
+:meth:`zero_core.plugin.ZeroPlugins.load` registers it directly under its entry-point name
 ``zero-core``, so these policies exist even with plugin autoload disabled; the entry point
 stays, so it is listed and blocked (``ZERO_BLOCKED_PLUGINS=zero-core``) like any other.
 """

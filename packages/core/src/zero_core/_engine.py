@@ -109,6 +109,7 @@ from zero_core._module_params import ModuleParameters
 from zero_core._optimizer_bridge import OptimizerBridge, ZeroGradHook
 from zero_core._reducer import GradientReducer
 from zero_core._schedule import GatherScheduler
+from zero_core._view import EngineView
 from zero_core._state import ChunkState, TrainingState
 from zero_core.chunk import Chunk
 from zero_core.errors import GradientLostError, ZeroError
@@ -580,7 +581,9 @@ class Engine:
         self._exposed = set()
         self.step_count += 1
         finished = self.comm.stats.end_step()
-        self.hook.zero_after_step(engine=self, stats=self.comm.stats.summary(finished))
+        view = EngineView(step=self.step_count, config=self.config, rank=self.comm.rank, world_size=self.comm.world_size,
+                          chunks=tuple(self.chunks), comm_stats=self.comm.stats, _optimizer=self.optimizer)
+        self.hook.zero_after_step(engine=view, stats=self.comm.stats.summary(finished))
 
     @engine_work
     def _close_step(self, *, aborted: bool) -> None:

@@ -229,7 +229,7 @@ class HFDirectoryWriter:
     def _advance(self, key: str) -> torch.dtype:
         while self._left == 0:
             if self._shard + 1 >= len(self.shards):
-                raise ValueError(f"tensor {key!r} is one more than the {len(self.weight_map)} planned")
+                raise CheckpointError(f"tensor {key!r} is one more than the {len(self.weight_map)} planned")
             self._next_file()
         return self.shards[self._shard][len(self.shards[self._shard]) - self._left][1]
 

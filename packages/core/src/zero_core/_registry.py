@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
-from zero_core.errors import PluginNotFoundError
+from zero_core.errors import PluginNotFoundError, ZeroSetupError
 
 __all__ = ["Registry"]
 
@@ -25,9 +25,9 @@ class Registry(Generic[T]):
 
     def add(self, name: str, item: T) -> None:
         if not isinstance(name, str) or not name:
-            raise ValueError(f"a {self.kind} must be registered under a non-empty name, got {name!r}")
+            raise ZeroSetupError(f"a {self.kind} must be registered under a non-empty name, got {name!r}")
         if name in self._items and self._items[name] is not item:
-            raise ValueError(
+            raise ZeroSetupError(
                 f"two plugins register a {self.kind} named {name!r}: {self._items[name]!r} and {item!r}; "
                 "uninstall one or block it with ZERO_BLOCKED_PLUGINS"
             )

@@ -71,10 +71,10 @@ class ReleasedParameter(nn.Parameter):
         return f"ReleasedParameter({self._zero_chunk.slots[self._zero_slot].name!r}, chunk {self._zero_chunk.index} not gathered)"
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(f"{self!r} cannot be pickled or copied; read parameters between steps")
+        raise ZeroError(f"{self!r} cannot be pickled or copied; read parameters between steps")
 
     def __deepcopy__(self, memo: Any) -> Any:
-        raise TypeError(f"{self!r} cannot be pickled or copied; read parameters between steps")
+        raise ZeroError(f"{self!r} cannot be pickled or copied; read parameters between steps")
 
     def _real(self) -> nn.Parameter:
         gather = self._zero_gather()

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from zero_core.errors import CheckpointError
+
 __all__ = ["SafetensorsRangeReader", "SafetensorsWriter"]
 
 _DTYPES_BY_NAME: dict[str, torch.dtype] = {}
@@ -40,9 +42,9 @@ class SafetensorsWriter:
         offset = 0
         for name, dtype, shape in entries:
             if dtype not in _DTYPE_NAMES:
-                raise TypeError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store")
+                raise CheckpointError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store")
             if name in header:
-                raise ValueError(f"tensor {name!r} appears twice")
+                raise CheckpointError(f"tensor {name!r} appears twice")
             nbytes = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             self._expected.append((name, nbytes))
@@ -58,7 +60,7 @@ class SafetensorsWriter:
         expected, nbytes = self._expected[self._next]
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
         if name != expected or data.numel() * data.element_size() != nbytes:
-            raise ValueError(f"expected tensor {expected!r} of {nbytes} bytes next, got {name!r} of "
+            raise CheckpointError(f"expected tensor {expected!r} of {nbytes} bytes next, got {name!r} of "
                              f"{data.numel() * data.element_size()} bytes")
         if nbytes:
             self._stream.write(memoryview(data.view(torch.uint8).numpy()))
@@ -69,24 +71,24 @@ class SafetensorsWriter:
         one piece need be in memory at a time."""
         expected, nbytes = self._expected[self._next]
         if name != expected:
-            raise ValueError(f"expected tensor {expected!r} next, got {name!r}")
+            raise CheckpointError(f"expected tensor {expected!r} next, got {name!r}")
         written = 0
         for part in parts:
             data = part.detach().to("cpu").contiguous().reshape(-1)
             size = data.numel() * data.element_size()
             if written + size > nbytes:
-                raise ValueError(f"tensor {name!r} got more than its {nbytes} bytes")
+                raise CheckpointError(f"tensor {name!r} got more than its {nbytes} bytes")
             if size:
                 self._stream.write(memoryview(data.view(torch.uint8).numpy()))
             written += size
             del data, part
         if written != nbytes:
-            raise ValueError(f"tensor {name!r} got {written} of its {nbytes} bytes")
+            raise CheckpointError(f"tensor {name!r} got {written} of its {nbytes} bytes")
         self._next += 1
 
     def close(self) -> None:
         if self._next != len(self._expected):
-            raise ValueError(f"{len(self._expected) - self._next} tensor(s) were never written, from "
+            raise CheckpointError(f"{len(self._expected) - self._next} tensor(s) were never written, from "
                              f"{self._expected[self._next][0]!r}")
 
 
@@ -102,10 +104,10 @@ class SafetensorsRangeReader:
         self._file.seek(0)
         head = self._file.read(8)
         if len(head) != 8:
-            raise ValueError(f"{path} is too short to be a safetensors file")
+            raise CheckpointError(f"{path} is too short to be a safetensors file")
         (length,) = struct.unpack("<Q", head)
         if length > size - 8:
-            raise ValueError(f"{path} has a header of {length} bytes but only {size - 8} bytes follow")
+            raise CheckpointError(f"{path} has a header of {length} bytes but only {size - 8} bytes follow")
         header = json.loads(self._file.read(length))
         header.pop("__metadata__", None)
         self._start = 8 + length
@@ -114,7 +116,7 @@ class SafetensorsRangeReader:
             begin, end = info["data_offsets"]
             dtype = _DTYPES_BY_NAME[info["dtype"]]
             if end > size - self._start or end - begin != math.prod(info["shape"]) * dtype.itemsize:
-                raise ValueError(f"{path}: tensor {name!r} does not fit the file")
+                raise CheckpointError(f"{path}: tensor {name!r} does not fit the file")
             self.entries[name] = (dtype, tuple(info["shape"]), begin, end)
 
     def read_into(self, name: str, start: int, out: torch.Tensor) -> None:
@@ -125,7 +127,7 @@ class SafetensorsRangeReader:
         self._file.seek(self._start + begin + start * dtype.itemsize)
         view = memoryview(target.view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
         if view.nbytes and self._file.readinto(view) != view.nbytes:
-            raise ValueError(f"tensor {name!r} ends early")
+            raise CheckpointError(f"tensor {name!r} ends early")
         if target is not out:
             out.copy_(target)
 

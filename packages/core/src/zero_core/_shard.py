@@ -15,6 +15,7 @@ from zero_core._agreement import raise_if_any_failed
 from zero_core._engine import Engine
 from zero_core._inspection import device_bytes
 from zero_core._layout import ModelLayout, check_names, fill_from_source, publish_kept
+from zero_core._log import logger
 from zero_core._lazy import LazyRecording, find_recording, release_if_unused
 from zero_core._materialize import materialize
 from zero_core._meshes import MeshGroups
@@ -214,6 +215,12 @@ def shard(
     if bridge.scaler is not None:
         _attach_scaler_state(optimizer, bridge.scaler)
     comm.stats.end_setup()
+    used = sum(c.used for c in chunks)
+    size = sum(c.size for c in chunks)
+    logger.info("sharded %d parameters into %d chunks (%d elements, %.2f%% padding) over %d rank(s): stage %d, strategy "
+                "%r, comm %r, placement %r", sum(len(c.slots) for c in chunks), len(chunks), size,
+                100.0 * (size - used) / max(size, 1), comm.world_size, config.stage, config.strategy, comm_cls.name,
+                config.placement)
     model._zero_sharded = True  # type: ignore[attr-defined]
     optimizer._zero_sharded = True  # type: ignore[attr-defined]
     return Sharded(adopt(model, engine), optimizer)

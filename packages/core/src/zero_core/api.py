@@ -214,7 +214,7 @@ class ZeroConfig:
         comm: Name of the comm backend plugin: ``"torch"`` (zero-comm) runs each collective
             when asked; ``"bucketed"`` (zero-comm) packs small gradient reduce-scatters into
             buckets of ``reduce_bucket_mb``. ``None`` takes the strategy's choice
-            (:attr:`zero_core.ShardStrategy.comm`).
+            (:attr:`zero_core.plugin.ShardStrategy.comm`).
         reduce_bucket_mb: Size of one reduce-scatter bucket in MiB, for backends that
             bucket (split evenly over the ranks); ``<= 0`` reduces every gradient at once.
         placement: Name of the placement policy plugin: ``"device"`` (zero-core) keeps every

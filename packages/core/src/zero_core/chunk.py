@@ -79,6 +79,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from zero_core._ownership import in_policy_call
 from zero_core._state import ChunkState, MemoryTier
 from zero_core.comm import CommBackend, Pending
+from zero_core.errors import OwnershipError, PlanError, ZeroError
 
 __all__ = ["BufferPool", "Chunk", "ChunkSpec", "ParamInfo", "ParamSlot", "Segment", "layout_slots", "padded_shard_size", "rewrap", "to_local"]
 
@@ -311,11 +312,11 @@ class Chunk:
         mesh: Any = None, replicas: int = 1,
     ) -> None:
         if spec.size % world_size:
-            raise ValueError(f"chunk size {spec.size} is not a multiple of the world size {world_size}")
+            raise PlanError(f"chunk size {spec.size} is not a multiple of the world size {world_size}")
         if spec.used > spec.size:
-            raise ValueError(f"chunk {index} holds {spec.used} elements but its size is {spec.size}")
+            raise PlanError(f"chunk {index} holds {spec.used} elements but its size is {spec.size}")
         if stage not in (1, 2, 3):
-            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+            raise PlanError(f"stage must be 1, 2 or 3, got {stage!r}")
         first = spec.params[0]
         # Identity and layout: fixed for the chunk's life.
         self.index = index
@@ -582,17 +583,21 @@ class Chunk:
         self._tier = tier
 
     def _assert_tier_mover(self, what: str) -> None:
-        assert not self.owned or in_policy_call(), (
-            f"chunk {self.index}: only a placement policy, inside a hook the engine calls, may {what} "
-            "(see [Note: who moves a chunk])")
+        if self.owned and not in_policy_call():
+            raise OwnershipError(
+                f"chunk {self.index}: only a placement policy, inside a hook the engine calls, may {what} "
+                "(see [Note: who moves a chunk])")
 
     def _assert_state_mover(self, what: str) -> None:
-        assert not self.owned or not in_policy_call(), (
-            f"chunk {self.index}: a placement policy may not {what}; only the engine gathers and releases "
-            "(see [Note: who moves a chunk])")
+        if self.owned and in_policy_call():
+            raise OwnershipError(
+                f"chunk {self.index}: a placement policy may not {what}; only the engine gathers and releases "
+                "(see [Note: who moves a chunk])")
 
     def _assert_state(self, *states: ChunkState) -> None:
-        assert self.state in states, f"chunk {self.index} is {self.state.value}, expected one of {[s.value for s in states]}"
+        if self.state not in states:
+            raise ZeroError(f"chunk {self.index} is {self.state.value}, expected one of {[s.value for s in states]}; "
+                            "this is a bug in zero or in a plugin that drives chunks directly")
 
     @property
     def is_gathered(self) -> bool:
@@ -655,7 +660,6 @@ class Chunk:
         """GATHERING -> GATHERED: wait for the in-flight all-gather (no-op in other states)."""
         if self.state is ChunkState.GATHERING:
             pending, self._pending_gather = self._pending_gather, None
-            assert pending is not None
             pending.wait()
             self._to_gathered()
 
@@ -744,7 +748,7 @@ class Chunk:
         """
         self._assert_tier_mover("move its shard")
         if shard.shape != (self.shard_size,) or shard.dtype != self.master_dtype:
-            raise ValueError(
+            raise PlanError(
                 f"chunk {self.index}'s shard must be a {self.master_dtype} tensor of shape ({self.shard_size},), "
                 f"got {shard.dtype} {tuple(shard.shape)}"
             )

@@ -5,9 +5,12 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CollectiveTimeoutError",
+    "CommError",
     "ConfigError",
     "DeepSpeedConfigWarning",
     "GradientLostError",
+    "OwnershipError",
+    "PlanError",
     "PluginNotFoundError",
     "RanksDisagreeError",
     "RanksOutOfStepError",
@@ -55,6 +58,18 @@ class CollectiveTimeoutError(ZeroError, TimeoutError):
 
 class GradientLostError(ZeroError):
     """A gradient arrived after its chunk had already been reduced for this backward."""
+
+
+class PlanError(ZeroError, ValueError):
+    """A shard plan or a chunk layout is inconsistent (a strategy plugin's plan, a chunk built by hand)."""
+
+
+class CommError(ZeroError, ValueError):
+    """A collective was called with tensors or options it cannot take (sizes, an unknown op)."""
+
+
+class OwnershipError(ZeroError):
+    """A chunk was moved by code that does not own that move. See [Note: who moves a chunk]."""
 
 
 class CheckpointError(ZeroError):

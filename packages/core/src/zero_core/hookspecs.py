@@ -1,6 +1,6 @@
 """Hook specifications of the ``zero`` plugin system that concern every plugin.
 
-Plugins implement these with ``@zero_core.hookimpl`` and are found through the
+Plugins implement these with ``@zero_core.plugin.hookimpl`` and are found through the
 ``zero`` entry-point group (built-in parts register exactly like third-party ones).
 Hooks fire at setup and at step boundaries; per-chunk decisions call methods on the
 objects the hooks registered, never ``pm.hook``, because hook calls cost time.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from zero_core._engine import Engine
+    from zero_core._view import EngineView
     from zero_core._registry import Registry
     from zero_core.api import ZeroConfig
     from zero_core.comm import CommBackend
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from zero_core.strategy import ShardStrategy
 
 hookspec = pluggy.HookspecMarker("zero")
-#: Marks a plugin's implementation of a hook (re-exported as ``zero_core.hookimpl``).
+#: Marks a plugin's implementation of a hook (re-exported as ``zero_core.plugin.hookimpl``).
 hookimpl = pluggy.HookimplMarker("zero")
 
 __all__ = [
@@ -83,8 +83,11 @@ def zero_configure(config: ZeroConfig) -> None:
 
 
 @hookspec
-def zero_after_step(engine: Engine, stats: dict[str, Any]) -> None:
+def zero_after_step(engine: EngineView, stats: dict[str, Any]) -> None:
     """Called on every rank after each optimizer step with that step's counters.
+
+    ``engine`` is a read-only :class:`~zero_core.plugin.EngineView` (the step number, config,
+    rank, chunks and exact byte counts), not the engine itself.
 
     ``stats`` maps collective kind names to ``{"calls": int, "bytes_sent": int}``.
     """

@@ -14,7 +14,7 @@ A :class:`MeshSpec` is the mesh's shape and rank layout, nothing more: the estim
 with specs that have no process groups, and a strategy may derive new layouts (for
 example :meth:`MeshSpec.hybrid`) that core then builds groups for. Which module's
 parameters go on which mesh is the user's :class:`Topology`; which chunk goes where is the
-strategy's plan (:class:`zero_core.ChunkPlan`).
+strategy's plan (:class:`zero_core.plugin.ChunkPlan`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The placement policy interface and the built-in ``device`` and ``host`` policies.
 
-A placement policy decides, at every moment, in which :class:`~zero_core.MemoryTier`
+A placement policy decides, at every moment, in which :class:`~zero_core.plugin.MemoryTier`
 each chunk's shard lives. The engine calls it at fixed points, in this order:
 
 1. :meth:`PlacementPolicy.from_config` builds it from ``ZeroConfig.placement_options``;
@@ -21,7 +21,7 @@ each chunk's shard lives. The engine calls it at fixed points, in this order:
 
 Policies that move shards off the device live in zero-offload; the mechanics every policy
 needs (moving a shard while the optimizer keeps its parameters, routing gradients,
-stepping a subset of chunks) are on :class:`~zero_core.Chunk` and :class:`PlacementContext`.
+stepping a subset of chunks) are on :class:`~zero_core.plugin.Chunk` and :class:`PlacementContext`.
 
 Subclass :class:`zero_core.testing.PlacementPolicyConformance` to test a policy.
 """

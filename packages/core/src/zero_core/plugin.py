@@ -8,17 +8,27 @@ the supported surface for plugin authors and changes only with a changelog entry
 from __future__ import annotations
 
 from zero_core._accounting import in_engine_work
+from zero_core._log import get_logger
 from zero_core._ownership import in_policy_call, policy_call
-from zero_core._plugins import ENTRY_POINT_GROUP, hookimpl
+from zero_core._plugins import ENTRY_POINT_GROUP, ZeroPlugins, hookimpl
 from zero_core._registry import Registry
+from zero_core._scaler import LossScaler
 from zero_core._state import ChunkState, MemoryTier, TrainingState
+from zero_core._view import EngineView
 from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk, ChunkSpec, ParamInfo, ParamSlot, Segment, rewrap, to_local
 from zero_core.comm import CollectiveCount, CollectiveKind, CommBackend, CommStats, Pending, ring_bytes_sent
-from zero_core.errors import CollectiveTimeoutError, ConfigError, ZeroError
+from zero_core.errors import CollectiveTimeoutError, CommError, ConfigError, OwnershipError, PlanError, ZeroError
 from zero_core.hookspecs import hookspec
 from zero_core.mesh import MeshSpec, Topology
-from zero_core.placement import ChunkParts, PartTiers, PlacementContext, PlacementPolicy
+from zero_core.placement import (
+    ChunkParts,
+    DevicePlacementPolicy,
+    HostPlacementPolicy,
+    PartTiers,
+    PlacementContext,
+    PlacementPolicy,
+)
 from zero_core.strategy import ChunkPlan, Reduction, ShardPlan, ShardStrategy, reshard_for_mesh, round_up
 
 __all__ = [
@@ -33,16 +43,23 @@ __all__ = [
     "CollectiveKind",
     "CollectiveTimeoutError",
     "CommBackend",
+    "CommError",
     "CommStats",
     "ConfigError",
+    "DevicePlacementPolicy",
+    "EngineView",
+    "HostPlacementPolicy",
+    "LossScaler",
     "MemoryTier",
     "MeshSpec",
+    "OwnershipError",
     "ParamInfo",
     "ParamSlot",
     "PartTiers",
     "Pending",
     "PlacementContext",
     "PlacementPolicy",
+    "PlanError",
     "Reduction",
     "Registry",
     "Segment",
@@ -52,7 +69,9 @@ __all__ = [
     "TrainingState",
     "ZeroConfig",
     "ZeroError",
+    "ZeroPlugins",
     "hookimpl",
+    "get_logger",
     "hookspec",
     "in_engine_work",
     "in_policy_call",

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from zero_core.api import check_reshard_after_forward
 from zero_core.chunk import ChunkSpec, ParamInfo
-from zero_core.errors import ConfigError
+from zero_core.errors import ConfigError, PlanError
 from zero_core.mesh import MeshSpec, Topology
 
 if TYPE_CHECKING:
@@ -85,10 +85,10 @@ class ChunkPlan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, MeshSpec):
-            raise ConfigError(f"ChunkPlan.mesh must be a zero_core.MeshSpec, got {type(self.mesh).__name__}")
+            raise ConfigError(f"ChunkPlan.mesh must be a zero_core.plugin.MeshSpec, got {type(self.mesh).__name__}")
         reduction = Reduction.for_mesh(self.mesh) if self.reduction is None else self.reduction
         if not isinstance(reduction, Reduction):
-            raise ConfigError(f"ChunkPlan.reduction must be a zero_core.Reduction, got {reduction!r}")
+            raise ConfigError(f"ChunkPlan.reduction must be a zero_core.plugin.Reduction, got {reduction!r}")
         if reduction is Reduction.REDUCE_SCATTER and self.mesh.replicate_size > 1:
             raise ConfigError(
                 f"Reduction.REDUCE_SCATTER on {self.mesh} would leave its {self.mesh.replicate_size} replicas with "
@@ -146,36 +146,36 @@ class ShardPlan:
         seen: dict[int, int] = {}
         if self.chunk_plans is not None:
             if len(self.chunk_plans) != len(self.chunks):
-                raise ValueError(f"the plan has {len(self.chunks)} chunks but {len(self.chunk_plans)} chunk plans")
+                raise PlanError(f"the plan has {len(self.chunks)} chunks but {len(self.chunk_plans)} chunk plans")
             for i, cp in enumerate(self.chunk_plans):
                 if not isinstance(cp, ChunkPlan):
-                    raise ValueError(f"chunk plan {i} is a {type(cp).__name__}, not a zero_core.ChunkPlan")
+                    raise PlanError(f"chunk plan {i} is a {type(cp).__name__}, not a zero_core.plugin.ChunkPlan")
                 if topology is not None and sorted(cp.mesh.ranks) != sorted(topology.default.ranks):
-                    raise ValueError(f"chunk {i} is planned on {cp.mesh}, which does not span every data-parallel rank")
+                    raise PlanError(f"chunk {i} is planned on {cp.mesh}, which does not span every data-parallel rank")
         for i, spec in enumerate(self.chunks):
             if not spec.params:
-                raise ValueError(f"chunk {i} of the plan holds no parameter")
+                raise PlanError(f"chunk {i} of the plan holds no parameter")
             shard_size = self.chunk_plans[i].mesh.shard_size if self.chunk_plans is not None else world_size
             if spec.size % shard_size:
-                raise ValueError(f"chunk {i} has size {spec.size}, not a multiple of its shard group size {shard_size}")
+                raise PlanError(f"chunk {i} has size {spec.size}, not a multiple of its shard group size {shard_size}")
             if spec.used > spec.size:
-                raise ValueError(f"chunk {i} holds {spec.used} elements but its size is {spec.size}")
+                raise PlanError(f"chunk {i} holds {spec.used} elements but its size is {spec.size}")
             if topology is not None and topology.modules:
                 meshes = {topology.mesh_for(p.name) for p in spec.params}
                 if len(meshes) > 1:
-                    raise ValueError(f"chunk {i} mixes parameters of modules on different meshes ({len(meshes)} meshes)")
+                    raise PlanError(f"chunk {i} mixes parameters of modules on different meshes ({len(meshes)} meshes)")
             keys = {p.key for p in spec.params}
             if len(keys) > 1:
-                raise ValueError(f"chunk {i} mixes parameters of different dtype, requires_grad or optimizer group: {keys}")
+                raise PlanError(f"chunk {i} mixes parameters of different dtype, requires_grad or optimizer group: {keys}")
             for p in spec.params:
                 if id(p.param) in seen:
-                    raise ValueError(f"parameter {p.name} is in chunks {seen[id(p.param)]} and {i}")
+                    raise PlanError(f"parameter {p.name} is in chunks {seen[id(p.param)]} and {i}")
                 seen[id(p.param)] = i
         missing = [p.name for p in params if id(p.param) not in seen]
         if missing:
-            raise ValueError(f"the plan leaves out parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            raise PlanError(f"the plan leaves out parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
         if len(seen) != len(params):
-            raise ValueError("the plan holds parameters that are not the model's")
+            raise PlanError("the plan holds parameters that are not the model's")
         if self.gather_groups is not None:
             self._validate_groups()
 
@@ -183,18 +183,18 @@ class ShardPlan:
         expected = 0
         for g, members in enumerate(self.gather_groups or ()):
             if not members or list(members) != list(range(expected, expected + len(members))):
-                raise ValueError(
+                raise PlanError(
                     f"gather group {g} is {list(members)}, but groups must be non-empty runs of consecutive chunk "
                     f"indices covering every chunk in order; the next run must start at chunk {expected}"
                 )
             dtypes = {self.chunks[k].params[0].param.dtype for k in members}
             if len(dtypes) > 1:
-                raise ValueError(f"gather group {g} mixes parameter dtypes {sorted(map(str, dtypes))}; one all-gather carries one dtype")
+                raise PlanError(f"gather group {g} mixes parameter dtypes {sorted(map(str, dtypes))}; one all-gather carries one dtype")
             if self.chunk_plans is not None and len({self.chunk_plans[k] for k in members}) > 1:
-                raise ValueError(f"gather group {g} mixes chunk plans (meshes or resharding); one all-gather runs on one group")
+                raise PlanError(f"gather group {g} mixes chunk plans (meshes or resharding); one all-gather runs on one group")
             expected += len(members)
         if expected != len(self.chunks):
-            raise ValueError(f"the gather groups cover chunks 0..{expected - 1} but the plan has {len(self.chunks)} chunks")
+            raise PlanError(f"the gather groups cover chunks 0..{expected - 1} but the plan has {len(self.chunks)} chunks")
 
 
 class ShardStrategy(ABC):

@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from zero_core import Chunk, MemoryTier, PlacementPolicy, TrainingState, ZeroConfig
-from zero_core.plugin import PlacementContext, rewrap
+from zero_core import ZeroConfig
+from zero_core.plugin import Chunk, MemoryTier, PlacementContext, PlacementPolicy, TrainingState, rewrap
 from zero_offload._tiers import DEVICE, DISK, HOST, Part, Tiers
 from zero_offload.config import TierConfig
 from zero_offload.errors import DiskTierError, TierBudgetError

@@ -36,13 +36,13 @@ assumes the largest non-model peak of the warm-up at every point.
 from __future__ import annotations
 
 import bisect
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from zero_core import Chunk, ConfigError, TrainingState
+from zero_core import ConfigError
+from zero_core.plugin import Chunk, TrainingState, get_logger
 from zero_offload._base import TieredPolicy
 from zero_offload._tiers import DEVICE, HOST, Part
 from zero_offload._tracer import MemoryTracer
@@ -51,7 +51,7 @@ from zero_offload.errors import DeviceBudgetError
 
 __all__ = ["GeminiPolicy"]
 
-log = logging.getLogger("zero_offload")
+log = get_logger("offload")
 
 _INF = 1 << 62
 

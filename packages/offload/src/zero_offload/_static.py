@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from zero_core import Chunk, ChunkSpec
-from zero_core.plugin import ChunkParts, PartTiers
+from zero_core.plugin import Chunk, ChunkParts, ChunkSpec, PartTiers
 from zero_offload._base import TieredPolicy
 from zero_offload._tiers import DEVICE, HOST
 from zero_offload.config import StaticConfig

@@ -10,7 +10,7 @@ A chunk's model states come in three parts, each in its own tier at every moment
 :meth:`Tiers.move` moves one part of one chunk to another tier, copying exactly its
 bytes and charging its budget before anything changes, so a move that does not fit
 fails with the state untouched. A part that leaves a tier drops its storage there: a
-shard on the disk tier is the chunk's :meth:`~zero_core.Chunk.absent_shard` (one NaN
+shard on the disk tier is the chunk's :meth:`~zero_core.plugin.Chunk.absent_shard` (one NaN
 element, expanded) and optimizer states on disk are such stand-ins too, so any access
 that a policy did not prepare fails or shows NaN instead of reading stale values.
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import enum
 import inspect
-import logging
 import os
 import shutil
 from collections.abc import Sequence
@@ -32,15 +31,14 @@ from typing import Any
 
 import torch
 
-from zero_core import Chunk, MemoryTier
-from zero_core.plugin import PlacementContext, rewrap, to_local
+from zero_core.plugin import Chunk, MemoryTier, PlacementContext, rewrap, to_local, get_logger
 from zero_offload._disk import DiskStore
 from zero_offload.config import TierConfig, mib
 from zero_offload.errors import DiskTierError, TierBudgetError
 
 __all__ = ["Part", "Tiers"]
 
-log = logging.getLogger("zero_offload")
+log = get_logger("offload")
 
 DEVICE, HOST, DISK = MemoryTier.DEVICE, MemoryTier.HOST, MemoryTier.DISK
 
@@ -164,7 +162,7 @@ class Tiers:
 
     def location(self, tier: MemoryTier) -> torch.device:
         if tier is DISK:
-            raise ValueError("the disk tier has no torch device")
+            raise DiskTierError("the disk tier has no torch device; ask for the host or device tier")
         return self.device if tier is DEVICE else self.host
 
     # -- accounting -------------------------------------------------------------------

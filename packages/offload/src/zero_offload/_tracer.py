@@ -4,7 +4,7 @@
 Model data (shards, gathered buffers, gradient buffers, optimizer states) is accounted
 exactly by the engine and the tiers; the tracer measures the rest. A step is cut into
 *periods* at each compute point (a module about to run forward or backward with some
-chunks, :meth:`~zero_core.PlacementPolicy.before_compute`); for each period the tracer
+chunks, :meth:`~zero_core.plugin.PlacementPolicy.before_compute`); for each period the tracer
 reports the peak non-model bytes seen in it.
 
 - On CPU it counts tensor storage: a ``TorchDispatchMode`` sees every operator the step

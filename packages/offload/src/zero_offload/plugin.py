@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zero_core import PlacementPolicy, Registry, hookimpl
+from zero_core.plugin import PlacementPolicy, Registry, hookimpl
 from zero_offload._gemini import GeminiPolicy
 from zero_offload._static import StaticPolicy
 

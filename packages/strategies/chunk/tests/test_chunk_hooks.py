@@ -5,7 +5,8 @@ from torch import nn
 
 import zero_strategy_chunk.hookspecs
 import zero_strategy_chunk.plugin
-from zero_core import ChunkPolicy, ChunkSpec, ParamInfo, ZeroConfig, ZeroPlugins, hookimpl
+from zero_core import ChunkPolicy, ZeroConfig
+from zero_core.plugin import ChunkSpec, ParamInfo, ZeroPlugins, hookimpl
 from zero_strategy_chunk import ChunkStrategy, pack_chunks
 
 CONFIG = ZeroConfig(chunk=ChunkPolicy(chunk_size=64))

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from zero_core import ChunkPolicy, ParamInfo, ZeroConfig
+from zero_core import ChunkPolicy, ZeroConfig
+from zero_core.plugin import ParamInfo
 from zero_core.testing import ShardStrategyConformance
 from zero_strategy_chunk import ChunkStrategy, pack_chunks, search_chunk_size
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from zero_core import ParamInfo, ShardPlan, ZeroConfig, shard
+from zero_core import ZeroConfig, shard
+from zero_core.plugin import ParamInfo, ShardPlan
 from zero_core.testing import ShardStrategyConformance
 from zero_strategy_tensor import TensorStrategy, module_groups
 

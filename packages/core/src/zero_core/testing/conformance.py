@@ -87,7 +87,7 @@ def _comm_worker(backend_cls: type[CommBackend]) -> dict[str, Any]:
 
 
 class CommBackendConformance:
-    """Tests for a :class:`~zero_core.CommBackend`; set ``backend_class``.
+    """Tests for a :class:`~zero_core.plugin.CommBackend`; set ``backend_class``.
 
     The tests run the backend on 1 and 2 gloo ranks in separate processes.
     """
@@ -164,7 +164,7 @@ def _chunk_roundtrip_worker() -> list[tuple[str, torch.Tensor]]:
 
 
 class ChunkConformance:
-    """Tests for the :class:`~zero_core.Chunk` contract (state transitions and exact bytes)."""
+    """Tests for the :class:`~zero_core.plugin.Chunk` contract (state transitions and exact bytes)."""
 
     chunk_class: ClassVar[type[Chunk]] = Chunk
 
@@ -208,7 +208,7 @@ class ChunkConformance:
 
 
 class ShardStrategyConformance:
-    """Tests for a :class:`~zero_core.ShardStrategy`; set ``strategy_class`` (and ``config``, ``world_sizes`` if needed).
+    """Tests for a :class:`~zero_core.plugin.ShardStrategy`; set ``strategy_class`` (and ``config``, ``world_sizes`` if needed).
 
     Plans are made for every zoo model at each of ``world_sizes`` ranks, once without a
     topology (one 1-D mesh) and once for each of several user topologies: 1-D, every
@@ -246,7 +246,7 @@ class ShardStrategyConformance:
             assert a.chunk_plans == b.chunk_plans, topology
 
     def test_chunk_plans_fit_their_meshes(self) -> None:
-        """Without a topology, any chunk plans the strategy returns are one zero_core.ChunkPlan per chunk, each chunk's
+        """Without a topology, any chunk plans the strategy returns are one zero_core.plugin.ChunkPlan per chunk, each chunk's
         size divides by its mesh's shard size, and every mesh spans exactly ranks 0 .. world_size - 1.
         A failure usually means chunk sizes were rounded to world_size instead of the chunk's own shard group."""
         for case in ZOO:
@@ -321,7 +321,7 @@ def _check_chunk_plans(plan: ShardPlan, ranks: tuple[int, ...], where: str) -> N
         f"{where}: {len(plan.chunks)} chunks but {len(plan.chunk_plans)} chunk plans; give every chunk a ChunkPlan"
     )
     for i, (spec, cp) in enumerate(zip(plan.chunks, plan.chunk_plans)):
-        assert isinstance(cp, ChunkPlan), f"{where}: chunk plan {i} is a {type(cp).__name__}, not a zero_core.ChunkPlan"
+        assert isinstance(cp, ChunkPlan), f"{where}: chunk plan {i} is a {type(cp).__name__}, not a zero_core.plugin.ChunkPlan"
         assert spec.size % cp.mesh.shard_size == 0, (
             f"{where}: chunk {i} has size {spec.size}, not a multiple of its mesh's shard size {cp.mesh.shard_size} ({cp.mesh})"
         )
@@ -354,7 +354,7 @@ def _policy_worker(policy_class: type[PlacementPolicy], options: dict[str, Any],
 
 
 class PlacementPolicyConformance:
-    """Tests for a :class:`~zero_core.PlacementPolicy`; set ``policy_class`` (and ``options``, its placement_options).
+    """Tests for a :class:`~zero_core.plugin.PlacementPolicy`; set ``policy_class`` (and ``options``, its placement_options).
 
     The policy must train exactly like the ``device`` policy (single process and 2 ranks,
     stages 1 and 3), report every chunk's tier consistently, and leave every shard it is

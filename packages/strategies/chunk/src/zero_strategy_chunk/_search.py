@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zero_core import round_up
+from zero_core.plugin import PlanError, round_up
 
 __all__ = ["SearchResult", "outlier_threshold", "search_chunk_size"]
 
@@ -48,7 +48,7 @@ def search_chunk_size(
     Ties go to the smallest size.
     """
     if not sizes:
-        raise ValueError("cannot search a chunk size for zero parameters")
+        raise PlanError("cannot search a chunk size for zero parameters")
     total = int(sum(sizes))
     if total <= min_chunk_size:
         size = round_up(total, world_size)

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from zero_core import ChunkPlan, ChunkSpec, MeshSpec, ParamInfo, ShardPlan, ShardStrategy, Topology, ZeroConfig, round_up
-from zero_core.plugin import reshard_for_mesh
+from zero_core import ZeroConfig
+from zero_core.plugin import (
+    get_logger,
+    ChunkPlan,
+    ChunkSpec,
+    MeshSpec,
+    ParamInfo,
+    ShardPlan,
+    ShardStrategy,
+    Topology,
+    reshard_for_mesh,
+    round_up,
+)
 from zero_strategy_chunk._search import outlier_threshold, search_chunk_size
 
 if TYPE_CHECKING:
@@ -16,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ChunkStrategy", "mesh_plans", "pack_chunks"]
 
-logger = logging.getLogger("zero.strategy.chunk")
+logger = get_logger("strategy.chunk")
 
 
 def pack_chunks(params: Sequence[ParamInfo], *, world_size: int, config: ZeroConfig,

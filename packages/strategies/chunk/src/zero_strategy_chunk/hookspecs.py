@@ -2,7 +2,7 @@
 
 Added to each engine's plugin manager by this distribution's plugin
 (:func:`zero_strategy_chunk.plugin.zero_add_hookspecs`), so they exist exactly when the
-``chunk`` strategy is loaded. Implement them with ``@zero_core.hookimpl`` like core's hooks.
+``chunk`` strategy is loaded. Implement them with ``@zero_core.plugin.hookimpl`` like core's hooks.
 """
 
 from __future__ import annotations

@@ -18,8 +18,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from zero_core import ChunkPlan, ChunkSpec, MeshSpec, ParamInfo, ShardPlan, ShardStrategy, Topology, ZeroConfig, round_up
-from zero_core.plugin import reshard_for_mesh
+from zero_core import ZeroConfig
+from zero_core.plugin import (
+    ChunkPlan,
+    ChunkSpec,
+    MeshSpec,
+    ParamInfo,
+    ShardPlan,
+    ShardStrategy,
+    Topology,
+    reshard_for_mesh,
+    round_up,
+)
 
 if TYPE_CHECKING:
     import pluggy

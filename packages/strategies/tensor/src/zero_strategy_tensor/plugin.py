@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zero_core import Registry, ShardStrategy, hookimpl
+from zero_core.plugin import Registry, ShardStrategy, hookimpl
 from zero_strategy_tensor._strategy import TensorStrategy
 
 
