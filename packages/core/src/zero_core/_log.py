@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["get_logger", "logger"]
+__all__ = ["get_logger", "logger", "root"]
 
 ROOT = "zero"
+#: The root of the tree, made first so every ``zero.<name>`` logger is its child from the start.
+root = logging.getLogger(ROOT)
 
 
 def get_logger(name: str) -> logging.Logger:
