@@ -52,6 +52,7 @@ import torch.distributed as dist
 from zero_comm import BucketedCommBackend, TorchCommBackend
 from zero_core import ChunkPolicy, ZeroConfig
 from zero_core.plugin import Chunk, CollectiveKind, CommBackend, MemoryTier, ParamInfo, round_up
+from zero_core._collectives import gather_group
 from zero_core._group import build_groups
 from zero_core.chunk import BufferPool
 from zero_core.testing.gpt import GPT, GPTConfig
@@ -224,13 +225,13 @@ class GatherScenario(Scenario):
 
     def run(self) -> None:
         for group in self.groups:
-            group.gather(self.comm)
+            gather_group(group, self.comm)
         for chunk in self.chunks:
             chunk.release()
 
     def check(self) -> str | None:
         for group in self.groups:
-            group.gather(self.comm)
+            gather_group(group, self.comm)
         wrong = [i for i, (p, s) in enumerate(zip(self.params, self.sums)) if float(p.detach().double().sum()) != s]
         for chunk in self.chunks:
             chunk.release()

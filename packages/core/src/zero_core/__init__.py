@@ -5,7 +5,7 @@ returns. What plugins (strategies, comm backends, placement policies) need lives
 :mod:`zero_core.plugin`.
 """
 
-from zero_core import plugin
+from zero_core import plugin  # noqa: F401 - `zero_core.plugin` is reachable as an attribute, as before
 from zero_core._clip import clip_grad_norm_
 from zero_core._deepspeed import DeepSpeedConversion, config_from_deepspeed, convert_deepspeed_config
 from zero_core._estimate import Estimate, estimate

@@ -101,6 +101,7 @@ from torch import nn
 
 from zero_core._accounting import engine_work
 from zero_core._autograd import in_backward, reachable_params, tensors_of
+from zero_core._collectives import publish_group
 from zero_core._group import GatherGroup, build_groups
 from zero_core._inspection import iter_full_chunks
 from zero_core._lockstep import Lockstep
@@ -602,7 +603,7 @@ class Engine:
             with torch.profiler.record_function("ZeRO::publish_parameters"):
                 # one group at a time: each all-gather's receive buffer is free again before the next one takes it
                 for group in self._refresh_after_step:
-                    for pending in group.publish_parameters(self.comm):
+                    for pending in publish_group(group, self.comm):
                         if pending is not None:
                             pending.wait()
         self._free_idle_buffers()

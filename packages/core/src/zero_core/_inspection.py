@@ -148,8 +148,8 @@ def iter_full_chunks(chunks: Sequence[Chunk], *, placement: PlacementPolicy,
                 gather = chunk.groups.gather if chunk.groups is not None else comm
                 gather.all_gather(received, chunk.shard.to(chunk.device))
                 full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-                torch.split_with_sizes_copy(received.view(chunk.world_size, chunk.shard_size), chunk._split, dim=1,
-                                            out=chunk._regions(full))
+                torch.split_with_sizes_copy(received.view(chunk.world_size, chunk.shard_size), chunk.split_sizes, dim=1,
+                                            out=chunk.regions(full))
                 del received
         try:
             yield chunk, full

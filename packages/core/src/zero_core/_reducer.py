@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from zero_core._accounting import engine_work
+from zero_core._collectives import reduce_gradients
 from zero_core._waiter import ReductionWaiter
 from zero_core.chunk import Chunk
 from zero_core.comm import CommBackend
@@ -125,7 +126,7 @@ class GradientReducer:
     @engine_work
     def _launch(self, chunk: Chunk, loss_scale: float) -> None:
         with torch.profiler.record_function("ZeRO::reduce_scatter"):
-            self._waiter.submit(chunk.reduce_gradients(self._comm, loss_scale=loss_scale))
+            self._waiter.submit(reduce_gradients(chunk, self._comm, loss_scale=loss_scale))
         self.reduced.add(chunk.index)
         self._next += 1
 

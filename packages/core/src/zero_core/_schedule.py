@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from zero_core._collectives import gather_group
 from zero_core._group import GatherGroup
 from zero_core._state import ChunkState
 from zero_core.chunk import Chunk
@@ -104,11 +105,11 @@ class GatherScheduler:
         if how != "own":
             self.placement.before_gather(group.chunks)
         if how == "serve":
-            group.gather(self.comm, keep=False)
+            gather_group(group, self.comm, keep=False)
             # the shards were read for the peers only: a policy may put those of chunks not gathered here away again
             self.placement.after_release([c for c in group.chunks if not c.is_gathered])
         else:
-            group.gather(self.comm, async_op=how == "prefetch")
+            gather_group(group, self.comm, async_op=how == "prefetch")
         self._seen.add(group.index)
         self._record.append((group.index, how, self._cursor))
 
@@ -175,7 +176,7 @@ class GatherScheduler:
             if group.is_gathered:  # prefetched by an earlier round of this loop, or replayed
                 continue
             if not self.agree:
-                group.gather(self.comm)
+                gather_group(group, self.comm)
                 self._seen.add(group.index)
                 self._cursor = self._position(group.index)
                 self._prefetch_next()

@@ -66,9 +66,7 @@ one-process training, and so do those that reduce over a whole tensor through DT
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,229 +74,26 @@ from torch import nn
 
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from zero_core._buffers import BufferPool
 from zero_core._ownership import in_policy_call
+from zero_core._slots import (
+    ChunkSpec,
+    ParamInfo,
+    ParamSlot,
+    Segment,
+    layout_slots,
+    padded_shard_size,
+    rewrap,
+    to_local,
+)
 from zero_core._state import ChunkState, MemoryTier
-from zero_core.comm import CommBackend, Pending
+from zero_core.comm import CommBackend
 from zero_core.errors import OwnershipError, PlanError, ZeroError
 
-__all__ = ["BufferPool", "Chunk", "ChunkSpec", "ParamInfo", "ParamSlot", "Segment", "layout_slots", "padded_shard_size", "rewrap", "to_local"]
-
-
-@dataclass(frozen=True, slots=True)
-class ParamInfo:
-    """A parameter as the strategy sees it when planning.
-
-    Attributes:
-        name: Fully qualified name (the first one, for parameters shared under several names).
-        param: The parameter itself.
-        group: Index of the optimizer param group that holds it, or ``None``.
-    """
-
-    name: str
-    param: nn.Parameter
-    group: int | None
-
-    @property
-    def numel(self) -> int:
-        return self.param.numel()
-
-    @property
-    def key(self) -> tuple[object, ...]:
-        """Parameters may share a chunk only if these agree."""
-        return (self.param.dtype, self.param.requires_grad, self.group)
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkSpec:
-    """One chunk in a strategy's plan: which parameters, in order, and its padded size."""
-
-    params: tuple[ParamInfo, ...]
-    size: int
-
-    @property
-    def used(self) -> int:
-        return sum(p.numel for p in self.params)
-
-
-@dataclass(frozen=True, slots=True)
-class ParamSlot:
-    """Where one parameter lives inside its chunk. See [Note: chunk layout].
-
-    Attributes:
-        name: The parameter's (first) fully qualified name.
-        param: The unsharded parameter (the original object; a view of the full buffer while gathered).
-        offset: Where the parameter starts in the full buffer (``world_size * shard_offset``).
-        numel: Its number of elements.
-        shape: Its shape.
-        shard_offset: Where its piece starts in every rank's shard.
-        piece: Elements of one rank's piece, padding included (``rows * row``).
-        rows: Rows of dim 0 one piece holds (``ceil(d0 / world_size)``).
-        row: Elements per dim-0 row.
-    """
-
-    name: str
-    param: nn.Parameter
-    offset: int
-    numel: int
-    shape: torch.Size
-    shard_offset: int = 0
-    piece: int = 0
-    rows: int = 0
-    row: int = 1
-
-    @property
-    def replicated(self) -> bool:
-        """A zero-dimensional parameter: every rank holds it whole."""
-        return len(self.shape) == 0
-
-    def local_rows(self, rank: int) -> int:
-        """Rows of dim 0 that ``rank`` owns (``torch.chunk``'s rule)."""
-        if self.replicated:
-            return 1
-        return max(0, min(self.rows, self.shape[0] - rank * self.rows))
-
-    def local_shape(self, rank: int) -> torch.Size:
-        if self.replicated:
-            return torch.Size(())
-        return torch.Size((self.local_rows(rank), *self.shape[1:]))
-
-    def own_range(self, rank: int) -> tuple[int, int]:
-        """Elements ``[lo, hi)`` of the flattened parameter in ``rank``'s piece (a replicated one: rank 0 owns it)."""
-        if self.replicated:
-            return (0, 1) if rank == 0 else (0, 0)
-        lo = min(rank * self.rows, self.shape[0]) * self.row
-        return lo, lo + self.local_rows(rank) * self.row
-
-    def held_range(self, rank: int) -> tuple[int, int]:
-        """Elements ``[lo, hi)`` ``rank`` holds: its own range, and a replicated parameter everywhere."""
-        return (0, 1) if self.replicated else self.own_range(rank)
-
-
-def layout_slots(params: Sequence[tuple[str, nn.Parameter]], world_size: int) -> tuple[tuple[ParamSlot, ...], int]:
-    """The slots of these parameters in one chunk, and the elements their pieces take in a shard."""
-    slots, offset = [], 0
-    for name, param in params:
-        shape = param.shape
-        if len(shape) == 0:
-            rows, row = 1, 1
-        else:
-            row = 1
-            for d in shape[1:]:
-                row *= d
-            rows = -(-shape[0] // world_size)
-        piece = rows * row
-        slots.append(ParamSlot(name, param, world_size * offset, param.numel(), shape, offset, piece, rows, row))
-        offset += piece
-    return tuple(slots), offset
-
-
-def padded_shard_size(params: Sequence[tuple[str, nn.Parameter]] | Sequence[torch.Size], world_size: int, size: int) -> int:
-    """A chunk's shard size: the plan's ``size / world_size``, or more when the per-parameter padding needs it."""
-    total = 0
-    for item in params:
-        shape = item if isinstance(item, torch.Size) else item[1].shape
-        if len(shape) == 0:
-            total += 1
-            continue
-        row = 1
-        for d in shape[1:]:
-            row *= d
-        total += -(-shape[0] // world_size) * row
-    if len(params) == 1:  # one parameter: its piece is the shard (see Chunk.__init__)
-        return total
-    return max(size // world_size, total)
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """One parameter as the optimizer sees it on this rank. See [Note: optimizer segments].
-
-    Attributes:
-        slot: Index of the parameter in the chunk's slots.
-        begin: Offset of its piece inside the shard.
-        param: The sharded parameter: what the model holds between steps and the optimizer updates.
-    """
-
-    slot: int
-    begin: int
-    param: nn.Parameter
-
-    @property
-    def local(self) -> torch.Tensor:
-        """This rank's piece of the parameter (a plain tensor: the DTensor's local tensor)."""
-        return to_local(self.param)
-
-    @property
-    def numel(self) -> int:
-        """Elements of this rank's piece."""
-        return to_local(self.param).numel()
-
-
-def to_local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor; any other tensor itself."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # type: ignore[attr-defined]
-
-
-def rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` in ``like``'s form: a DTensor with ``like``'s sharding when ``like`` is one, else ``local`` itself.
-
-    For code that moves an optimizer state's local values (placement policies): the state
-    must stay a DTensor like its parameter."""
-    if isinstance(like, DTensor):
-        return DTensor(local, like._spec, requires_grad=False)  # type: ignore[attr-defined]
-    return local
-
-
-class BufferPool:
-    """Reusable full-size buffers (gradients, receive buffers), keyed by (size, dtype, device).
-
-    Fresh multi-megabyte CPU allocations are mapped anew and page-faulted on first touch,
-    which cost about as much as the gradient copy itself; a pool keeps the few buffers a
-    backward has in flight at once. It keeps them for one phase only (:meth:`clear`): see
-    [Note: no idle buffers between steps] in ``zero_core._engine``. Thread-safe: the
-    reduction waiter returns buffers.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-        # Bytes of buffers taken and not given back (in use by a backward or a reduction in flight).
-        self.lent = 0
-
-    def take(self, size: int, dtype: torch.dtype, device: torch.device, *, zeroed: bool = True) -> torch.Tensor:
-        """A buffer of ``size`` elements, zero-filled unless ``zeroed=False`` (a buffer about to be overwritten)."""
-        with self._lock:
-            free = self._free.get((size, dtype, device))
-            buf = free.pop() if free else None
-            self.lent += size * dtype.itemsize
-        if buf is None:
-            return torch.zeros(size, dtype=dtype, device=device) if zeroed else torch.empty(size, dtype=dtype, device=device)
-        return buf.zero_() if zeroed else buf
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
-            self.lent -= buf.numel() * buf.element_size()
-
-    def keep(self, buf: torch.Tensor) -> None:
-        """``buf`` was taken and will never come back (it became a gradient): stop counting it as lent."""
-        with self._lock:
-            self.lent -= buf.numel() * buf.element_size()
-
-    def clear(self) -> None:
-        """Drop the idle buffers (the lent ones come back and are kept until the next ``clear``).
-
-        The engine clears its pool when a backward's reductions are done and after each step, so no
-        full-size buffer sits idle between steps: the memory goes back to the allocator, where the next
-        forward's activations reuse it, instead of being reserved for a phase that is over."""
-        with self._lock:
-            self._free.clear()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the idle buffers the pool keeps."""
-        with self._lock:
-            return sum(b.numel() * b.element_size() for bufs in self._free.values() for b in bufs)
+# The layout records and the buffer pool live in their own modules (below this one); re-exported here,
+# where every caller has always found them.
+__all__ = ["BufferPool", "Chunk", "ChunkSpec", "ParamInfo", "ParamSlot", "Segment", "layout_slots", "padded_shard_size",
+           "rewrap", "to_local"]
 
 
 class Chunk:
@@ -349,16 +144,16 @@ class Chunk:
         self.used = spec.used
         # Column sizes of a (world_size, shard_size) view: each parameter's piece, then the shard's tail padding.
         tail = self.shard_size - pieces_numel
-        self._split = [s.piece for s in self.slots] + ([tail] if tail else [])
+        self.split_sizes = [s.piece for s in self.slots] + ([tail] if tail else [])
         self._has_replicated = any(s.replicated for s in self.slots)
         # One column: parameter-major and rank-major coincide (see the shard size above).
-        self._direct = len(self._split) == 1
+        self.direct = len(self.split_sizes) == 1
         # Stages 1 and 2 keep the full buffer for the whole run, and so does a single rank; at stage 3 a
         # placement policy may keep some chunks gathered too (zero-offload's shard_param_frac).
         self.persistent = stage < 3 or world_size == 1 or keep_gathered
         # In one dtype, a kept full buffer holds the master values: the optimizer updates this rank's pieces of it.
         self.shard_is_view = self.persistent and self.dtype == self.master_dtype
-        # Runtime state, changed only through the transition methods below.
+        # Runtime state, changed only through the transition methods below (the collectives call them).
         self.state = ChunkState.GATHERED
         self._tier = MemoryTier.DEVICE
         # Set by shard(): the engine owns this chunk, and [Note: who moves a chunk] is asserted.
@@ -368,7 +163,7 @@ class Chunk:
         if not self.persistent:  # allocated by pack() (or never, by begin_fill()): building every chunk costs nothing
             self.full.untyped_storage().resize_(0)
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
-        self._pending_gather: Pending | None = None
+        self._pending_gather: Any = None  # the completion object of the gather in flight
         self.pool = pool or BufferPool()
         # This rank's shard (master dtype), None while the kept full buffer holds it (shard_is_view).
         self._shard: torch.Tensor | None = None
@@ -391,15 +186,15 @@ class Chunk:
         self._post_forward_copy: torch.Tensor | None = None
 
     # -- which group a collective runs on -------------------------------------------------
-    def _comm(self, given: CommBackend, role: str = "gather") -> CommBackend:
+    def comm_for(self, given: CommBackend, role: str = "gather") -> CommBackend:
         """The chunk's own group for ``role`` when shard() gave it groups, else the one the caller passed."""
         return given if self.groups is None else getattr(self.groups, role)
 
     # -- layout helpers ---------------------------------------------------------------
-    def _regions(self, buf: torch.Tensor) -> list[torch.Tensor]:
+    def regions(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """``buf`` (parameter-major, ``size`` elements) cut into one ``(world_size, piece)`` view per column of the split."""
         out, at = [], 0
-        for width in self._split:
+        for width in self.split_sizes:
             out.append(buf[at : at + self.world_size * width].view(self.world_size, width))
             at += self.world_size * width
         return out
@@ -408,7 +203,7 @@ class Chunk:
         """This rank's padded piece of each parameter inside a parameter-major buffer (full or gradient)."""
         return [buf[s.offset + self.rank * s.piece : s.offset + (self.rank + 1) * s.piece] for s in self.slots]
 
-    def _shard_pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
+    def shard_pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
         return [shard[s.shard_offset : s.shard_offset + s.piece] for s in self.slots]
 
     def _local(self, i: int, piece: torch.Tensor) -> torch.Tensor:
@@ -433,15 +228,15 @@ class Chunk:
     def copy_out(self, rank_major: torch.Tensor) -> None:
         """Fill the full buffer from a ``(world_size, shard_size)`` view of the ranks' shards (an all-gather's output)."""
         with torch.no_grad():
-            if self._direct:
+            if self.direct:
                 self.full.view(self.world_size, self.shard_size).copy_(rank_major)
             else:
-                torch.split_with_sizes_copy(rank_major, self._split, dim=1, out=self._regions(self.full))
+                torch.split_with_sizes_copy(rank_major, self.split_sizes, dim=1, out=self.regions(self.full))
 
     def copy_in(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """Lay a parameter-major buffer (gradients) out rank-major into ``out`` (``size`` elements), casting to its dtype."""
         with torch.no_grad():
-            torch.cat(self._regions(flat), dim=1, out=out.view(self.world_size, self.shard_size))
+            torch.cat(self.regions(flat), dim=1, out=out.view(self.world_size, self.shard_size))
 
     @property
     def shard(self) -> torch.Tensor:
@@ -467,7 +262,7 @@ class Chunk:
         point does a rank hold more than its parameters plus one full chunk (two when the
         compute dtype differs: the master copy is staged in the parameters' dtype).
         """
-        self._assert_state(ChunkState.GATHERED)
+        self.check_state(ChunkState.GATHERED)
         with torch.no_grad():
             self.full.untyped_storage().resize_(self.size * self.full.element_size())
             self.full.zero_()
@@ -479,7 +274,7 @@ class Chunk:
             if broadcast_from_rank0 and self.world_size > 1:
                 comm.broadcast(staging, src=0)
             if self._has_replicated:  # every rank's piece of a replicated parameter holds its value
-                for slot, region in zip(self.slots, self._regions(staging)):
+                for slot, region in zip(self.slots, self.regions(staging)):
                     if slot.replicated:
                         region.copy_(region[:1].expand_as(region))
             if staging is not self.full:
@@ -488,7 +283,7 @@ class Chunk:
                 self.pieces = self.own_pieces(self.full)
             else:
                 self._shard = self._pack(self.own_pieces(staging), self.master_dtype)
-                self.pieces = self._shard_pieces(self._shard)
+                self.pieces = self.shard_pieces(self._shard)
             del staging
             if not self.persistent:
                 self.release()
@@ -501,7 +296,7 @@ class Chunk:
         :func:`zero_core.lazy_init`): the values come through :meth:`fill`, and a stage-3 chunk
         never allocates its full buffer here.
         """
-        self._assert_state(ChunkState.GATHERED)
+        self.check_state(ChunkState.GATHERED)
         for slot in self.slots:
             if slot.param.device.type == "meta":  # a meta tensor cannot take real data: swap in a real one, same object
                 real = torch.Tensor._make_subclass(type(slot.param), torch.empty(0, dtype=self.master_dtype, device=self.device),
@@ -517,7 +312,7 @@ class Chunk:
                 self.pieces = self.own_pieces(self.full)
             else:
                 self._shard = torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.device)
-                self.pieces = self._shard_pieces(self._shard)
+                self.pieces = self.shard_pieces(self._shard)
             if not self.persistent:
                 for slot in self.slots:
                     slot.param.data = self._empty
@@ -579,22 +374,22 @@ class Chunk:
 
     @tier.setter
     def tier(self, tier: MemoryTier) -> None:
-        self._assert_tier_mover("change its tier")
+        self.check_tier_mover("change its tier")
         self._tier = tier
 
-    def _assert_tier_mover(self, what: str) -> None:
+    def check_tier_mover(self, what: str) -> None:
         if self.owned and not in_policy_call():
             raise OwnershipError(
                 f"chunk {self.index}: only a placement policy, inside a hook the engine calls, may {what} "
                 "(see [Note: who moves a chunk])")
 
-    def _assert_state_mover(self, what: str) -> None:
+    def check_state_mover(self, what: str) -> None:
         if self.owned and in_policy_call():
             raise OwnershipError(
                 f"chunk {self.index}: a placement policy may not {what}; only the engine gathers and releases "
                 "(see [Note: who moves a chunk])")
 
-    def _assert_state(self, *states: ChunkState) -> None:
+    def check_state(self, *states: ChunkState) -> None:
         if self.state not in states:
             raise ZeroError(f"chunk {self.index} is {self.state.value}, expected one of {[s.value for s in states]}; "
                             "this is a bug in zero or in a plugin that drives chunks directly")
@@ -611,7 +406,7 @@ class Chunk:
 
     def take_post_forward_copy(self) -> torch.Tensor:
         """SHARDED_POST_FORWARD -> SHARDED: hand over the kept part (to the all-gather that uses it)."""
-        self._assert_state(ChunkState.SHARDED_POST_FORWARD)
+        self.check_state(ChunkState.SHARDED_POST_FORWARD)
         copy, self._post_forward_copy = self._post_forward_copy, None
         self.state = ChunkState.SHARDED
         return copy
@@ -622,36 +417,14 @@ class Chunk:
             self._post_forward_copy = None
             self.state = ChunkState.SHARDED
 
-    def gather(self, comm: CommBackend, *, async_op: bool = False) -> None:
-        """SHARDED -> GATHERED (or GATHERING with ``async_op``): re-allocate the full buffer and all-gather into it.
 
-        From SHARDED_POST_FORWARD the kept part is gathered inside its group of ``k`` ranks instead."""
-        if self.persistent:
-            return
-        self._assert_state_mover("gather it")
-        self._assert_state(ChunkState.SHARDED, ChunkState.SHARDED_POST_FORWARD)
-        comm, send = self._comm(comm), None
-        if self.state is ChunkState.SHARDED_POST_FORWARD:
-            comm, send = self.groups.sub, self.take_post_forward_copy()
-        send = self._compute_shard() if send is None else send
-        self.full.untyped_storage().resize_(self.size * self.full.element_size())
-        if self._direct:  # the ranks' shards side by side are the full buffer
-            pending = comm.all_gather(self.full, send, async_op=async_op)
-            self._pending_gather = _CopyOut(self, pending, None)
-        else:
-            received = self.pool.take(self.size, self.dtype, self.device, zeroed=False)
-            pending = comm.all_gather(received, send, async_op=async_op)
-            self._pending_gather = _CopyOut(self, pending, received)
-        self.state = ChunkState.GATHERING
-        if not async_op:
-            self.wait()
-
-    def begin_gather(self, pending: Pending) -> None:
-        """SHARDED -> GATHERING for an all-gather someone else issued (a gather group's), which
-        fills the full buffer by the time ``pending.wait()`` returns. A kept post-forward part is
-        dropped (a group takes the parts it gathers with :meth:`take_post_forward_copy` first)."""
+    def begin_gather(self, pending: Any) -> None:
+        """SHARDED -> GATHERING: allocate the full buffer for an all-gather about to be issued
+        (:mod:`zero_core._collectives`), whose completion object ``pending`` fills it by the time
+        ``pending.wait()`` returns. A kept post-forward part is dropped (a gather of kept parts
+        takes them with :meth:`take_post_forward_copy` first)."""
         self.drop_post_forward_copy()
-        self._assert_state(ChunkState.SHARDED)
+        self.check_state(ChunkState.SHARDED)
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
         self._pending_gather = pending
         self.state = ChunkState.GATHERING
@@ -676,9 +449,9 @@ class Chunk:
         gathers them inside its group of ``k`` ranks (:meth:`gather` uses the copy, then drops it)."""
         if self.persistent:
             return
-        self._assert_state_mover("release it")
+        self.check_state_mover("release it")
         self.wait()
-        self._assert_state(ChunkState.GATHERED)
+        self.check_state(ChunkState.GATHERED)
         kept = None
         if keep_copy and self.groups is not None and self.groups.sub is not None:
             k = self.groups.sub.world_size
@@ -694,13 +467,8 @@ class Chunk:
         self._post_forward_copy = kept
         self.state = ChunkState.SHARDED if kept is None else ChunkState.SHARDED_POST_FORWARD
 
-    def gather_for_peers(self, comm: CommBackend) -> None:
-        """Join an all-gather of this chunk that other ranks need, without changing local state."""
-        scratch = self.pool.take(self.size, self.dtype, self.device, zeroed=False)
-        self._comm(comm).all_gather(scratch, self._compute_shard())
-        self.pool.give(scratch)
 
-    def _compute_shard(self) -> torch.Tensor:
+    def compute_shard(self) -> torch.Tensor:
         """This rank's shard in the compute dtype, on the compute device: what an all-gather sends."""
         if self._shard is None:
             return self._pack(self.own_pieces(self.full), self.dtype)
@@ -713,14 +481,14 @@ class Chunk:
         # a shard out of memory (on disk) was copied here by its placement policy before it left
         if self._shard is not None and self.shard_in_memory:
             with torch.no_grad():
-                torch.split_with_sizes_copy(self._shard.to(self.device, self.dtype), self._split, out=own + self._tail(self.full))
+                torch.split_with_sizes_copy(self._shard.to(self.device, self.dtype), self.split_sizes, out=own + self._tail(self.full))
         return self._pack(own, self.dtype)
 
     def _tail(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """The shard's tail padding inside ``buf``'s own rank row (empty list when there is none)."""
-        if len(self._split) == len(self.slots):
+        if len(self.split_sizes) == len(self.slots):
             return []
-        return [self._regions(buf)[-1][self.rank]]
+        return [self.regions(buf)[-1][self.rank]]
 
     def move_shard(self, device: torch.device) -> None:
         """Keep the master shard (and so its gradients and optimizer states) on ``device`` from now on.
@@ -746,7 +514,7 @@ class Chunk:
         shard's storage is dropped with its last reference. To take a shard out of memory (to
         disk), pass :meth:`absent_shard`.
         """
-        self._assert_tier_mover("move its shard")
+        self.check_tier_mover("move its shard")
         if shard.shape != (self.shard_size,) or shard.dtype != self.master_dtype:
             raise PlanError(
                 f"chunk {self.index}'s shard must be a {self.master_dtype} tensor of shape ({self.shard_size},), "
@@ -757,7 +525,7 @@ class Chunk:
         if shard.stride(0) == 0:  # absent: every piece is a stand-in of the right size
             self.pieces = [shard[: s.piece] for s in self.slots]
         else:
-            self.pieces = self._shard_pieces(shard)
+            self.pieces = self.shard_pieces(shard)
         for seg in self.segments:
             _repoint(seg.param, self._local(seg.slot, self.pieces[seg.slot]))
 
@@ -776,30 +544,6 @@ class Chunk:
         """False while the shard is :meth:`absent_shard` (on disk)."""
         return self._shard is None or self.shard_size == 0 or self._shard.stride(0) != 0
 
-    def publish_parameters(self, comm: CommBackend, *, async_op: bool = False) -> Pending | None:
-        """After an optimizer step (or a load), bring a kept full buffer up to date with the updated shards.
-
-        Stages 1 and 2: the rank's pieces are refreshed from its master shard and the ranks'
-        pieces all-gathered and copied out. One rank with a separate master: a cast copy.
-        Stage 3 needs nothing: the next gather reads the shard.
-        """
-        if not self.persistent:
-            return None
-        self._assert_state(ChunkState.GATHERED)
-        comm = self._comm(comm)
-        send = self.refresh_own_slice()
-        if self.world_size == 1:
-            return None
-        if self._direct:  # in place: this rank's slice of the full buffer is what it sends
-            own = self.full[self.rank * self.shard_size : (self.rank + 1) * self.shard_size]
-            return comm.all_gather(self.full, own, async_op=async_op)
-        received = self.pool.take(self.size, self.dtype, self.device, zeroed=False)
-        pending = comm.all_gather(received, send, async_op=async_op)
-        copy = _CopyOut(self, pending, received)
-        if not async_op:
-            copy.wait()
-            return None
-        return copy
 
     @property
     def has_unreduced_gradients(self) -> bool:
@@ -875,25 +619,14 @@ class Chunk:
                 seg.param.grad = self.wrap(seg.slot, to_local(grad).clone())
         return self.grad_full.zero_()
 
-    def reduce_gradients(self, comm: CommBackend, *, loss_scale: float = 1.0, replicate: CommBackend | None = None,
-                         all_reduce: bool = False) -> _Reduction:
-        """Start reducing this backward's parameter gradients to this rank's shard (mean over ranks).
 
-        ``comm`` reduces over the shard group: a reduce-scatter, or with ``all_reduce`` an
-        all-reduce of the whole gradient of which this rank keeps its shard. ``replicate``
-        then sums the shard over the replicas (HSDP); both run on the waiter thread's
-        ``complete()`` except the reduce-scatter, which is issued here.
+    def gradients_for_reduction(self) -> torch.Tensor:
+        """Hand over this backward's gradients as one full-size, parameter-major buffer; every ``.grad`` is dropped.
 
-        Returns the handle that completes it, leaving the result, in the master dtype and
-        divided by ``loss_scale``, in ``reduced_grad``. Parameters that got no gradient on
-        this rank contribute zeros. Gradients autograd placed elsewhere than the prepared
-        buffer are copied in; every ``.grad`` is dropped.
-        """
-        if self.groups is not None:
-            comm, replicate = self.groups.reduce, self.groups.replicate
-            all_reduce = self.groups.all_reduce
-            if all_reduce:
-                comm = self.groups.reduce_all
+        Gradients autograd placed elsewhere than the prepared buffer are copied in; each rank's
+        piece of a replicated (zero-dimensional) parameter carries its gradient, so every rank
+        gets the sum. The caller (:func:`zero_core._collectives.reduce_gradients`) gives a pooled
+        buffer back; stage 1's kept buffer is never pooled."""
         flat, self._grad_flat = self._grad_flat, None
         if flat is None:
             flat = self._take_grad_buffer()
@@ -905,56 +638,29 @@ class Chunk:
                     if grad.data_ptr() != target.data_ptr():
                         target.copy_(grad.reshape(-1))
                     slot.param.grad = None
-            if self._has_replicated:  # each rank's piece of a replicated parameter carries its gradient: all get the sum
-                for slot, region in zip(self.slots, self._regions(flat)):
+            if self._has_replicated:
+                for slot, region in zip(self.slots, self.regions(flat)):
                     if slot.replicated:
                         region.copy_(region[:1].expand_as(region))
-        pooled = flat if flat is not self.grad_full else None
-        divisor = self.world_size * self.replicas * loss_scale
-        if self.world_size == 1:  # one rank: the layouts coincide, the buffer itself becomes the gradient
-            send = flat if flat.dtype == self.reduce_dtype else flat.to(self.reduce_dtype)
-            if pooled is not None:
-                if send is flat:
-                    self.pool.keep(pooled)
-                else:
-                    self.pool.give(pooled)
-            if replicate is not None and self.predivide != 1.0:
-                send.div_(self.predivide)
-                divisor /= self.predivide
-            return _Reduction(self, None, send, None, divisor, replicate=replicate)
-        if self._direct and flat.dtype == self.reduce_dtype:  # the gradient buffer is already rank-major: send it
-            send = flat
-        else:
-            send = self.pool.take(self.size, self.reduce_dtype, self.device, zeroed=False)
-            self.copy_in(flat, send)  # rank-major, cast to the reduce dtype: the parameter-major buffer is free again
-            if pooled is not None:
-                self.pool.give(pooled)
-        if send is self.grad_full:  # stage 1's kept buffer is never pooled
-            pooled_send = None
-        else:
-            pooled_send = send
-        if self.predivide != 1.0:
-            send.div_(self.predivide)  # send is consumed by this reduction: dividing in place is safe
-            divisor /= self.predivide
-        if all_reduce:  # the whole gradient is summed on the waiter thread; this rank then keeps its row
-            return _Reduction(self, None, send, pooled_send, divisor, replicate=replicate, all_reduce=comm)
-        reduced = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=self.device)
-        pending = comm.reduce_scatter(reduced, send, async_op=True)
-        if pooled_send is not None and getattr(pending, "input_released", False):
-            self.pool.give(pooled_send)  # a bucketing backend copied it: reuse it for the next gradient now
-            pooled_send = None
-        return _Reduction(self, pending, reduced, pooled_send, divisor, replicate=replicate)
+        return flat
 
-    def _grad_pieces(self, reduced: torch.Tensor) -> list[torch.Tensor]:
+    @property
+    def gradient_device(self) -> torch.device:
+        """Where reduced gradients land: ``grad_device`` when a placement policy set one, else the master shard's."""
+        if self.grad_device is not None:
+            return self.grad_device
+        return self._shard.device if self._shard is not None else self.device
+
+    def grad_pieces(self, reduced: torch.Tensor) -> list[torch.Tensor]:
         """The reduced shard (master dtype, where gradients go) as one piece per slot; stage 1 keeps
         them in its kept full-size buffer when nothing moved them elsewhere, so gradients are held once."""
         if (self.grad_full is not None and self.world_size > 1 and reduced.device == self.grad_full.device
                 and reduced.dtype == self.grad_full.dtype):
             own = self.own_pieces(self.grad_full)
             with torch.no_grad():
-                torch.split_with_sizes_copy(reduced, self._split, out=own + self._tail(self.grad_full))
+                torch.split_with_sizes_copy(reduced, self.split_sizes, out=own + self._tail(self.grad_full))
             return own
-        return list(reduced.split(self._split)[: len(self.slots)])
+        return list(reduced.split(self.split_sizes)[: len(self.slots)])
 
     def publish_gradients(self, present: Sequence[bool]) -> None:
         """Hand the reduced gradient to the sharded parameters, as autograd would to parameters.
@@ -1015,57 +721,3 @@ def _repoint(param: nn.Parameter, local: torch.Tensor) -> None:
         param.grad = rewrap(grad, to_local(grad).to(local.device))
 
 
-class _CopyOut:
-    """An all-gather of shards in flight; ``wait()`` (idempotent) copies them out into the chunk's full buffer."""
-
-    def __init__(self, chunk: Chunk, pending: Pending | None, received: torch.Tensor | None) -> None:
-        self._chunk, self._pending, self._received = chunk, pending, received
-
-    def wait(self) -> None:
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
-        if self._received is None:  # gathered in place (a one-parameter chunk), or already copied out
-            return
-        chunk, received, self._received = self._chunk, self._received, None
-        chunk.copy_out(received.view(chunk.world_size, chunk.shard_size))
-        chunk.pool.give(received)
-
-
-class _Reduction:
-    """A chunk's gradient reduce-scatter in flight; ``complete()`` stores the mean in the chunk."""
-
-    def __init__(
-        self, chunk: Chunk, pending: Pending | None, reduced: torch.Tensor, pooled: torch.Tensor | None,
-        divisor: float, *, replicate: CommBackend | None = None, all_reduce: CommBackend | None = None,
-    ) -> None:
-        self._chunk, self._pending, self._reduced, self._pooled = chunk, pending, reduced, pooled
-        self._divisor = divisor
-        self._replicate, self._all_reduce = replicate, all_reduce
-
-    def complete(self) -> None:
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
-        if self._all_reduce is not None and self._reduced is not None:
-            # Reduction.ALL_REDUCE over the shard group: the rank-major sum, of which this rank keeps its row
-            comm, self._all_reduce = self._all_reduce, None
-            comm.all_reduce(self._reduced)
-            chunk = self._chunk
-            self._reduced = self._reduced.view(chunk.world_size, chunk.shard_size)[chunk.rank].clone()
-        if self._replicate is not None and self._reduced is not None:
-            # HSDP: the shard group's sum of this shard, summed again over the replicas that hold the same shard
-            replicate, self._replicate = self._replicate, None
-            replicate.all_reduce(self._reduced)
-        if self._reduced is not None:
-            # moved to where the master shard lives (the host, when offloaded), never copied and kept twice
-            chunk = self._chunk
-            target = chunk.grad_device or (chunk._shard.device if chunk._shard is not None else chunk.device)
-            grad = self._reduced.to(target, chunk.master_dtype)
-            if self._divisor != 1.0:
-                grad.div_(self._divisor)
-            self._chunk.reduced_grad = chunk._grad_pieces(grad) if chunk.world_size > 1 else chunk._shard_pieces(grad)
-            self._reduced = None
-        if self._pooled is not None:  # the collective is done with it
-            self._chunk.pool.give(self._pooled)
-            self._pooled = None

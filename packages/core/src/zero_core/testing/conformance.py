@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from zero_core._collectives import gather_chunk
 from zero_core._plugins import hookimpl
 from zero_core._state import ChunkState, MemoryTier
 from zero_core.api import ChunkPolicy, ZeroConfig
@@ -155,7 +156,7 @@ def _chunk_roundtrip_worker() -> list[tuple[str, torch.Tensor]]:
         chunk.pack(comm, broadcast_from_rank0=True)
         assert chunk.state is ChunkState.SHARDED or chunk.persistent
         assert chunk.shard.numel() == chunk.shard_size
-        chunk.gather(comm)
+        gather_chunk(chunk, comm)
         for slot in chunk.slots:
             assert torch.equal(slot.param.detach(), expected[slot.name]), slot.name
             out.append((slot.name, slot.param.detach().clone()))

@@ -1,0 +1,329 @@
+"""The collectives of chunks and gather groups, as free functions.
+
+[Note: allocation apart from the call]
+Every all-gather and reduce-scatter the runtime issues for parameters and gradients is one of
+the functions here. Each first takes the buffers it needs (from the chunk's or group's
+:class:`~zero_core._buffers.BufferPool`, or the chunk's own full buffer), marks the chunk as
+gathering with the object that will complete it, and only then issues the collective on the
+comm backend and hands it the work handle. Where a buffer is allocated is decided apart from
+the call that fills it, which is what CUDA streams need (allocate on the stream that consumes
+the buffer, issue on the communication stream) and what keeps the chunk's state changes in
+one place: a chunk changes state only through its own transitions (``begin_gather``,
+``wait``, ``release``), never inside a collective.
+
+The completion objects (``_CopyOut``, ``_Unpack``, ``_CopiesOut``, ``Reduction``) copy results
+out and return buffers; a ``Reduction`` completes on the reducer's waiter thread and touches
+only the chunk's ``reduced_grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from zero_core._state import ChunkState
+from zero_core.chunk import Chunk
+from zero_core.comm import CommBackend, Pending
+
+if TYPE_CHECKING:
+    from zero_core._group import GatherGroup
+
+__all__ = ["Reduction", "gather_chunk", "gather_for_peers", "gather_group", "publish_chunk", "publish_group",
+           "reduce_gradients"]
+
+
+# -- parameters: all-gathers ----------------------------------------------------------------------------
+def gather_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) -> None:
+    """SHARDED (or SHARDED_POST_FORWARD) -> GATHERED, or GATHERING with ``async_op``: one all-gather into the
+    chunk's full buffer. From SHARDED_POST_FORWARD the kept part is gathered inside its group of ``k`` ranks."""
+    if chunk.persistent:
+        return
+    chunk.check_state_mover("gather it")
+    comm = chunk.comm_for(comm)
+    if chunk.state is ChunkState.SHARDED_POST_FORWARD:
+        comm, send = chunk.groups.sub, chunk.take_post_forward_copy()
+    else:
+        send = chunk.compute_shard()
+    received = None if chunk.direct else chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False)
+    done = _CopyOut(chunk, received)
+    chunk.begin_gather(done)  # allocates the full buffer: the ranks' shards side by side are it when direct
+    done.pending = comm.all_gather(chunk.full if received is None else received, send, async_op=async_op)
+    if not async_op:
+        chunk.wait()
+
+
+def gather_for_peers(chunk: Chunk, comm: CommBackend) -> None:
+    """Join an all-gather of this chunk that other ranks need, without changing local state."""
+    scratch = chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False)
+    chunk.comm_for(comm).all_gather(scratch, chunk.compute_shard())
+    chunk.pool.give(scratch)
+
+
+def gather_group(group: GatherGroup, comm: CommBackend, *, async_op: bool = False, keep: bool = True) -> None:
+    """All-gather a group; members not gathered yet are filled unless ``keep=False`` (a gather only peers need)."""
+    comm = group.comm or comm
+    chunks = group.chunks
+    targets = [c for c in chunks if not c.is_gathered] if keep else []
+    if len(chunks) == 1:
+        if targets:
+            gather_chunk(targets[0], comm, async_op=async_op)
+        else:
+            gather_for_peers(chunks[0], comm)
+        return
+    if all(c.state is ChunkState.SHARDED_POST_FORWARD for c in chunks):  # copies kept by the forward
+        _gather_copies(group, targets, async_op=async_op)
+        return
+    send = group.pool.take(group.shard_numel, group.dtype, group.device, zeroed=False)
+    offset = 0
+    with torch.no_grad():
+        for chunk in chunks:
+            send[offset : offset + chunk.shard_size].copy_(chunk.compute_shard())
+            offset += chunk.shard_size
+    received = group.pool.take(group.world_size * group.shard_numel, group.dtype, group.device, zeroed=False)
+    unpack = _Unpack(group, send, received, chunks, targets)
+    for chunk in targets:
+        chunk.begin_gather(unpack)
+    unpack.pending = comm.all_gather(received, send, async_op=True)
+    if not targets:
+        unpack.wait()
+        return
+    if not async_op:
+        for chunk in targets:
+            chunk.wait()
+
+
+def _gather_copies(group: GatherGroup, targets: Sequence[Chunk], *, async_op: bool) -> None:
+    """The members' kept copies (each ``1/k`` of its rank-major buffer) gathered in one all-gather over the group
+    of ``k``; each member's rank-major buffer is its column block of the result. Only under a static graph
+    (shard() checks), so every rank holds copies of the same members."""
+    sub = group.chunks[0].groups.sub
+    k = sub.world_size
+    parts = [c.size // k for c in group.chunks]
+    send = torch.cat([c.take_post_forward_copy() for c in group.chunks])
+    received = group.pool.take(k * sum(parts), group.dtype, group.device, zeroed=False)
+    unpack = _CopiesOut(group, received, parts, targets)
+    for chunk in targets:
+        chunk.begin_gather(unpack)
+    unpack.pending = sub.all_gather(received, send, async_op=True)
+    if not async_op:
+        for chunk in targets:
+            chunk.wait()
+    elif not targets:
+        unpack.wait()
+
+
+def publish_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) -> Pending | None:
+    """After an optimizer step (or a load), bring a kept full buffer up to date with the updated shards.
+
+    Stages 1 and 2: the rank's pieces are refreshed from its master shard and the ranks'
+    pieces all-gathered and copied out. One rank with a separate master: a cast copy.
+    Stage 3 needs nothing: the next gather reads the shard.
+    """
+    if not chunk.persistent:
+        return None
+    chunk.check_state(ChunkState.GATHERED)
+    comm = chunk.comm_for(comm)
+    send = chunk.refresh_own_slice()
+    if chunk.world_size == 1:
+        return None
+    if chunk.direct:  # in place: this rank's slice of the full buffer is what it sends
+        own = chunk.full[chunk.rank * chunk.shard_size : (chunk.rank + 1) * chunk.shard_size]
+        return comm.all_gather(chunk.full, own, async_op=async_op)
+    received = chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False)
+    copy = _CopyOut(chunk, received)
+    copy.pending = comm.all_gather(received, send, async_op=async_op)
+    if not async_op:
+        copy.wait()
+        return None
+    return copy
+
+
+def publish_group(group: GatherGroup, comm: CommBackend) -> list[Pending | None]:
+    """After a step, bring the kept full buffers of a group's trainable members up to date (see :func:`publish_chunk`)."""
+    comm = group.comm or comm
+    refreshed = group.refreshed
+    if len(refreshed) <= 1 or group.world_size == 1:
+        return [publish_chunk(c, comm, async_op=True) for c in refreshed]
+    numel = sum(c.shard_size for c in refreshed)
+    send = group.pool.take(numel, group.dtype, group.device, zeroed=False)
+    offset = 0
+    for chunk in refreshed:
+        send[offset : offset + chunk.shard_size].copy_(chunk.refresh_own_slice())
+        offset += chunk.shard_size
+    received = group.pool.take(group.world_size * numel, group.dtype, group.device, zeroed=False)
+    unpack = _Unpack(group, send, received, refreshed, refreshed)
+    unpack.pending = comm.all_gather(received, send, async_op=True)
+    return [unpack]
+
+
+class _CopyOut:
+    """A chunk's all-gather in flight; ``wait()`` (idempotent) copies the ranks' shards out into its full buffer
+    (nothing to copy when the chunk gathered in place)."""
+
+    def __init__(self, chunk: Chunk, received: torch.Tensor | None) -> None:
+        self._chunk, self._received = chunk, received
+        self.pending: Pending | None = None
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        if self._received is None:  # gathered in place (a one-parameter chunk), or already copied out
+            return
+        chunk, received, self._received = self._chunk, self._received, None
+        chunk.copy_out(received.view(chunk.world_size, chunk.shard_size))
+        chunk.pool.give(received)
+
+
+class _Unpack:
+    """A group's all-gather in flight; ``wait()`` (idempotent) cuts each target's full buffer out of it.
+
+    ``packed`` are the chunks whose shards the send buffer holds, in order; ``targets`` those to fill.
+    """
+
+    def __init__(self, group: GatherGroup, send: torch.Tensor, received: torch.Tensor, packed: Sequence[Chunk],
+                 targets: Sequence[Chunk]) -> None:
+        self._group = group
+        self._packed, self._targets = tuple(packed), {id(c) for c in targets}
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = (send, received)
+        self.pending: Pending | None = None
+
+    def wait(self) -> None:
+        if self._buffers is None:
+            return
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        send, received = self._buffers
+        self._buffers = None
+        packed = received.view(self._group.world_size, -1)
+        offset = 0
+        with torch.no_grad():
+            for chunk in self._packed:
+                if id(chunk) in self._targets:
+                    chunk.copy_out(packed[:, offset : offset + chunk.shard_size])
+                offset += chunk.shard_size
+        self._group.pool.give(send)
+        self._group.pool.give(received)
+
+
+class _CopiesOut:
+    """A gather of kept copies in flight; ``wait()`` (idempotent) rebuilds each target's full buffer."""
+
+    def __init__(self, group: GatherGroup, received: torch.Tensor, parts: Sequence[int],
+                 targets: Sequence[Chunk]) -> None:
+        self._group, self._received = group, received
+        self._parts, self._targets = list(parts), {id(c) for c in targets}
+        self.pending: Pending | None = None
+
+    def wait(self) -> None:
+        if self._received is None:
+            return
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        received, self._received = self._received, None
+        k = len(received) // sum(self._parts)
+        by_rank = received.view(k, -1)
+        offset = 0
+        with torch.no_grad():
+            for chunk, part in zip(self._group.chunks, self._parts):
+                if id(chunk) in self._targets:  # rank p of the group sent ranks p*S/k .. of the chunk's rank-major buffer
+                    chunk.copy_out(by_rank[:, offset : offset + part].reshape(chunk.world_size, chunk.shard_size))
+                offset += part
+        self._group.pool.give(received)
+
+
+# -- gradients: reduce-scatters ------------------------------------------------------------------------
+def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0,
+                     replicate: CommBackend | None = None, all_reduce: bool = False) -> Reduction:
+    """Start reducing this backward's parameter gradients to this rank's shard (mean over ranks).
+
+    ``comm`` reduces over the shard group: a reduce-scatter, or with ``all_reduce`` an
+    all-reduce of the whole gradient of which this rank keeps its shard. ``replicate``
+    then sums the shard over the replicas (HSDP); both run in the returned
+    :class:`Reduction`'s ``complete()`` (on the reducer's waiter thread) except the
+    reduce-scatter, which is issued here. The chunk's own groups, when shard() gave it
+    some, take the place of ``comm`` and ``replicate``.
+
+    ``complete()`` leaves the result, in the master dtype and divided by ``loss_scale``, in
+    ``chunk.reduced_grad``. Parameters that got no gradient on this rank contribute zeros.
+    """
+    if chunk.groups is not None:
+        comm, replicate = chunk.groups.reduce, chunk.groups.replicate
+        all_reduce = chunk.groups.all_reduce
+        if all_reduce:
+            comm = chunk.groups.reduce_all
+    flat = chunk.gradients_for_reduction()
+    pool = chunk.pool
+    pooled = flat if flat is not chunk.grad_full else None
+    divisor = chunk.world_size * chunk.replicas * loss_scale
+    if chunk.world_size == 1:  # one rank: the layouts coincide, the buffer itself becomes the gradient
+        send = flat if flat.dtype == chunk.reduce_dtype else flat.to(chunk.reduce_dtype)
+        if pooled is not None:
+            if send is flat:
+                pool.keep(pooled)
+            else:
+                pool.give(pooled)
+        if replicate is not None and chunk.predivide != 1.0:
+            send.div_(chunk.predivide)
+            divisor /= chunk.predivide
+        return Reduction(chunk, None, send, None, divisor, replicate=replicate)
+    if chunk.direct and flat.dtype == chunk.reduce_dtype:  # the gradient buffer is already rank-major: send it
+        send = flat
+    else:
+        send = pool.take(chunk.size, chunk.reduce_dtype, chunk.device, zeroed=False)
+        chunk.copy_in(flat, send)  # rank-major, cast to the reduce dtype: the parameter-major buffer is free again
+        if pooled is not None:
+            pool.give(pooled)
+    pooled_send = None if send is chunk.grad_full else send  # stage 1's kept buffer is never pooled
+    if chunk.predivide != 1.0:
+        send.div_(chunk.predivide)  # send is consumed by this reduction: dividing in place is safe
+        divisor /= chunk.predivide
+    if all_reduce:  # the whole gradient is summed on the waiter thread; this rank then keeps its row
+        return Reduction(chunk, None, send, pooled_send, divisor, replicate=replicate, all_reduce=comm)
+    reduced = torch.empty(chunk.shard_size, dtype=chunk.reduce_dtype, device=chunk.device)
+    pending = comm.reduce_scatter(reduced, send, async_op=True)
+    if pooled_send is not None and getattr(pending, "input_released", False):
+        pool.give(pooled_send)  # a bucketing backend copied it: reuse it for the next gradient now
+        pooled_send = None
+    return Reduction(chunk, pending, reduced, pooled_send, divisor, replicate=replicate)
+
+
+class Reduction:
+    """A chunk's gradient reduction in flight; ``complete()`` stores this rank's mean in ``chunk.reduced_grad``."""
+
+    def __init__(
+        self, chunk: Chunk, pending: Pending | None, reduced: torch.Tensor, pooled: torch.Tensor | None,
+        divisor: float, *, replicate: CommBackend | None = None, all_reduce: CommBackend | None = None,
+    ) -> None:
+        self._chunk, self._pending, self._reduced, self._pooled = chunk, pending, reduced, pooled
+        self._divisor = divisor
+        self._replicate, self._all_reduce = replicate, all_reduce
+
+    def complete(self) -> None:
+        chunk = self._chunk
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        if self._all_reduce is not None and self._reduced is not None:
+            # Reduction.ALL_REDUCE over the shard group: the rank-major sum, of which this rank keeps its row
+            comm, self._all_reduce = self._all_reduce, None
+            comm.all_reduce(self._reduced)
+            self._reduced = self._reduced.view(chunk.world_size, chunk.shard_size)[chunk.rank].clone()
+        if self._replicate is not None and self._reduced is not None:
+            # HSDP: the shard group's sum of this shard, summed again over the replicas that hold the same shard
+            replicate, self._replicate = self._replicate, None
+            replicate.all_reduce(self._reduced)
+        if self._reduced is not None:
+            # moved to where the master shard lives (the host, when offloaded), never copied and kept twice
+            grad = self._reduced.to(chunk.gradient_device, chunk.master_dtype)
+            if self._divisor != 1.0:
+                grad.div_(self._divisor)
+            chunk.reduced_grad = chunk.grad_pieces(grad) if chunk.world_size > 1 else chunk.shard_pieces(grad)
+            self._reduced = None
+        if self._pooled is not None:  # the collective is done with it
+            chunk.pool.give(self._pooled)
+            self._pooled = None
