@@ -91,7 +91,7 @@ def _pieces(chunk: Chunk) -> list[tuple[int, str, int, int]]:
 
     On a mesh with replicas only the first replica writes (its shards are every replica's), so each
     shard is written once; the loader reads ranges, whichever rank wrote them."""
-    if chunk.groups is not None and chunk.groups.replicate_rank != 0:
+    if chunk.comms is not None and chunk.comms.replicate_rank != 0:
         return []
     out = []
     for i, slot in enumerate(chunk.slots):
@@ -240,7 +240,7 @@ def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, w
         size, digest = atomic_write(directory / name, write)
     return {"file": {"name": name, "bytes": size, "sha256": digest}, "pieces": pieces, "scalars": scalars,
             "state_keys": state_keys, "groups": groups,
-            "params": {s.name: {"shape": list(s.shape), "dtype": _dtype_name(c.master_dtype), "group": c.group,
+            "params": {s.name: {"shape": list(s.shape), "dtype": _dtype_name(c.master_dtype), "group": c.param_group,
                                 "requires_grad": c.requires_grad}
                        for c in engine.chunks for s in c.slots},
             "buffers": {k: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)} for k, b in layout.buffers.items()},
@@ -494,7 +494,7 @@ def _load_states(engine: Engine, chunk: Chunk, reader: _Reader, where: dict[int,
     on the CPU (on the device for fused and capturable groups)."""
     optimizer = engine.optimizer
     saved = metadata["optimizer"]
-    group = optimizer.param_groups[chunk.group] if chunk.group is not None else {}
+    group = optimizer.param_groups[chunk.param_group] if chunk.param_group is not None else {}
     on_device = bool(group.get("fused") or group.get("capturable"))
     for seg in chunk.segments:
         found = where.get(seg.slot)

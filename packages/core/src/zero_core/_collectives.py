@@ -43,7 +43,7 @@ def gather_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) -> 
     chunk.check_state_mover("gather it")
     comm = chunk.comm_for(comm)
     if chunk.state is ChunkState.SHARDED_POST_FORWARD:
-        comm, send = chunk.groups.sub, chunk.take_post_forward_copy()
+        comm, send = chunk.comms.sub, chunk.take_post_forward_copy()
     else:
         send = chunk.compute_shard()
     received = None if chunk.direct else chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False)
@@ -98,7 +98,7 @@ def _gather_copies(group: GatherGroup, targets: Sequence[Chunk], *, async_op: bo
     """The members' kept copies (each ``1/k`` of its rank-major buffer) gathered in one all-gather over the group
     of ``k``; each member's rank-major buffer is its column block of the result. Only under a static graph
     (shard() checks), so every rank holds copies of the same members."""
-    sub = group.chunks[0].groups.sub
+    sub = group.chunks[0].comms.sub
     k = sub.world_size
     parts = [c.size // k for c in group.chunks]
     send = torch.cat([c.take_post_forward_copy() for c in group.chunks])
@@ -251,11 +251,11 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
     ``complete()`` leaves the result, in the master dtype and divided by ``loss_scale``, in
     ``chunk.reduced_grad``. Parameters that got no gradient on this rank contribute zeros.
     """
-    if chunk.groups is not None:
-        comm, replicate = chunk.groups.reduce, chunk.groups.replicate
-        all_reduce = chunk.groups.all_reduce
+    if chunk.comms is not None:
+        comm, replicate = chunk.comms.reduce, chunk.comms.replicate
+        all_reduce = chunk.comms.all_reduce
         if all_reduce:
-            comm = chunk.groups.reduce_all
+            comm = chunk.comms.reduce_all
     flat = chunk.gradients_for_reduction()
     pool = chunk.pool
     pooled = flat if flat is not chunk.grad_full else None

@@ -153,7 +153,7 @@ class Engine:
         strategy: ShardStrategy,
         placement: PlacementPolicy,
         config: ZeroConfig,
-        hook: pluggy.HookRelay,
+        plugin_hooks: pluggy.HookRelay,
         device: torch.device,
     ) -> None:
         # What was built at setup; fixed for the engine's life.
@@ -172,7 +172,9 @@ class Engine:
         self.strategy = strategy
         self.placement = placement
         self.config = config
-        self.hook = hook
+        # The plugin manager's hook relay (pluggy): "hooks" alone in this module are torch's module, autograd
+        # and optimizer hooks.
+        self.plugin_hooks = plugin_hooks
         self.device = device
         self.params = ModuleParameters(module, chunks, self.gather_on_demand)
         self._module_hooks = ModuleHooks(module, self.params.registrations, chunks, self._pre_forward, self._post_forward)
@@ -584,7 +586,7 @@ class Engine:
         finished = self.comm.stats.end_step()
         view = EngineView(step=self.step_count, config=self.config, rank=self.comm.rank, world_size=self.comm.world_size,
                           chunks=tuple(self.chunks), comm_stats=self.comm.stats, _optimizer=self.optimizer)
-        self.hook.zero_after_step(engine=view, stats=self.comm.stats.summary(finished))
+        self.plugin_hooks.zero_after_step(engine=view, stats=self.comm.stats.summary(finished))
 
     @engine_work
     def _close_step(self, *, aborted: bool) -> None:

@@ -35,7 +35,7 @@ class GatherGroup:
         self.dtype, self.device, self.world_size = first.dtype, first.device, first.world_size
         self.shard_numel = sum(c.shard_size for c in self.chunks)
         # The members share one chunk plan (ShardPlan.validate): their own shard group, when shard() gave one.
-        self.comm: CommBackend | None = first.groups.gather if first.groups is not None else None
+        self.comm: CommBackend | None = first.comms.gather if first.comms is not None else None
 
     @property
     def refreshed(self) -> tuple[Chunk, ...]:

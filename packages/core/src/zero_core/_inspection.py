@@ -145,7 +145,7 @@ def iter_full_chunks(chunks: Sequence[Chunk], *, placement: PlacementPolicy,
                 full = chunk.full
             else:
                 received = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-                gather = chunk.groups.gather if chunk.groups is not None else comm
+                gather = chunk.comms.gather if chunk.comms is not None else comm
                 gather.all_gather(received, chunk.shard.to(chunk.device))
                 full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
                 torch.split_with_sizes_copy(received.view(chunk.world_size, chunk.shard_size), chunk.split_sizes, dim=1,

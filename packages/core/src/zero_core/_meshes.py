@@ -33,11 +33,11 @@ from zero_core.errors import ZeroSetupError
 from zero_core.mesh import MeshSpec
 from zero_core.strategy import ChunkPlan, Reduction
 
-__all__ = ["ChunkGroups", "MeshGroups", "build_chunk_groups"]
+__all__ = ["ChunkComms", "MeshGroups", "build_chunk_groups"]
 
 
 @dataclass(frozen=True)
-class ChunkGroups:
+class ChunkComms:
     """The comm backends one chunk runs on, and its place in its mesh."""
 
     plan: ChunkPlan
@@ -72,7 +72,7 @@ class MeshGroups:
         self._meshes: dict[MeshSpec, tuple[Any, CommBackend, CommBackend, CommBackend | None]] = {}
         self._extra: dict[tuple[MeshSpec, str, int], CommBackend | None] = {}
 
-    def for_plan(self, plan: ChunkPlan) -> ChunkGroups:
+    def for_plan(self, plan: ChunkPlan) -> ChunkComms:
         spec = plan.mesh
         device_mesh, gather, reduce, replicate = self._mesh(spec)
         reduce_all = None
@@ -82,7 +82,7 @@ class MeshGroups:
         if not isinstance(plan.reshard_after_forward, bool):
             sub = self._subgroups(spec, "sub", plan.reshard_after_forward)
         replicate_rank, shard_rank = spec.coordinates(self._rank)
-        return ChunkGroups(plan, device_mesh, gather, reduce, reduce_all, replicate, sub, shard_rank, replicate_rank)
+        return ChunkComms(plan, device_mesh, gather, reduce, reduce_all, replicate, sub, shard_rank, replicate_rank)
 
     def _mesh(self, spec: MeshSpec) -> tuple[Any, CommBackend, CommBackend, CommBackend | None]:
         if spec in self._meshes:
@@ -123,6 +123,6 @@ class MeshGroups:
         return comm
 
 
-def build_chunk_groups(plans: Sequence[ChunkPlan], groups: MeshGroups) -> list[ChunkGroups]:
+def build_chunk_groups(plans: Sequence[ChunkPlan], groups: MeshGroups) -> list[ChunkComms]:
     """Each chunk's groups, built in plan order (the same on every rank)."""
     return [groups.for_plan(plan) for plan in plans]

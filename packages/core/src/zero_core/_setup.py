@@ -149,7 +149,7 @@ def first_use_order(model: nn.Module, params: Sequence[ParamInfo], example_input
 def _signature(params: Sequence[ParamInfo], config: ZeroConfig) -> list[str]:
     lines = [f"config {config!r}"]
     lines += [f"param {p.name} shape={tuple(p.param.shape)} dtype={p.param.dtype} "
-              f"requires_grad={p.param.requires_grad} group={p.group}" for p in params]
+              f"requires_grad={p.param.requires_grad} group={p.param_group}" for p in params]
     return lines
 
 

@@ -163,15 +163,15 @@ def shard(
         device=device, rank=_global_rank(comm),
     )
     for index, spec in enumerate(plan.chunks):
-        chunk_groups = mesh_groups.for_plan(chunk_plans[index])
-        if chunk_groups.device_mesh is not None and chunk_groups.device_mesh is not default_mesh:
+        chunk_comms = mesh_groups.for_plan(chunk_plans[index])
+        if chunk_comms.device_mesh is not None and chunk_comms.device_mesh is not default_mesh:
             _register_dtensor_ops()
-        chunk = Chunk(index, spec, rank=chunk_groups.shard_rank, world_size=chunk_plans[index].mesh.shard_size,
+        chunk = Chunk(index, spec, rank=chunk_comms.shard_rank, world_size=chunk_plans[index].mesh.shard_size,
                       device=device, pool=pool, stage=config.stage, compute_dtype=config.precision.compute,
                       reduce_dtype=config.precision.reduce,
                       gradient_predivide_factor=config.precision.gradient_predivide_factor, keep_gathered=index in keep,
-                      mesh=chunk_groups.device_mesh, replicas=chunk_plans[index].mesh.replicate_size)
-        chunk.plan, chunk.groups = chunk_plans[index], chunk_groups
+                      mesh=chunk_comms.device_mesh, replicas=chunk_plans[index].mesh.replicate_size)
+        chunk.plan, chunk.comms = chunk_plans[index], chunk_comms
         chunk.owned = True
         if recording is None:
             chunk.pack(comm, broadcast_from_rank0=config.sync_module_states)
@@ -202,7 +202,7 @@ def shard(
     bridge = OptimizerBridge(optimizer, reducer=reducer, comm=comm, device=device,
                              scaler=LossScaler(loss_scale) if loss_scale is not None else None)
     placement.setup(PlacementContext(
-        optimizer=optimizer, device=device, comm=comm, config=config, groups=groups,
+        optimizer=optimizer, device=device, comm=comm, config=config, gather_groups=groups,
         step_chunks=bridge.step_chunks, device_bytes=functools.partial(device_bytes, tuple(chunks)),
     ))
     placement.attach(chunks)  # after the optimizer holds the segments: states created eagerly (Adagrad) move too
@@ -210,7 +210,7 @@ def shard(
     engine = Engine(
         module=model, optimizer=optimizer, chunks=chunks, comm=comm, reduce_comm=reduce_comm, mesh_comms=mesh_comms,
         gather_groups=plan.gather_groups, reducer=reducer, bridge=bridge, strategy=strategy, placement=placement,
-        config=config, hook=plugins_.manager.hook, device=device,
+        config=config, plugin_hooks=plugins_.manager.hook, device=device,
     )
     if bridge.scaler is not None:
         _attach_scaler_state(optimizer, bridge.scaler)
@@ -230,9 +230,9 @@ def _mesh_comms(chunks: list[Chunk], comm: CommBackend, reduce_comm: CommBackend
     """The chunks' own groups beyond the default two (meshes, see [Note: one group per direction of traffic])."""
     found: list[CommBackend] = []
     for chunk in chunks:
-        if chunk.groups is None:
+        if chunk.comms is None:
             continue
-        g = chunk.groups
+        g = chunk.comms
         for c in (g.gather, g.reduce, g.reduce_all, g.replicate, g.sub):
             if c is not None and c is not comm and c is not reduce_comm and all(c is not f for f in found):
                 found.append(c)

@@ -23,12 +23,12 @@ class ParamInfo:
     Attributes:
         name: Fully qualified name (the first one, for parameters shared under several names).
         param: The parameter itself.
-        group: Index of the optimizer param group that holds it, or ``None``.
+        param_group: Index of the optimizer param group that holds it, or ``None``.
     """
 
     name: str
     param: nn.Parameter
-    group: int | None
+    param_group: int | None
 
     @property
     def numel(self) -> int:
@@ -37,7 +37,7 @@ class ParamInfo:
     @property
     def key(self) -> tuple[object, ...]:
         """Parameters may share a chunk only if these agree."""
-        return (self.param.dtype, self.param.requires_grad, self.group)
+        return (self.param.dtype, self.param.requires_grad, self.param_group)
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,10 +120,10 @@ class Chunk:
         self.world_size = world_size
         self.rank = rank
         self.replicas = replicas
-        # The plan the strategy gave and the process groups it runs on (set by shard(); None for a chunk
+        # The plan the strategy gave and the comm backends of the process groups it runs on (set by shard(); None for a chunk
         # built on its own, whose collectives run on the comm each method is given).
         self.plan: Any = None
-        self.groups: Any = None
+        self.comms: Any = None
         self.slots, pieces_numel = layout_slots([(p.name, p.param) for p in spec.params], world_size)
         # A chunk of one parameter needs no padding beyond its piece: then its full buffer and the ranks' shards
         # side by side are the same layout, and it gathers and reduces in place (no copy-out, no copy-in).
@@ -140,7 +140,7 @@ class Chunk:
         self.reduce_dtype = reduce_dtype if (reduce_dtype is not None and floating) else self.master_dtype
         self.predivide = float(gradient_predivide_factor)
         self._initially_trainable = first.param.requires_grad
-        self.group = first.group
+        self.param_group = first.param_group
         self.used = spec.used
         # Column sizes of a (world_size, shard_size) view: each parameter's piece, then the shard's tail padding.
         tail = self.shard_size - pieces_numel
@@ -188,7 +188,7 @@ class Chunk:
     # -- which group a collective runs on -------------------------------------------------
     def comm_for(self, given: CommBackend, role: str = "gather") -> CommBackend:
         """The chunk's own group for ``role`` when shard() gave it groups, else the one the caller passed."""
-        return given if self.groups is None else getattr(self.groups, role)
+        return given if self.comms is None else getattr(self.comms, role)
 
     # -- layout helpers ---------------------------------------------------------------
     def regions(self, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -453,12 +453,12 @@ class Chunk:
         self.wait()
         self.check_state(ChunkState.GATHERED)
         kept = None
-        if keep_copy and self.groups is not None and self.groups.sub is not None:
-            k = self.groups.sub.world_size
+        if keep_copy and self.comms is not None and self.comms.sub is not None:
+            k = self.comms.sub.world_size
             rank_major = torch.empty(self.size, dtype=self.dtype, device=self.device)
             self.copy_in(self.full, rank_major)
             part = self.size // k
-            at = self.groups.sub.rank * part
+            at = self.comms.sub.rank * part
             kept = rank_major[at : at + part].clone()
             del rank_major
         self.full.untyped_storage().resize_(0)

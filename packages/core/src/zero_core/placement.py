@@ -80,7 +80,7 @@ class PlacementContext:
         device: The compute device.
         comm: The data-parallel comm backend (collective: call only where every rank does).
         config: The engine's config.
-        groups: The gather groups as tuples of chunk indices (gathered by one all-gather each).
+        gather_groups: The gather groups as tuples of chunk indices (gathered by one all-gather each).
         step_chunks: ``step_chunks(chunks)`` runs the optimizer on exactly these chunks'
             segments now; call it from :meth:`PlacementPolicy.before_step` to step chunks
             one tier (or one chunk) at a time. Chunks stepped this way are skipped by the
@@ -94,7 +94,7 @@ class PlacementContext:
     device: torch.device
     comm: CommBackend
     config: ZeroConfig
-    groups: tuple[tuple[int, ...], ...]
+    gather_groups: tuple[tuple[int, ...], ...]
     step_chunks: Callable[[Sequence[Chunk]], None]
     device_bytes: Callable[[], int]
 

@@ -124,7 +124,7 @@ class TieredPolicy(PlacementPolicy):
         wanted = [params] * len(chunks) if isinstance(params, MemoryTier) else list(params)
         # Room left for what is read from disk for a while: two gather groups' shards (one computing,
         # one prefetched) and one chunk's shard and optimizer states while it steps.
-        groups = [[self.chunks[i] for i in g] for g in self.context.groups]
+        groups = [[self.chunks[i] for i in g] for g in self.context.gather_groups]
         reserve = 0
         if tiers.disk is not None:
             reserve = 2 * max((sum(c.shard_bytes for c in g) for g in groups), default=0)

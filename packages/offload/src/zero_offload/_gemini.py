@@ -100,7 +100,7 @@ class GeminiPolicy(TieredPolicy):
                 "the gemini policy needs a device budget on a machine without CUDA (the CPU is both device and "
                 "host there); set placement_options={'device_budget_mb': ...}"
             )
-        self.group_bytes = [sum(self._gather_cost(chunks[i], backward=True) for i in g) for g in self.context.groups]
+        self.group_bytes = [sum(self._gather_cost(chunks[i], backward=True) for i in g) for g in self.context.gather_groups]
         # Reductions in flight hold their gradient buffers until the collective completes, and a backward that
         # outpaces them takes fresh ones: room for two more, whenever they come.
         self.inflight_reserve = 2 * max((c.full_bytes for c in chunks if c.requires_grad and not c.persistent), default=0)

@@ -146,7 +146,7 @@ class Tiers:
             self.size[(i, Part.PARAMS)] = chunk.shard_bytes
             self.size[(i, Part.GRADS)] = chunk.shard_bytes if chunk.requires_grad else 0
             elements = sum(seg.numel for seg in chunk.segments if seg.param.requires_grad)
-            per = bpe[chunk.master_dtype][chunk.group] if chunk.master_dtype in bpe and chunk.group is not None else 0.0
+            per = bpe[chunk.master_dtype][chunk.param_group] if chunk.master_dtype in bpe and chunk.param_group is not None else 0.0
             self.size[(i, Part.OPTIM)] = int(per * elements)
             for part in Part:
                 self._charge(DEVICE, self.size[(i, part)], check=False)
@@ -361,7 +361,7 @@ class Tiers:
             for state, key, value in states:
                 # asynchronous only upwards: a host tensor from an asynchronous download is not ready when returned
                 state[key] = rewrap(state[key], value.to(device, non_blocking=device.type == "cuda"))
-        group = self.optimizer.param_groups[chunk.group] if chunk.group is not None else {}
+        group = self.optimizer.param_groups[chunk.param_group] if chunk.param_group is not None else {}
         if group.get("fused") or group.get("capturable"):
             # fused and capturable kernels keep step counts on the parameter's device; the others on the CPU
             for seg in chunk.segments:

@@ -256,7 +256,7 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         scales=scales,
         placement=engine.placement.report() if hasattr(engine.placement, "report") else {},
         shards=[(c.plan.mesh.shape if c.plan is not None else (c.world_size,),
-                 (c.groups.replicate_rank, c.groups.shard_rank) if c.groups is not None else (0, c.rank),
+                 (c.comms.replicate_rank, c.comms.shard_rank) if c.comms is not None else (0, c.rank),
                  hashlib.sha256(c.shard.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
                 for c in engine.chunks],
     )
