@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from zero_core.plugin import (
-    get_logger,
     ChunkPlan,
     ChunkSpec,
     ConfigError,
@@ -40,6 +39,7 @@ from zero_core.plugin import (
     ShardStrategy,
     Topology,
     ZeroConfig,
+    get_logger,
     round_up,
 )
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from zero_core.plugin import Chunk, MemoryTier, PlacementContext, rewrap, to_local, get_logger
+from zero_core.plugin import Chunk, MemoryTier, PlacementContext, get_logger, rewrap, to_local
 from zero_offload._disk import DiskStore
 from zero_offload.config import TierConfig, mib
 from zero_offload.errors import DiskTierError, TierBudgetError

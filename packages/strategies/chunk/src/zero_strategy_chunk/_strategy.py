@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 from zero_core import ZeroConfig
 from zero_core.plugin import (
-    get_logger,
     ChunkPlan,
     ChunkSpec,
     MeshSpec,
@@ -16,6 +15,7 @@ from zero_core.plugin import (
     ShardPlan,
     ShardStrategy,
     Topology,
+    get_logger,
     reshard_for_mesh,
     round_up,
 )
