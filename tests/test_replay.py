@@ -68,7 +68,7 @@ def _run() -> dict:
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
     # one chunk per layer's weight and bias (72 elements), so each module gathers its own chunk
     model, opt = shard(sharded, opt, config=ZeroConfig(stage=3, chunk=ChunkPolicy(chunk_size=72)))
-    scheduler = model.engine._scheduler
+    scheduler = model.engine.residency.scheduler
     replayed, control = [], []
     losses = []
     per = BATCH // world

@@ -259,7 +259,7 @@ def _metadata(engine: Engine, save_id: str, descriptions: list[dict[str, Any]]) 
             scalars.setdefault(name, values)
         for name, keys in description["state_keys"].items():
             state_keys.setdefault(name, keys)
-    scaler = engine.scaler.state_dict() if engine.scaler is not None else None
+    scaler = engine.bridge.scaler.state_dict() if engine.bridge.scaler is not None else None
     return {
         "format": FORMAT, "version": VERSION, "save_id": save_id, "world_size": len(descriptions),
         "step": engine.step_count, "strategy": engine.config.strategy, "stage": engine.config.stage,
@@ -443,8 +443,8 @@ def load_checkpoint(
     reader = _Reader(directory, metadata)
     with torch.no_grad():
         _load_params(engine, reader, reads, layout, metadata, load_optimizer)
-    if engine.scaler is not None and metadata.get("loss_scaler") is not None:
-        engine.scaler.load_state_dict(metadata["loss_scaler"])
+    if engine.bridge.scaler is not None and metadata.get("loss_scaler") is not None:
+        engine.bridge.scaler.load_state_dict(metadata["loss_scaler"])
     engine.step_count = int(metadata["step"])
     if load_rng and comm.rank < metadata["world_size"]:  # the same rank's generator, where it was at the save
         torch.random.set_rng_state(reader.tensor(comm.rank, "rng/cpu"))

@@ -93,7 +93,7 @@ import atexit
 import functools
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -101,17 +101,15 @@ from torch import nn
 
 from zero_core._accounting import engine_work
 from zero_core._autograd import in_backward, reachable_params, tensors_of
-from zero_core._collectives import publish_group
-from zero_core._group import GatherGroup, build_groups
-from zero_core._inspection import iter_full_chunks
+from zero_core._group import build_groups
 from zero_core._lockstep import Lockstep
 from zero_core._module_hooks import ModuleHooks
 from zero_core._module_params import ModuleParameters
 from zero_core._optimizer_bridge import OptimizerBridge, ZeroGradHook
 from zero_core._reducer import GradientReducer
-from zero_core._schedule import GatherScheduler
-from zero_core._view import EngineView
+from zero_core._residency import Residency
 from zero_core._state import ChunkState, TrainingState
+from zero_core._view import EngineView
 from zero_core.chunk import Chunk
 from zero_core.errors import GradientLostError, ZeroError
 
@@ -130,9 +128,9 @@ class Engine:
     """Drives the chunks of one wrapped model through each step: the training state, the hooks, and the order
     across chunks. Its collaborators own the rest, each built with what it needs:
 
-    - :class:`~zero_core._module_params.ModuleParameters` (``params``): what the modules hold;
+    - :class:`~zero_core._module_params.ModuleParameters` (``params``): what the modules hold, gradient hooks;
     - :class:`~zero_core._module_hooks.ModuleHooks`: which modules gather which chunks;
-    - :class:`~zero_core._schedule.GatherScheduler` over :class:`~zero_core._group.GatherGroup` s: all-gathers;
+    - :class:`~zero_core._residency.Residency` (``residency``): gathers, releases, buffers, the gather scheduler;
     - :class:`~zero_core._reducer.GradientReducer` (``reducer``): reductions and their bookkeeping;
     - :class:`~zero_core._optimizer_bridge.OptimizerBridge` (``bridge``): the step's own state;
     - the placement policy: where shards live.
@@ -163,10 +161,10 @@ class Engine:
         self.comm = comm
         # Reduce-scatters run on their own process group, asynchronously: they are ordered by
         # [Note: gradient reduction order] while all-gathers follow [Note: agreeing on all-gathers],
-        # and a rank blocked on one stream must never hold up the other.
+        # and a rank blocked on one stream must never hold up the other. The chunks' own groups beyond
+        # these two serve meshes (see [Note: one group per direction of traffic]).
         self.reduce_comm = reduce_comm
-        # The chunks' own groups beyond these two (meshes, see [Note: one group per direction of traffic]).
-        self._mesh_comms = tuple(mesh_comms)
+        self._comms = (comm, reduce_comm, *mesh_comms)
         self.reducer = reducer
         self.bridge = bridge
         self.strategy = strategy
@@ -176,26 +174,23 @@ class Engine:
         # and optimizer hooks.
         self.plugin_hooks = plugin_hooks
         self.device = device
-        self.params = ModuleParameters(module, chunks, self.gather_on_demand)
+        self.params = ModuleParameters(module, chunks, self.gather_on_demand, self._on_grad_accumulated)
         self._module_hooks = ModuleHooks(module, self.params.registrations, chunks, self._pre_forward, self._post_forward)
-        # Chunks whose parameters a forward with a graph read outside their modules: gathered when backward begins.
-        self._exposed: set[int] = set()
-        self._grad_hooked: set[int] = set()
-        self._handles: list[Any] = []
         # Stages 1 and 2 never gather during a pass, so they need no agreement rounds either.
         self._forward_gathers = any(not c.persistent for c in chunks)
+        pool = chunks[0].pool if chunks else None
+        self.groups = build_groups(chunks, gather_groups, pool) if pool is not None else []
+        self.residency = Residency(chunks, self.groups, comm=comm, comms=self._comms, placement=placement,
+                                   params=self.params, stage=config.stage,
+                                   agree=not config.static_graph and self._forward_gathers)
         # Every communicating phase begins with a round that checks the ranks are in the same one.
         self._lockstep = Lockstep(comm, enabled=not config.static_graph)
+        # Chunks whose parameters a forward with a graph read outside their modules: gathered when backward begins.
+        self._exposed: set[int] = set()
         # Forwards that built a graph since the last backward: ranks must agree on it when a backward begins,
         # which catches a rank that skipped a backward even where forwards do not communicate (stages 1, 2).
         self._graph_forwards = 0
         self._window_open = False
-        pool = chunks[0].pool if chunks else None
-        self.groups: list[GatherGroup] = build_groups(chunks, gather_groups, pool) if pool is not None else []
-        self._scheduler = GatherScheduler(self.groups, comm, placement,
-                                          agree=not config.static_graph and self._forward_gathers)
-        # Groups that keep full buffers, refreshed from the master shards after each step (their trainable members).
-        self._refresh_after_step = [g for g in self.groups if any(c.persistent for c in g.chunks)]
         # Per-step state, reset by the transitions below.
         self.state = TrainingState.IDLE
         # Modules that ran in the current forward, per chunk index.
@@ -204,28 +199,17 @@ class Engine:
         self.step_count = 0
 
         self._module_hooks.install()
-        for chunk in chunks:
-            for slot in chunk.slots:
-                self._hook_gradient(slot.param)
-        self._handles.append(optimizer.register_step_pre_hook(self._before_step))
-        self._handles.append(optimizer.register_step_post_hook(self._after_step))
-        self._handles.append(ZeroGradHook(optimizer, self.discard_accumulation))
+        self._handles: list[Any] = [
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+            ZeroGradHook(optimizer, self.discard_accumulation),
+        ]
         self.params.use_sharded()
         # A user who never calls close() still gets it before the interpreter tears torch down: process
         # groups and work handles freed that late can abort the exit ("terminate called without an active exception").
         self._closed = False
         ref = weakref.ref(self)
         atexit.register(lambda: (engine := ref()) is not None and engine.close())
-
-    @property
-    def scaler(self) -> Any:
-        return self.bridge.scaler
-
-    def _hook_gradient(self, param: torch.Tensor) -> None:
-        """Watch ``param``'s gradient accumulation; a frozen one is watched once it is unfrozen."""
-        if param.requires_grad and id(param) not in self._grad_hooked:
-            self._grad_hooked.add(id(param))
-            self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
 
     def close(self) -> None:
         """Remove every hook, stop the reduction waiter and let the placement policy free what it holds (disk files).
@@ -235,75 +219,18 @@ class Engine:
             return
         self._closed = True
         self._module_hooks.remove()
+        self.params.remove_hooks()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self.reducer.close()
         self.placement.close()
-        for comm in (self.comm, self.reduce_comm, *self._mesh_comms):
+        for comm in self._comms:
             comm.close()
 
-    @torch.no_grad()
-    def iter_full_chunks(self) -> Iterator[tuple[Chunk, torch.Tensor]]:
-        """Each chunk with its whole master values, one at a time (collective), once the engine is idle."""
-        self.require_idle("reading the full parameters")
-        yield from iter_full_chunks(self.chunks, placement=self.placement, comm=self.comm)
-
-    def use_unsharded(self, *, stand_ins: bool = True) -> None:
-        """Register the unsharded parameters in the modules; watch the gradients of those unfrozen since."""
-        for param in self.params.use_unsharded(stand_ins=stand_ins):
-            self._hook_gradient(param)
-
-    # -- gather / release ----------------------------------------------------------
     def _set_state(self, state: TrainingState) -> None:
         self.state = state
         self.placement.on_transition(state)
-
-    @engine_work
-    def _gather(self, chunks: Sequence[Chunk]) -> None:
-        self.placement.before_compute(chunks, backward=self.state is TrainingState.BACKWARD)
-        with torch.profiler.record_function("ZeRO::all_gather"):
-            self._scheduler.gather(chunks)
-        self.params.show(chunks)
-
-    @engine_work
-    def _release(self, chunks: Sequence[Chunk], *, keep_copy: bool = False) -> None:
-        done = [c for c in chunks if c.is_gathered and not c.persistent]
-        for chunk in done:
-            chunk.release(keep_copy=keep_copy)
-        if done:
-            self.placement.after_release(done)
-            self.params.show(done)
-
-    def _release_after_forward(self, chunks: Sequence[Chunk], *, for_backward: bool) -> None:
-        """A forward is done with ``chunks``: each is resharded as its plan says when a backward will need it.
-
-        ``reshard_after_forward=False`` keeps a trainable chunk gathered until its backward has reduced it; an
-        int keeps a copy sharded inside groups of that size for the backward's gather; ``True`` frees it."""
-        if not for_backward or self.config.stage != 3:
-            self._release(chunks)
-            return
-        now, with_copy = [], []
-        for chunk in chunks:
-            policy = chunk.plan.reshard_after_forward if chunk.plan is not None else True
-            if policy is False and chunk.requires_grad:
-                continue
-            (with_copy if policy is not True and chunk.requires_grad else now).append(chunk)
-        self._release(now)
-        self._release(with_copy, keep_copy=True)
-
-    def _drop_leftovers(self) -> None:
-        """No backward will use what forwards kept for it (copies, chunks kept gathered): free them."""
-        for chunk in self.chunks:
-            chunk.drop_post_forward_copy()
-        self._release(self.chunks)
-
-    def _free_idle_buffers(self) -> None:
-        """See [Note: no idle buffers between steps]."""
-        if self.chunks:
-            self.chunks[0].pool.clear()
-        for comm in (self.comm, self.reduce_comm, *self._mesh_comms):
-            comm.free()
 
     # -- forward -------------------------------------------------------------------
     def pre_forward_root(self) -> None:
@@ -324,21 +251,21 @@ class Engine:
         self._module_hooks.regroup_if_compiled()  # a block compiled after shard() becomes one unit
         if self._forward_gathers:
             self._lockstep.begin("forward", self.step_count)
-        self.use_unsharded()
+        self.params.use_unsharded()
         self._set_state(TrainingState.FORWARD)
         self._ran = {}
-        self._scheduler.begin_pass(reverse=False)
+        self.residency.scheduler.begin_pass(reverse=False)
 
     @engine_work  # its drain may serve other ranks' gathers: buffers made then must not be inference tensors
     def post_forward_root(self, outputs: Any) -> None:
         """The wrapped model's forward returned ``outputs``."""
         try:
-            self._scheduler.drain()
+            self.residency.scheduler.drain()
             tensors = [t for t in tensors_of(outputs) if t.requires_grad and t.grad_fn is not None]
             graph = torch.is_grad_enabled() and bool(tensors) and bool(self.reducer.order)
-            self._release_after_forward(self.chunks, for_backward=graph)
+            self.residency.release_after_forward(self.chunks, for_backward=graph)
             if not graph:
-                self._drop_leftovers()
+                self.residency.drop_leftovers()
             if graph:
                 self.reducer.expect(reachable_params(tensors))
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._enter_backward, mode="any")
@@ -354,11 +281,7 @@ class Engine:
         """The wrapped model's forward raised: free what it gathered so the next step starts clean.
 
         Gathers in flight are completed first (every rank issued them), never left to write later."""
-        for chunk in self.chunks:
-            if chunk.state is ChunkState.GATHERING:
-                chunk.wait()
-            chunk.drop_post_forward_copy()
-        self._release(self.chunks)
+        self.residency.drop_leftovers(wait=True)
         self._set_state(TrainingState.IDLE)
         self.params.use_sharded()
 
@@ -371,8 +294,8 @@ class Engine:
                 )
             self._enter_backward()  # activation checkpointing recomputes before any other backward hook
         if self.state is TrainingState.BACKWARD:
-            self.use_unsharded()  # a recomputation reads the modules' parameters
-        self._gather(chunks)
+            self.params.use_unsharded()  # a recomputation reads the modules' parameters
+        self.residency.gather(chunks, backward=self.state is TrainingState.BACKWARD)
 
     def _post_forward(self, chunks: tuple[Chunk, ...], module_id: int, module: nn.Module, args: Any, outputs: Any) -> None:
         if self.state is not TrainingState.FORWARD:
@@ -388,7 +311,7 @@ class Engine:
             ran.add(module_id)
             if ran >= triggers[chunk.index]:
                 self._ran[chunk.index] = set()
-                self._release_after_forward([chunk], for_backward=torch.is_grad_enabled())
+                self.residency.release_after_forward([chunk], for_backward=torch.is_grad_enabled())
         if torch.is_grad_enabled():
             # Not on leaves (a module that returns one of its parameters): a hook on a leaf stays for good,
             # one more every step.
@@ -414,7 +337,7 @@ class Engine:
                 "would be lost. Read it inside the forward of the module that owns it"
             )
         if not chunk.is_gathered:
-            self._gather([chunk])
+            self.residency.gather([chunk], backward=self.state is TrainingState.BACKWARD)
         elif chunk.state is ChunkState.GATHERING:  # prefetched and still in flight: its parameters are empty until then
             chunk.wait()
         if self.state is TrainingState.BACKWARD:
@@ -435,10 +358,10 @@ class Engine:
         # backward that raises leaves them as they are between steps; only a recomputation swaps (_pre_forward).
         self._set_state(TrainingState.BACKWARD)
         self.reducer.begin(forwards=forwards)
-        self._scheduler.begin_pass(reverse=True)
+        self.residency.scheduler.begin_pass(reverse=True)
         exposed = [c for c in self.chunks if c.index in self._exposed and not c.persistent]
         if exposed:  # see [Note: parameters used outside their module]
-            self._gather(exposed)
+            self.residency.gather(exposed, backward=True)
             for chunk in exposed:
                 chunk.prepare_gradients()
         if not self._callback_queued:
@@ -448,7 +371,7 @@ class Engine:
     @engine_work
     def _pre_backward(self, chunks: tuple[Chunk, ...], *_: Any) -> None:
         self._enter_backward()
-        self._gather(chunks)
+        self.residency.gather(chunks, backward=True)
         for chunk in chunks:
             if chunk.index not in self.reducer.reduced and chunk.stage == 1:  # its kept buffer is there anyway
                 chunk.prepare_gradients()  # stages 2 and 3: see [Note: gradient buffers on arrival]
@@ -457,31 +380,28 @@ class Engine:
         self._enter_backward()
         self.reducer.accumulated(param)
         if self.reducer.sync:
-            for chunk in self.reducer.launch_ready(self._loss_scale()):
-                self._release([chunk])
-
-    def _loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler is not None else 1.0
+            for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
+                self.residency.release([chunk])
 
     @engine_work
     def _finish_backward(self) -> None:
         """Queued on the autograd engine: runs once when the outermost backward finishes."""
         try:
-            self._scheduler.drain()
+            self.residency.scheduler.drain()
             if self.reducer.sync:
-                for chunk in self.reducer.launch_rest(self._loss_scale()):
-                    self._release([chunk])
+                for chunk in self.reducer.launch_rest(self.bridge.loss_scale):
+                    self.residency.release([chunk])
                 self.reducer.complete()
                 self.placement.after_backward(self.chunks)
                 self.reducer.publish()
-            self._release(self.chunks)
+            self.residency.release(self.chunks)
             if self.reducer.sync:
-                self._free_idle_buffers()
+                self.residency.free_idle_buffers()
         except BaseException:
             # nothing of this backward reaches the optimizer, and nothing stays gathered or lent
             for chunk in self.chunks:
                 chunk.discard_gradients()
-            self._release(self.chunks)
+            self.residency.release(self.chunks)
             raise
         finally:
             for chunk in self.chunks:
@@ -495,53 +415,47 @@ class Engine:
     def settle(self) -> None:
         """Bring the engine back to IDLE from wherever an earlier exit left it. See [Note: step transactions].
 
-        A backward that raised (autograd then drops the queued end-of-backward callback) is
-        undone, and so is an optimizer step that raised after the engine prepared it; a forward
-        whose backward never came (a validation forward with gradients
+        An optimizer step that raised after the engine prepared it is closed; a backward that raised
+        (autograd then drops the queued end-of-backward callback) is undone: the collectives it started
+        complete (every rank that got as far issued them) and everything it produced is dropped, so it
+        contributes nothing (gradients accumulated before it in a ``no_sync()`` window share its buffers
+        and go with it, warned); a forward whose backward never came (a validation forward with gradients
         enabled) needs nothing: its graph may still be backwarded later.
         """
         if self.bridge.step_open:
-            self._close_step(aborted=True)
+            self.bridge.abort()
+            self.residency.after_step(publish=True)
         if self.state is TrainingState.BACKWARD and not in_backward():
-            self._abort_backward()
+            accumulating = self._window_open
+            error: BaseException | None = None
+            try:
+                for chunk in self.chunks:
+                    if chunk.state is ChunkState.GATHERING:
+                        chunk.wait()
+                self.reducer.complete()
+            except BaseException as err:  # noqa: BLE001 - the state is reset first, then this is raised
+                error = err
+            finally:
+                for chunk in self.chunks:
+                    chunk.discard_gradients()
+                    chunk.drop_post_forward_copy()
+                self.residency.release(self.chunks)
+                self.reducer.end()
+                self._callback_queued = False
+                self._set_state(TrainingState.IDLE)
+                self.params.use_sharded()
+            if accumulating:
+                warnings.warn(
+                    "a backward raised inside a no_sync() accumulation: the gradients accumulated in that window "
+                    "were discarded along with the failed backward's; start the accumulation again", stacklevel=2)
+            if error is not None:
+                raise ZeroError(
+                    f"a backward raised earlier, and completing the collectives it had started failed: {error}. The "
+                    "ranks probably failed at different points of that backward; restart from the last checkpoint"
+                ) from error
         if self.state is TrainingState.BACKWARD_PENDING:
-            self._drop_leftovers()
+            self.residency.drop_leftovers()
             self._set_state(TrainingState.IDLE)
-
-    def _abort_backward(self) -> None:
-        """A backward raised: complete the collectives it started, then drop everything it produced.
-
-        Reductions are completed (every rank that got as far issued them) and their results
-        discarded, so the failed backward contributes nothing; gradients accumulated before
-        it in a ``no_sync()`` window share its buffers and are discarded with it (warned).
-        """
-        accumulating = self._window_open
-        error: BaseException | None = None
-        try:
-            for chunk in self.chunks:
-                if chunk.state is ChunkState.GATHERING:
-                    chunk.wait()
-            self.reducer.complete()
-        except BaseException as err:  # noqa: BLE001 - the state is reset first, then this is raised
-            error = err
-        finally:
-            for chunk in self.chunks:
-                chunk.discard_gradients()
-                chunk.drop_post_forward_copy()
-            self._release(self.chunks)
-            self.reducer.end()
-            self._callback_queued = False
-            self._set_state(TrainingState.IDLE)
-            self.params.use_sharded()
-        if accumulating:
-            warnings.warn(
-                "a backward raised inside a no_sync() accumulation: the gradients accumulated in that window were "
-                "discarded along with the failed backward's; start the accumulation again", stacklevel=3)
-        if error is not None:
-            raise ZeroError(
-                f"a backward raised earlier, and completing the collectives it had started failed: {error}. The "
-                "ranks probably failed at different points of that backward; restart from the last checkpoint"
-            ) from error
 
     def require_idle(self, what: str, *, collective: bool = True) -> None:
         """Settle the engine for ``what`` between steps; a collective verb begins with a lockstep round."""
@@ -579,7 +493,8 @@ class Engine:
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.bridge.in_substep:
             return
-        self._close_step(aborted=False)
+        skipped = self.bridge.end()
+        self.residency.after_step(publish=not skipped)
         self.reducer.forget_graphs()  # graphs built before the step cannot be backwarded after it
         self._exposed = set()
         self.step_count += 1
@@ -587,29 +502,6 @@ class Engine:
         view = EngineView(step=self.step_count, config=self.config, rank=self.comm.rank, world_size=self.comm.world_size,
                           chunks=tuple(self.chunks), comm_stats=self.comm.stats, _optimizer=self.optimizer)
         self.plugin_hooks.zero_after_step(engine=view, stats=self.comm.stats.summary(finished))
-
-    @engine_work
-    def _close_step(self, *, aborted: bool) -> None:
-        """``optimizer.step()`` returned, or raised after the engine prepared it (a hook, an optimizer error).
-
-        What the optimizer updated stays (as in one process); gradients set aside for a placement
-        policy's early step come back, the kept full buffers are refreshed from the masters (so
-        forward sees what the optimizer holds) unless an fp16 overflow skipped the step, and the
-        placement policy puts everything back where it keeps it. A step that raised is not counted."""
-        if aborted:
-            self.bridge.abort()
-            skipped = False
-        else:
-            skipped = self.bridge.end()
-        if not skipped and self._refresh_after_step:
-            with torch.profiler.record_function("ZeRO::publish_parameters"):
-                # one group at a time: each all-gather's receive buffer is free again before the next one takes it
-                for group in self._refresh_after_step:
-                    for pending in publish_group(group, self.comm):
-                        if pending is not None:
-                            pending.wait()
-        self._free_idle_buffers()
-        self.placement.after_step(self.chunks)
 
     def discard_accumulation(self, set_to_none: bool = True) -> None:
         """``zero_grad()``: gradients a ``no_sync()`` window accumulated and never reduced are dropped, as in DDP.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +12,7 @@ import torch
 from zero_core._agreement import raise_if_any_failed
 from zero_core._atomic import atomic_write
 from zero_core._hf_layout import cast_dtype, write_directory
+from zero_core._inspection import iter_full_chunks
 from zero_core._layout import ModelLayout, check_names, fill_from_source
 from zero_core._safetensors_stream import SafetensorsWriter
 from zero_core._sources import open_source
@@ -19,8 +20,15 @@ from zero_core.errors import CheckpointError
 
 if TYPE_CHECKING:
     from zero_core._engine import Engine
+    from zero_core.chunk import Chunk
 
 __all__ = ["full_state_dict", "load_full_state_dict", "save_full_state_dict", "save_hf_directory"]
+
+
+def _full_chunks(engine: Engine) -> Iterator[tuple[Chunk, torch.Tensor]]:
+    """Each chunk with its whole master values, one at a time (collective), once the engine is idle."""
+    engine.require_idle("reading the full parameters")
+    yield from iter_full_chunks(engine.chunks, placement=engine.placement, comm=engine.comm)
 
 
 def _layout(engine: Engine) -> ModelLayout:
@@ -29,7 +37,7 @@ def _layout(engine: Engine) -> ModelLayout:
 
 def _param_values(engine: Engine, layout: ModelLayout, keep: bool):
     """``(key, CPU tensor)`` for every parameter key, chunk by chunk (tied parameters under each name)."""
-    for chunk, full in engine.iter_full_chunks():
+    for chunk, full in _full_chunks(engine):
         for slot in chunk.slots:
             value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
             value = value.to("cpu", copy=True) if keep else value
@@ -149,7 +157,7 @@ def save_hf_directory(engine: Engine, directory: str | os.PathLike[str], *, max_
     entries += [(key, cast_dtype(buf.dtype, dtype), tuple(buf.shape)) for key, buf in layout.buffers.items()]
 
     def values():
-        for chunk, full in engine.iter_full_chunks():
+        for chunk, full in _full_chunks(engine):
             for slot in chunk.slots:
                 if id(slot.param) in first:
                     yield first[id(slot.param)], full[slot.offset : slot.offset + slot.numel].view(slot.shape)

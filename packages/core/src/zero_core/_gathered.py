@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zero_core._accounting import engine_work_context
+from zero_core._inspection import iter_full_chunks
 from zero_core._layout import publish_kept
 
 if TYPE_CHECKING:
@@ -22,14 +23,15 @@ def gathered_parameters(engine: Engine, *, writable: bool = False) -> Iterator[N
     """See :meth:`zero_core.ZeroModule.gathered_parameters`."""
     engine.require_idle("model.gathered_parameters()")
     fulls = []
-    for chunk, full in engine.iter_full_chunks():
+    engine.require_idle("reading the full parameters")
+    for chunk, full in iter_full_chunks(engine.chunks, placement=engine.placement, comm=engine.comm):
         fulls.append((chunk, full if not chunk.shard_is_view else full.clone()))
     with torch.no_grad():
         for chunk, full in fulls:
             for slot, seg in zip(chunk.slots, chunk.segments):
                 slot.param.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 slot.param.requires_grad_(seg.param.requires_grad)
-    engine.use_unsharded(stand_ins=False)
+    engine.params.use_unsharded(stand_ins=False)
     engine.params.full_copies = True
     try:
         yield

@@ -78,7 +78,7 @@ class ZeroModule:
         of an unscaled backward. The gradients the optimizer and
         :func:`~zero_core.clip_grad_norm_` see are unscaled.
         """
-        scaler = self._zero_engine.scaler
+        scaler = self._zero_engine.bridge.scaler
         if scaler is None:
             loss.backward(**kwargs)
             return
@@ -89,7 +89,7 @@ class ZeroModule:
     @property
     def loss_scaler(self) -> LossScaler | None:
         """The running loss scale (fp16), or ``None`` without one."""
-        return self._zero_engine.scaler
+        return self._zero_engine.bridge.scaler
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -9,6 +9,7 @@ hold now" has one answer (:attr:`ModuleParameters.unsharded`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,8 +24,13 @@ class ModuleParameters:
     """Every place a parameter is registered (a tied one under several modules) and what it holds there."""
 
     def __init__(self, module: nn.Module, chunks: Sequence[Chunk],
-                 gather_on_demand: Callable[[Chunk, int], nn.Parameter]) -> None:
+                 gather_on_demand: Callable[[Chunk, int], nn.Parameter],
+                 on_gradient: Callable[[torch.Tensor], None]) -> None:
         self.chunks = tuple(chunks)
+        # Called by autograd after it accumulated an unsharded parameter's gradient (the engine's handler).
+        self._on_gradient = on_gradient
+        self._grad_hooked: set[int] = set()
+        self._handles: list[Any] = []
         # Unsharded parameter (by id) -> its chunk, its slot in the chunk, its (first) name.
         self.chunk_of: dict[int, Chunk] = {id(s.param): c for c in chunks for s in c.slots}
         self.slot_of: dict[int, int] = {id(s.param): i for c in chunks for i, s in enumerate(c.slots)}
@@ -45,30 +51,41 @@ class ModuleParameters:
         self.unsharded = True
         # True inside model.gathered_parameters(): the modules hold the context's full copies.
         self.full_copies = False
+        for chunk in self.chunks:
+            for slot in chunk.slots:
+                self._watch(slot.param)
 
-    def use_unsharded(self, *, stand_ins: bool = True) -> list[nn.Parameter]:
+    def _watch(self, param: torch.Tensor) -> None:
+        """Watch ``param``'s gradient accumulation; a frozen one is watched once it is unfrozen."""
+        if param.requires_grad and id(param) not in self._grad_hooked:
+            self._grad_hooked.add(id(param))
+            self._handles.append(param.register_post_accumulate_grad_hook(self._on_gradient))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def use_unsharded(self, *, stand_ins: bool = True) -> None:
         """Register the unsharded parameters in the modules (forward and backward run on them).
 
         Each takes its sharded parameter's ``requires_grad``, so freezing or unfreezing through
         ``model.parameters()`` between steps applies to the next forward; the ones that became
-        trainable are returned (their gradients need watching). ``stand_ins=False`` registers every
+        trainable get their gradients watched. ``stand_ins=False`` registers every
         unsharded parameter whatever its chunk holds (``gathered_parameters`` points them at full
         copies of its own)."""
-        unfrozen: list[nn.Parameter] = []
         if self.unsharded:
-            return unfrozen
+            return
         for chunk in self.chunks:
             for seg in chunk.segments:
                 unsharded = chunk.slots[seg.slot].param
                 if unsharded.requires_grad != seg.param.requires_grad:
                     unsharded.requires_grad_(seg.param.requires_grad)
-                    if unsharded.requires_grad:
-                        unfrozen.append(unsharded)
+                    self._watch(unsharded)
         for m, name, chunk, i in self.registrations:
             real = chunk.is_gathered or not stand_ins
             m._parameters[name] = chunk.slots[i].param if real else self._stand_ins[(chunk.index, i)]
         self.unsharded = True
-        return unfrozen
 
     def use_sharded(self) -> None:
         """Register the sharded parameters in the modules: what the user and the optimizer see between steps."""

@@ -70,6 +70,11 @@ class OptimizerBridge:
         # Between begin() and end(): still set later means the step raised (the engine's settle undoes it).
         self.step_open = False
 
+    @property
+    def loss_scale(self) -> float:
+        """What this step's losses were multiplied by (1 without a loss scaler)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
     def begin(self) -> None:
         """The user's ``optimizer.step()`` begins (the engine settled and agreed first)."""
         if self.scaler is not None:

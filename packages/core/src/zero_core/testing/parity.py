@@ -251,7 +251,7 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
                  "real": [sum(s.local_rows(r) * s.row for s in c.slots) for r in range(c.world_size)]}
                 for c in engine.chunks],
         groups=[[c.index for c in g.chunks] for g in engine.groups],
-        replayed_passes=engine._scheduler.replayed_passes,
+        replayed_passes=engine.residency.scheduler.replayed_passes,
         norms=norms,
         scales=scales,
         placement=engine.placement.report() if hasattr(engine.placement, "report") else {},
