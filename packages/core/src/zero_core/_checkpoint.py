@@ -95,7 +95,7 @@ def _pieces(chunk: Chunk) -> list[tuple[int, str, int, int]]:
         return []
     out = []
     for i, slot in enumerate(chunk.slots):
-        lo, hi = chunk.own_range(i)
+        lo, hi = chunk.layout.own_range(i)
         if lo < hi:
             out.append((i, slot.name, lo, hi))
     return out
@@ -116,7 +116,7 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra:
 
     See [Note: sharded checkpoint layout]. Needs no gather: each rank writes what it holds.
     """
-    engine.require_idle("save_checkpoint")
+    engine.settle("save_checkpoint", collective=True)
     directory = Path(directory)
     comm = engine.comm
     rank, world = comm.rank, comm.world_size
@@ -380,7 +380,7 @@ def load_checkpoint(
     model, each file's size and sha256); if anything is wrong on any rank, every rank
     raises and nothing is changed. Returns the ``extra`` object saved with it, or ``None``.
     """
-    engine.require_idle("load_checkpoint")
+    engine.settle("load_checkpoint", collective=True)
     directory = Path(directory)
     comm = engine.comm
     layout = ModelLayout.of(engine.module, engine.chunks)
@@ -416,7 +416,7 @@ def load_checkpoint(
         needed = {0} if layout.buffers else set()
         for chunk in engine.chunks:
             for i, slot in enumerate(chunk.slots):
-                lo, hi = chunk.held_range(i)
+                lo, hi = chunk.layout.held_range(i)
                 name = layout.param_source(slot.param, reader_meta, aliases)
                 if lo >= hi or name is None:
                     continue

@@ -13,7 +13,7 @@ one place: a chunk changes state only through its own transitions (``begin_gathe
 
 The completion objects (``_CopyOut``, ``_Unpack``, ``_CopiesOut``, ``Reduction``) copy results
 out and return buffers; a ``Reduction`` completes on the reducer's waiter thread and touches
-only the chunk's ``reduced_grad``.
+only the chunk's gradients (:meth:`~zero_core._chunk_grads.ChunkGradients.land`).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ class _CopyOut:
         if self._received is None:  # gathered in place (a one-parameter chunk), or already copied out
             return
         chunk, received, self._received = self._chunk, self._received, None
-        chunk.copy_out(received.view(chunk.world_size, chunk.shard_size))
+        chunk.layout.copy_out(received.view(chunk.world_size, chunk.shard_size), chunk.full)
         chunk.pool.give(received)
 
 
@@ -203,7 +203,7 @@ class _Unpack:
         with torch.no_grad():
             for chunk in self._packed:
                 if id(chunk) in self._targets:
-                    chunk.copy_out(packed[:, offset : offset + chunk.shard_size])
+                    chunk.layout.copy_out(packed[:, offset : offset + chunk.shard_size], chunk.full)
                 offset += chunk.shard_size
         self._group.pool.give(send)
         self._group.pool.give(received)
@@ -231,7 +231,7 @@ class _CopiesOut:
         with torch.no_grad():
             for chunk, part in zip(self._group.chunks, self._parts):
                 if id(chunk) in self._targets:  # rank p of the group sent ranks p*S/k .. of the chunk's rank-major buffer
-                    chunk.copy_out(by_rank[:, offset : offset + part].reshape(chunk.world_size, chunk.shard_size))
+                    chunk.layout.copy_out(by_rank[:, offset : offset + part].reshape(chunk.world_size, chunk.shard_size), chunk.full)
                 offset += part
         self._group.pool.give(received)
 
@@ -249,16 +249,16 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
     some, take the place of ``comm`` and ``replicate``.
 
     ``complete()`` leaves the result, in the master dtype and divided by ``loss_scale``, in
-    ``chunk.reduced_grad``. Parameters that got no gradient on this rank contribute zeros.
+    ``chunk.grads``. Parameters that got no gradient on this rank contribute zeros.
     """
     if chunk.comms is not None:
         comm, replicate = chunk.comms.reduce, chunk.comms.replicate
         all_reduce = chunk.comms.all_reduce
         if all_reduce:
             comm = chunk.comms.reduce_all
-    flat = chunk.gradients_for_reduction()
+    flat = chunk.grads.take_for_reduction()
     pool = chunk.pool
-    pooled = flat if flat is not chunk.grad_full else None
+    pooled = flat if flat is not chunk.grads.kept else None
     divisor = chunk.world_size * chunk.replicas * loss_scale
     if chunk.world_size == 1:  # one rank: the layouts coincide, the buffer itself becomes the gradient
         send = flat if flat.dtype == chunk.reduce_dtype else flat.to(chunk.reduce_dtype)
@@ -275,10 +275,10 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
         send = flat
     else:
         send = pool.take(chunk.size, chunk.reduce_dtype, chunk.device, zeroed=False)
-        chunk.copy_in(flat, send)  # rank-major, cast to the reduce dtype: the parameter-major buffer is free again
+        chunk.layout.copy_in(flat, send)  # rank-major, cast to the reduce dtype: the parameter-major buffer is free again
         if pooled is not None:
             pool.give(pooled)
-    pooled_send = None if send is chunk.grad_full else send  # stage 1's kept buffer is never pooled
+    pooled_send = None if send is chunk.grads.kept else send  # stage 1's kept buffer is never pooled
     if chunk.predivide != 1.0:
         send.div_(chunk.predivide)  # send is consumed by this reduction: dividing in place is safe
         divisor /= chunk.predivide
@@ -293,7 +293,7 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
 
 
 class Reduction:
-    """A chunk's gradient reduction in flight; ``complete()`` stores this rank's mean in ``chunk.reduced_grad``."""
+    """A chunk's gradient reduction in flight; ``complete()`` stores this rank's mean in ``chunk.grads``."""
 
     def __init__(
         self, chunk: Chunk, pending: Pending | None, reduced: torch.Tensor, pooled: torch.Tensor | None,
@@ -319,10 +319,10 @@ class Reduction:
             replicate.all_reduce(self._reduced)
         if self._reduced is not None:
             # moved to where the master shard lives (the host, when offloaded), never copied and kept twice
-            grad = self._reduced.to(chunk.gradient_device, chunk.master_dtype)
+            grad = self._reduced.to(chunk.grads.device, chunk.master_dtype)
             if self._divisor != 1.0:
                 grad.div_(self._divisor)
-            chunk.reduced_grad = chunk.grad_pieces(grad) if chunk.world_size > 1 else chunk.shard_pieces(grad)
+            chunk.grads.land(grad)
             self._reduced = None
         if self._pooled is not None:  # the collective is done with it
             chunk.pool.give(self._pooled)

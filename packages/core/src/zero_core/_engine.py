@@ -199,10 +199,13 @@ class Engine:
         self.step_count = 0
 
         self._module_hooks.install()
+        # zero_grad() drops what a no_sync() window accumulated, as in DDP; refused only during backward
+        self.zero_grad_hook = ZeroGradHook(optimizer, settle=functools.partial(self.settle, "zero_grad()", in_forward=True),
+                                           discard=reducer.discard_unreduced)
         self._handles: list[Any] = [
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
-            ZeroGradHook(optimizer, self.discard_accumulation),
+            self.zero_grad_hook,
         ]
         self.params.use_sharded()
         # A user who never calls close() still gets it before the interpreter tears torch down: process
@@ -318,7 +321,7 @@ class Engine:
             tensors = [t for t in tensors_of(outputs) if t.requires_grad and t.grad_fn is not None]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
-                    tensors, functools.partial(self._pre_backward, chunks), mode="any"
+                    tensors, functools.partial(self._enter_backward, chunks=chunks), mode="any"
                 )
 
     @engine_work
@@ -341,40 +344,39 @@ class Engine:
         elif chunk.state is ChunkState.GATHERING:  # prefetched and still in flight: its parameters are empty until then
             chunk.wait()
         if self.state is TrainingState.BACKWARD:
-            chunk.prepare_gradients()
+            chunk.grads.prepare()
         elif torch.is_grad_enabled():
             self._exposed.add(chunk.index)
         return chunk.slots[slot].param
 
     # -- backward ------------------------------------------------------------------
-    def _enter_backward(self, *_: Any) -> None:
-        if self.state is TrainingState.BACKWARD:
-            return
-        forwards, self._graph_forwards = self._graph_forwards, 0
-        # a no_sync() window's gradients share this backward's buffers: a failure here loses them too
-        self._window_open = self.reducer.has_unreduced
-        self._lockstep.begin(f"backward after {forwards} forward(s) with gradients", self.step_count)
-        # The modules keep the sharded parameters in backward (autograd reads the unsharded ones it saved), so a
-        # backward that raises leaves them as they are between steps; only a recomputation swaps (_pre_forward).
-        self._set_state(TrainingState.BACKWARD)
-        self.reducer.begin(forwards=forwards)
-        self.residency.scheduler.begin_pass(reverse=True)
-        exposed = [c for c in self.chunks if c.index in self._exposed and not c.persistent]
-        if exposed:  # see [Note: parameters used outside their module]
-            self.residency.gather(exposed, backward=True)
-            for chunk in exposed:
-                chunk.prepare_gradients()
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
     @engine_work
-    def _pre_backward(self, chunks: tuple[Chunk, ...], *_: Any) -> None:
-        self._enter_backward()
-        self.residency.gather(chunks, backward=True)
-        for chunk in chunks:
-            if chunk.index not in self.reducer.reduced and chunk.stage == 1:  # its kept buffer is there anyway
-                chunk.prepare_gradients()  # stages 2 and 3: see [Note: gradient buffers on arrival]
+    def _enter_backward(self, *_: Any, chunks: tuple[Chunk, ...] = ()) -> None:
+        """A backward begins (the root's outputs got a gradient, or the first gradient hook ran), or reaches the
+        outputs of a module whose ``chunks`` it gathers again."""
+        if self.state is not TrainingState.BACKWARD:
+            forwards, self._graph_forwards = self._graph_forwards, 0
+            # a no_sync() window's gradients share this backward's buffers: a failure here loses them too
+            self._window_open = self.reducer.has_unreduced
+            self._lockstep.begin(f"backward after {forwards} forward(s) with gradients", self.step_count)
+            # The modules keep the sharded parameters in backward (autograd reads the unsharded ones it saved), so a
+            # backward that raises leaves them as they are between steps; only a recomputation swaps (_pre_forward).
+            self._set_state(TrainingState.BACKWARD)
+            self.reducer.begin(forwards=forwards)
+            self.residency.scheduler.begin_pass(reverse=True)
+            exposed = [c for c in self.chunks if c.index in self._exposed and not c.persistent]
+            if exposed:  # see [Note: parameters used outside their module]
+                self.residency.gather(exposed, backward=True)
+                for chunk in exposed:
+                    chunk.grads.prepare()
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if chunks:
+            self.residency.gather(chunks, backward=True)
+            for chunk in chunks:
+                if chunk.index not in self.reducer.reduced and chunk.stage == 1:  # its kept buffer is there anyway
+                    chunk.grads.prepare()  # stages 2 and 3: see [Note: gradient buffers on arrival]
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         self._enter_backward()
@@ -400,7 +402,7 @@ class Engine:
         except BaseException:
             # nothing of this backward reaches the optimizer, and nothing stays gathered or lent
             for chunk in self.chunks:
-                chunk.discard_gradients()
+                chunk.grads.discard()
             self.residency.release(self.chunks)
             raise
         finally:
@@ -412,8 +414,12 @@ class Engine:
             self.params.use_sharded()
 
     # -- leaving a step by any way ----------------------------------------------------
-    def settle(self) -> None:
+    def settle(self, what: str | None = None, *, collective: bool = False, in_forward: bool = False) -> None:
         """Bring the engine back to IDLE from wherever an earlier exit left it. See [Note: step transactions].
+
+        ``what`` names a user's call that needs an idle engine (between steps): it is refused after
+        :meth:`close` and while a backward (or, unless ``in_forward``, a forward) runs; ``collective``
+        (a verb every rank calls) begins with a lockstep round.
 
         An optimizer step that raised after the engine prepared it is closed; a backward that raised
         (autograd then drops the queued end-of-backward callback) is undone: the collectives it started
@@ -422,6 +428,12 @@ class Engine:
         and go with it, warned); a forward whose backward never came (a validation forward with gradients
         enabled) needs nothing: its graph may still be backwarded later.
         """
+        if what is not None:
+            if self._closed:
+                raise ZeroError(f"{what} was called after model.close(); the engine no longer holds the model")
+            if (self.state is TrainingState.FORWARD and not in_forward) or (
+                    self.state is TrainingState.BACKWARD and in_backward()):
+                raise ZeroError(f"{what} needs an idle engine (between steps), but it is in {self.state.value}")
         if self.bridge.step_open:
             self.bridge.abort()
             self.residency.after_step(publish=True)
@@ -437,7 +449,7 @@ class Engine:
                 error = err
             finally:
                 for chunk in self.chunks:
-                    chunk.discard_gradients()
+                    chunk.grads.discard()
                     chunk.drop_post_forward_copy()
                 self.residency.release(self.chunks)
                 self.reducer.end()
@@ -456,16 +468,8 @@ class Engine:
         if self.state is TrainingState.BACKWARD_PENDING:
             self.residency.drop_leftovers()
             self._set_state(TrainingState.IDLE)
-
-    def require_idle(self, what: str, *, collective: bool = True) -> None:
-        """Settle the engine for ``what`` between steps; a collective verb begins with a lockstep round."""
-        if self._closed:
-            raise ZeroError(f"{what} was called after model.close(); the engine no longer holds the model")
-        if self.state is TrainingState.FORWARD or (self.state is TrainingState.BACKWARD and in_backward()):
-            raise ZeroError(f"{what} needs an idle engine (between steps), but it is in {self.state.value}")
-        self.settle()
         if collective:
-            self._lockstep.begin(what, self.step_count)
+            self._lockstep.begin(what or "a collective call", self.step_count)
 
     # -- the optimizer's hooks ------------------------------------------------------------
     @engine_work
@@ -502,21 +506,3 @@ class Engine:
         view = EngineView(step=self.step_count, config=self.config, rank=self.comm.rank, world_size=self.comm.world_size,
                           chunks=tuple(self.chunks), comm_stats=self.comm.stats, _optimizer=self.optimizer)
         self.plugin_hooks.zero_after_step(engine=view, stats=self.comm.stats.summary(finished))
-
-    def discard_accumulation(self, set_to_none: bool = True) -> None:
-        """``zero_grad()``: gradients a ``no_sync()`` window accumulated and never reduced are dropped, as in DDP.
-
-        With ``set_to_none=False``, a parameter the window gave a gradient on this rank keeps a
-        zero gradient, as its ``.grad`` would in one process (momentum then still acts on it)."""
-        if self.state is TrainingState.BACKWARD and in_backward():
-            raise ZeroError("zero_grad() was called during backward; call it before the forward or after the step")
-        self.settle()
-        for chunk in self.chunks:
-            if not chunk.has_unreduced_gradients:
-                continue
-            if not set_to_none:
-                for seg in chunk.segments:
-                    if chunk.got_grad[seg.slot] and seg.param.grad is None and seg.param.requires_grad:
-                        device = chunk.grad_device or seg.local.device  # where reduced gradients would land
-                        seg.param.grad = chunk.wrap(seg.slot, torch.zeros_like(seg.local, device=device))
-            chunk.discard_gradients()

@@ -27,7 +27,7 @@ __all__ = ["full_state_dict", "load_full_state_dict", "save_full_state_dict", "s
 
 def _full_chunks(engine: Engine) -> Iterator[tuple[Chunk, torch.Tensor]]:
     """Each chunk with its whole master values, one at a time (collective), once the engine is idle."""
-    engine.require_idle("reading the full parameters")
+    engine.settle("reading the full parameters", collective=True)
     yield from iter_full_chunks(engine.chunks, placement=engine.placement, comm=engine.comm)
 
 
@@ -185,7 +185,7 @@ def load_full_state_dict(engine: Engine, source: Any, *, strict: bool = True) ->
     Collective. Every rank checks the keys and shapes first; on any mismatch every rank
     raises and nothing is changed.
     """
-    engine.require_idle("load_full_state_dict")
+    engine.settle("load_full_state_dict", collective=True)
     layout = _layout(engine)
     error = None
     opened = None

@@ -21,9 +21,9 @@ __all__ = ["gathered_parameters"]
 @contextlib.contextmanager
 def gathered_parameters(engine: Engine, *, writable: bool = False) -> Iterator[None]:
     """See :meth:`zero_core.ZeroModule.gathered_parameters`."""
-    engine.require_idle("model.gathered_parameters()")
+    engine.settle("model.gathered_parameters()", collective=True)
     fulls = []
-    engine.require_idle("reading the full parameters")
+    engine.settle("reading the full parameters", collective=True)
     for chunk, full in iter_full_chunks(engine.chunks, placement=engine.placement, comm=engine.comm):
         fulls.append((chunk, full if not chunk.shard_is_view else full.clone()))
     with torch.no_grad():
@@ -51,7 +51,7 @@ def gathered_parameters(engine: Engine, *, writable: bool = False) -> Iterator[N
                 engine.placement.before_load([chunk])  # a shard on disk comes back to take the writes
                 try:
                     for i, slot in enumerate(chunk.slots):
-                        lo, hi = chunk.held_range(i)
+                        lo, hi = chunk.layout.held_range(i)
                         if lo < hi:
                             chunk.fill(i, full[slot.offset + lo : slot.offset + hi], lo=lo)
                     publish_kept(chunk, engine.comm)

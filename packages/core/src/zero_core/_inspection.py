@@ -33,8 +33,8 @@ def device_bytes(chunks: Sequence[Chunk]) -> int:
             total += chunk.full.untyped_storage().nbytes()
         else:  # the kept buffer holds the shard: the shard's part is the policy's
             total += chunk.full_bytes - chunk.shard_bytes
-        if chunk.grad_full is not None:
-            total += chunk.grad_full.untyped_storage().nbytes()
+        if chunk.grads.kept is not None:
+            total += chunk.grads.kept.untyped_storage().nbytes()
     return total
 
 def model_state_bytes(chunks: Sequence[Chunk], optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -64,8 +64,8 @@ def model_state_bytes(chunks: Sequence[Chunk], optimizer: torch.optim.Optimizer)
             add(param_storages, chunk.full)
         elif chunk.is_gathered:
             report["gathered_buffers"] += chunk.full_bytes
-        if chunk.grad_full is not None:
-            add(grad_storages, chunk.grad_full)
+        if chunk.grads.kept is not None:
+            add(grad_storages, chunk.grads.kept)
         for seg in chunk.segments:
             if seg.param.grad is not None:
                 add(grad_storages, to_local(seg.param.grad))
@@ -107,12 +107,12 @@ def memory_by_kind(chunks: Sequence[Chunk], optimizer: torch.optim.Optimizer) ->
             add(params, chunk.full)
         elif chunk.is_gathered:
             gathered += chunk.full.untyped_storage().nbytes()
-        if chunk.grad_full is not None:
-            add(grads, chunk.grad_full)
+        if chunk.grads.kept is not None:
+            add(grads, chunk.grads.kept)
         copy = chunk.post_forward_copy
         if copy is not None:
             copies += copy.untyped_storage().nbytes()
-        for piece in chunk.reduced_grad or ():
+        for piece in chunk.grads.reduced or ():
             add(grads, piece)
         for seg in chunk.segments:
             grad = seg.param.grad
@@ -136,7 +136,7 @@ def iter_full_chunks(chunks: Sequence[Chunk], *, placement: PlacementPolicy,
 
     Collective: every rank iterates to the end. The tensor is only valid until the next
     item; no rank holds more than one gathered chunk beyond its shards. The engine must be
-    idle (``Engine.require_idle``).
+    idle (``Engine.settle``).
     """
     for chunk in chunks:
         with _engine_work():
@@ -149,7 +149,7 @@ def iter_full_chunks(chunks: Sequence[Chunk], *, placement: PlacementPolicy,
                 gather.all_gather(received, chunk.shard.to(chunk.device))
                 full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
                 torch.split_with_sizes_copy(received.view(chunk.world_size, chunk.shard_size), chunk.split_sizes, dim=1,
-                                            out=chunk.regions(full))
+                                            out=chunk.layout.regions(full))
                 del received
         try:
             yield chunk, full

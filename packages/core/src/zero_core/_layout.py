@@ -138,7 +138,7 @@ def fill_from_source(layout: ModelLayout, source: object, chunks: Sequence[Chunk
             try:
                 for i, slot in enumerate(chunk.slots):
                     name = layout.param_source(slot.param, available)
-                    lo, hi = chunk.held_range(i)
+                    lo, hi = chunk.layout.held_range(i)
                     if name is not None and lo < hi:
                         chunk.fill(i, source.read(name, lo, hi).to(chunk.master_dtype), lo=lo)  # type: ignore[attr-defined]
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the next collective

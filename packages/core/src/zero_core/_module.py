@@ -62,7 +62,7 @@ class ZeroModule:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``; gradients a ``no_sync()`` window accumulated are discarded too, as with DDP."""
-        self._zero_engine.discard_accumulation(set_to_none)
+        self._zero_engine.zero_grad_hook.run(set_to_none)
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     @property
@@ -159,7 +159,7 @@ class ZeroModule:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on the CPU. Collective: call on every rank."""
         engine = self._zero_engine
-        engine.require_idle("reading the full parameters")
+        engine.settle("reading the full parameters", collective=True)
         return full_parameters(engine.chunks, placement=engine.placement, comm=engine.comm)
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:

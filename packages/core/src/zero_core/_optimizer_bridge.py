@@ -11,7 +11,7 @@ overflow check per step] for fp16.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,21 +29,29 @@ __all__ = ["OptimizerBridge", "ZeroGradHook"]
 
 
 class ZeroGradHook:
-    """Runs ``before()`` ahead of every ``optimizer.zero_grad()`` (torch's optimizers have no hook for it).
+    """Runs ahead of every ``optimizer.zero_grad()`` (torch's optimizers have no hook for it): settles the engine,
+    then drops the gradients a ``no_sync()`` window accumulated and never reduced.
 
     The instance attribute shadows the class's method; ``remove()`` takes it away again."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, before: Any) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, settle: Callable[[], None],
+                 discard: Callable[..., None]) -> None:
         self._optimizer = optimizer
+        self._settle, self._discard = settle, discard
         original = optimizer.zero_grad
 
         @functools.wraps(original)
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            before(kwargs.get("set_to_none", args[0] if args else True))
+            self.run(kwargs.get("set_to_none", args[0] if args else True))
             return original(*args, **kwargs)
 
         self._installed = zero_grad
         optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+    def run(self, set_to_none: bool = True) -> None:
+        """What ``zero_grad(set_to_none)`` does to zero's state (``ZeroModule.zero_grad`` calls it too)."""
+        self._settle()
+        self._discard(set_to_none=set_to_none)
 
     def remove(self) -> None:
         if self._optimizer.__dict__.get("zero_grad") is self._installed:

@@ -56,11 +56,11 @@ class GradientReducer:
     @property
     def has_unreduced(self) -> bool:
         """Gradients accumulated inside ``no_sync()`` and not reduced yet."""
-        return any(chunk.has_unreduced_gradients for chunk in self.order)
+        return any(chunk.grads.unreduced for chunk in self.order)
 
     def reorder(self) -> None:
         """A step's first forward begins (no ``no_sync()`` accumulation open): take the trainable chunks anew."""
-        if not any(chunk.has_unreduced_gradients for chunk in self._chunks):
+        if not any(chunk.grads.unreduced for chunk in self._chunks):
             self.order = [c for c in reversed(self._chunks) if c.requires_grad]
 
     def expect(self, reachable: set[int]) -> None:
@@ -94,9 +94,7 @@ class GradientReducer:
                 "activation checkpointing (use torch.utils.checkpoint(..., use_reentrant=False)) or when a "
                 "parameter's gradient does not flow through the wrapped model's outputs."
             )
-        slot = self._slot_of[id(param)]
-        chunk.got_grad[slot] = True
-        self._adopt(chunk, slot)
+        self._adopt(chunk, self._slot_of[id(param)])
         waiting = self._waiting.get(chunk.index)
         if waiting is not None:
             waiting.discard(id(param))
@@ -105,7 +103,7 @@ class GradientReducer:
 
     @engine_work
     def _adopt(self, chunk: Chunk, slot: int) -> None:
-        chunk.adopt_gradient(slot)  # see [Note: gradient buffers on arrival]
+        chunk.grads.adopt(slot)  # see [Note: gradient buffers on arrival]
 
     def launch_ready(self, loss_scale: float) -> Iterator[Chunk]:
         """Launch the reduction of every chunk that is next in the order and ready; yields each once launched."""
@@ -140,18 +138,33 @@ class GradientReducer:
 
     def publish(self) -> None:
         """Give each optimizer segment its gradient if its parameter got one on any rank."""
-        flags = [f for chunk in self.order for f in chunk.got_grad]
+        flags = [f for chunk in self.order for f in chunk.grads.got]
         if self._comm.world_size > 1 and self._agree:
             agreed = self._comm.agree_any(torch.tensor(flags, dtype=torch.uint8)).tolist()
             flags = [bool(f) for f in agreed]
         offset = 0
         for chunk in self.order:
-            chunk.publish_gradients(flags[offset : offset + len(chunk.slots)])
+            chunk.grads.publish(flags[offset : offset + len(chunk.slots)])
             offset += len(chunk.slots)
 
     def end(self) -> None:
         """The backward is over (finished or undone): nothing waits any more."""
         self._waiting, self._ready = {}, {}
+
+    def discard_unreduced(self, *, set_to_none: bool = True) -> None:
+        """``zero_grad()``: gradients a ``no_sync()`` window accumulated and never reduced are dropped, as in DDP.
+
+        With ``set_to_none=False``, a parameter the window gave a gradient on this rank keeps a
+        zero gradient, as its ``.grad`` would in one process (momentum then still acts on it)."""
+        for chunk in self._chunks:
+            if not chunk.grads.unreduced:
+                continue
+            if not set_to_none:
+                for seg in chunk.segments:
+                    if chunk.grads.got[seg.slot] and seg.param.grad is None and seg.param.requires_grad:
+                        device = chunk.grads.target_device or seg.local.device  # where reduced gradients would land
+                        seg.param.grad = chunk.wrap(seg.slot, torch.zeros_like(seg.local, device=device))
+            chunk.grads.discard()
 
     def close(self) -> None:
         self._waiter.close()

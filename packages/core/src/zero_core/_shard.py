@@ -450,7 +450,7 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk]) ->
             continue
         # eagerly initialised (Adagrad): each sharded parameter takes its rows of the parameter's state
         slot = chunk.slots[seg.slot]
-        lo, hi = chunk.held_range(seg.slot)
+        lo, hi = chunk.layout.held_range(seg.slot)
         device = seg.local.device
 
         def piece(key: str, value: torch.Tensor, slot=slot, lo=lo, hi=hi, device=device, i=seg.slot, chunk=chunk) -> torch.Tensor:

@@ -73,7 +73,7 @@ def load_pre_hook(engine: Engine, module: nn.Module, state_dict: dict[str, Any],
     if prefix:  # only the root's own call converts; children see the converted values
         return
     _require_between_steps(engine, "load_state_dict")
-    engine.require_idle("load_state_dict")  # collective: it publishes the kept full buffers afterwards
+    engine.settle("load_state_dict", collective=True)  # collective: it publishes the kept full buffers afterwards
     if local_metadata.get("assign_to_params_buffers", False):
         raise ZeroError(
             "model.load_state_dict(..., assign=True) would replace the sharded parameters the optimizer holds; "
@@ -88,7 +88,7 @@ def load_pre_hook(engine: Engine, module: nn.Module, state_dict: dict[str, Any],
         slot = chunk.slots[i]
         if tuple(value.shape) != tuple(slot.shape):
             continue  # torch reports the mismatch with the key's name
-        lo, hi = chunk.held_range(i)
+        lo, hi = chunk.layout.held_range(i)
         local = value.detach().reshape(-1)[lo:hi].view(slot.local_shape(chunk.rank))
         sharded = chunk.segments[i].param
         local = local.to(device=sharded.device if not isinstance(sharded, DTensor) else sharded._local_tensor.device)

@@ -75,6 +75,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from zero_core._buffers import BufferPool
+from zero_core._chunk_grads import ChunkGradients
+from zero_core._chunk_layout import ChunkLayout, repoint
 from zero_core._ownership import in_policy_call
 from zero_core._slots import (
     ChunkSpec,
@@ -124,11 +126,10 @@ class Chunk:
         # built on its own, whose collectives run on the comm each method is given).
         self.plan: Any = None
         self.comms: Any = None
-        self.slots, pieces_numel = layout_slots([(p.name, p.param) for p in spec.params], world_size)
-        # A chunk of one parameter needs no padding beyond its piece: then its full buffer and the ranks' shards
-        # side by side are the same layout, and it gathers and reduces in place (no copy-out, no copy-in).
-        self.shard_size = pieces_numel if len(self.slots) == 1 else max(spec.size // world_size, pieces_numel)
-        self.size = self.shard_size * world_size
+        # Where each parameter sits (see [Note: chunk layout]); its sizes are repeated here, where every reader looks.
+        self.layout = ChunkLayout(spec, rank=rank, world_size=world_size)
+        self.slots, self.shard_size, self.size = self.layout.slots, self.layout.shard_size, self.layout.size
+        self.split_sizes, self.direct = self.layout.split_sizes, self.layout.direct
         self.device = device
         self.stage = stage
         # The device mesh of the sharded parameters' DTensors; None in one process without torch.distributed.
@@ -142,12 +143,6 @@ class Chunk:
         self._initially_trainable = first.param.requires_grad
         self.param_group = first.param_group
         self.used = spec.used
-        # Column sizes of a (world_size, shard_size) view: each parameter's piece, then the shard's tail padding.
-        tail = self.shard_size - pieces_numel
-        self.split_sizes = [s.piece for s in self.slots] + ([tail] if tail else [])
-        self._has_replicated = any(s.replicated for s in self.slots)
-        # One column: parameter-major and rank-major coincide (see the shard size above).
-        self.direct = len(self.split_sizes) == 1
         # Stages 1 and 2 keep the full buffer for the whole run, and so does a single rank; at stage 3 a
         # placement policy may keep some chunks gathered too (zero-offload's shard_param_frac).
         self.persistent = stage < 3 or world_size == 1 or keep_gathered
@@ -170,17 +165,8 @@ class Chunk:
         # This rank's padded piece of each parameter (master dtype): views of the shard or of the full buffer.
         self.pieces: list[torch.Tensor] = []
         self.segments: tuple[Segment, ...] = ()
-        # This rank's mean gradient pieces from the last backward (one per slot), until published to segments.
-        self.reduced_grad: list[torch.Tensor] | None = None
-        # Per slot: did the parameter get a gradient on this rank since the last publish (every backward of
-        # a no_sync accumulation included)? Set by the engine's post-accumulate-grad hook.
-        self.got_grad = [False] * len(self.slots)
-        # Full-size gradient buffer of the running backward; parameters' .grad are views of it.
-        self._grad_flat: torch.Tensor | None = None
-        # Stage 1 keeps one full-size gradient buffer for the whole run (gradients are replicated).
-        self.grad_full: torch.Tensor | None = None
-        # Where reduced gradients go; None: where the master shard is. Set by placement policies.
-        self.grad_device: torch.device | None = None
+        # The gradients, from autograd's buffer to the optimizer's .grad (see [Note: a gradient's three places]).
+        self.grads = ChunkGradients(self)
         # In SHARDED_POST_FORWARD only: this rank's 1/k of the rank-major gathered buffer, kept from a forward for
         # the backward's gather inside its group of k ranks (see release(keep_copy=True)).
         self._post_forward_copy: torch.Tensor | None = None
@@ -191,26 +177,6 @@ class Chunk:
         return given if self.comms is None else getattr(self.comms, role)
 
     # -- layout helpers ---------------------------------------------------------------
-    def regions(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """``buf`` (parameter-major, ``size`` elements) cut into one ``(world_size, piece)`` view per column of the split."""
-        out, at = [], 0
-        for width in self.split_sizes:
-            out.append(buf[at : at + self.world_size * width].view(self.world_size, width))
-            at += self.world_size * width
-        return out
-
-    def own_pieces(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's padded piece of each parameter inside a parameter-major buffer (full or gradient)."""
-        return [buf[s.offset + self.rank * s.piece : s.offset + (self.rank + 1) * s.piece] for s in self.slots]
-
-    def shard_pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        return [shard[s.shard_offset : s.shard_offset + s.piece] for s in self.slots]
-
-    def _local(self, i: int, piece: torch.Tensor) -> torch.Tensor:
-        slot = self.slots[i]
-        shape = slot.local_shape(self.rank)
-        return piece[: shape.numel()].view(shape)
-
     def wrap(self, i: int, local: torch.Tensor) -> torch.Tensor:
         """``local`` (this rank's piece of parameter ``i``, unpadded) as a tensor shaped like the sharded parameter."""
         if self.mesh is None:
@@ -224,19 +190,6 @@ class Chunk:
         placements = (Replicate(),) * (self.mesh.ndim - 1) + ((Replicate(),) if slot.replicated else (Shard(0),))
         return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=slot.shape,
                                   stride=torch.empty(slot.shape, device="meta").stride())
-
-    def copy_out(self, rank_major: torch.Tensor) -> None:
-        """Fill the full buffer from a ``(world_size, shard_size)`` view of the ranks' shards (an all-gather's output)."""
-        with torch.no_grad():
-            if self.direct:
-                self.full.view(self.world_size, self.shard_size).copy_(rank_major)
-            else:
-                torch.split_with_sizes_copy(rank_major, self.split_sizes, dim=1, out=self.regions(self.full))
-
-    def copy_in(self, flat: torch.Tensor, out: torch.Tensor) -> None:
-        """Lay a parameter-major buffer (gradients) out rank-major into ``out`` (``size`` elements), casting to its dtype."""
-        with torch.no_grad():
-            torch.cat(self.regions(flat), dim=1, out=out.view(self.world_size, self.shard_size))
 
     @property
     def shard(self) -> torch.Tensor:
@@ -273,17 +226,17 @@ class Chunk:
                 slot.param.data = view
             if broadcast_from_rank0 and self.world_size > 1:
                 comm.broadcast(staging, src=0)
-            if self._has_replicated:  # every rank's piece of a replicated parameter holds its value
-                for slot, region in zip(self.slots, self.regions(staging)):
+            if self.layout.has_replicated:  # every rank's piece of a replicated parameter holds its value
+                for slot, region in zip(self.slots, self.layout.regions(staging)):
                     if slot.replicated:
                         region.copy_(region[:1].expand_as(region))
             if staging is not self.full:
                 self.full.copy_(staging)
             if self.shard_is_view:
-                self.pieces = self.own_pieces(self.full)
+                self.pieces = self.layout.own_pieces(self.full)
             else:
-                self._shard = self._pack(self.own_pieces(staging), self.master_dtype)
-                self.pieces = self.shard_pieces(self._shard)
+                self._shard = self._pack(self.layout.own_pieces(staging), self.master_dtype)
+                self.pieces = self.layout.shard_pieces(self._shard)
             del staging
             if not self.persistent:
                 self.release()
@@ -309,10 +262,10 @@ class Chunk:
                 for slot, view in zip(self.slots, self._views):
                     slot.param.data = view
             if self.shard_is_view:
-                self.pieces = self.own_pieces(self.full)
+                self.pieces = self.layout.own_pieces(self.full)
             else:
                 self._shard = torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.device)
-                self.pieces = self.shard_pieces(self._shard)
+                self.pieces = self.layout.shard_pieces(self._shard)
             if not self.persistent:
                 for slot in self.slots:
                     slot.param.data = self._empty
@@ -323,7 +276,7 @@ class Chunk:
         """Create the sharded parameters, once: every later move re-points their local tensors."""
         segments = []
         for i, slot in enumerate(self.slots):
-            local = self._local(i, self.pieces[i])
+            local = self.layout.local(i, self.pieces[i])
             data = self.wrap(i, local) if self.mesh is not None else local
             param = nn.Parameter(data, requires_grad=slot.param.requires_grad)
             # attributes set on the original parameter (no_decay flags, HF's markers) stay visible on the sharded one
@@ -340,18 +293,10 @@ class Chunk:
             return self._initially_trainable
         return any(seg.param.requires_grad for seg in self.segments)
 
-    def own_range(self, slot: int) -> tuple[int, int]:
-        """The elements ``[lo, hi)`` of parameter ``slot`` (flattened) that this rank owns (``lo == hi``: none)."""
-        return self.slots[slot].own_range(self.rank)
-
-    def held_range(self, slot: int) -> tuple[int, int]:
-        """The elements of parameter ``slot`` this rank's shard holds: its own range, and a replicated parameter whole."""
-        return self.slots[slot].held_range(self.rank)
-
     def shard_range(self, slot: int, lo: int, hi: int) -> torch.Tensor:
         """The master values of elements ``[lo, hi)`` of parameter ``slot`` (inside :meth:`held_range`): a view to
         read or write in place."""
-        begin, _ = self.held_range(slot)
+        begin, _ = self.layout.held_range(slot)
         return self.pieces[slot][lo - begin : hi - begin]
 
     @torch.no_grad()
@@ -362,7 +307,7 @@ class Chunk:
         must be in memory (see ``PlacementPolicy.before_load``). A kept full buffer is brought
         up to date by :meth:`publish_parameters` once every slot is filled.
         """
-        a, b = self.held_range(slot)
+        a, b = self.layout.held_range(slot)
         if a < b:
             self.shard_range(slot, a, b).copy_(values[a - lo : b - lo])
 
@@ -456,7 +401,7 @@ class Chunk:
         if keep_copy and self.comms is not None and self.comms.sub is not None:
             k = self.comms.sub.world_size
             rank_major = torch.empty(self.size, dtype=self.dtype, device=self.device)
-            self.copy_in(self.full, rank_major)
+            self.layout.copy_in(self.full, rank_major)
             part = self.size // k
             at = self.comms.sub.rank * part
             kept = rank_major[at : at + part].clone()
@@ -471,40 +416,18 @@ class Chunk:
     def compute_shard(self) -> torch.Tensor:
         """This rank's shard in the compute dtype, on the compute device: what an all-gather sends."""
         if self._shard is None:
-            return self._pack(self.own_pieces(self.full), self.dtype)
+            return self._pack(self.layout.own_pieces(self.full), self.dtype)
         return self._shard.to(self.device, self.dtype, non_blocking=True)
 
     def refresh_own_slice(self) -> torch.Tensor:
         """Copy the updated master shard into this rank's pieces of a kept full buffer; return them packed
         (compute dtype): what :meth:`publish_parameters` sends."""
-        own = self.own_pieces(self.full)
+        own = self.layout.own_pieces(self.full)
         # a shard out of memory (on disk) was copied here by its placement policy before it left
         if self._shard is not None and self.shard_in_memory:
             with torch.no_grad():
-                torch.split_with_sizes_copy(self._shard.to(self.device, self.dtype), self.split_sizes, out=own + self._tail(self.full))
+                torch.split_with_sizes_copy(self._shard.to(self.device, self.dtype), self.split_sizes, out=own + self.layout.tail(self.full))
         return self._pack(own, self.dtype)
-
-    def _tail(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """The shard's tail padding inside ``buf``'s own rank row (empty list when there is none)."""
-        if len(self.split_sizes) == len(self.slots):
-            return []
-        return [self.regions(buf)[-1][self.rank]]
-
-    def move_shard(self, device: torch.device) -> None:
-        """Keep the master shard (and so its gradients and optimizer states) on ``device`` from now on.
-
-        Gathers copy the shard to the compute device; reduced gradients are moved to the
-        shard's device, not copied. Host shards are pinned when the compute device is CUDA.
-        """
-        if self._shard is None and self.device == device:
-            return
-        if self._shard is not None and self._shard.device == device:
-            return
-        pin = device.type == "cpu" and self.device.type == "cuda"
-        with torch.no_grad():
-            shard = torch.empty(self.shard_size, dtype=self.master_dtype, device=device, pin_memory=pin)
-            shard.copy_(self.shard)
-        self.replace_shard(shard)
 
     def replace_shard(self, shard: torch.Tensor) -> None:
         """Make ``shard`` (same size and dtype, any device) the master shard, keeping the sharded parameters.
@@ -512,7 +435,7 @@ class Chunk:
         Each sharded parameter's local tensor is re-pointed, never replaced, so the optimizer's
         state keeps its keys. Placement policies call this at any time between uses; the old
         shard's storage is dropped with its last reference. To take a shard out of memory (to
-        disk), pass :meth:`absent_shard`.
+        disk), pass :func:`zero_core.placement.absent_shard`.
         """
         self.check_tier_mover("move its shard")
         if shard.shape != (self.shard_size,) or shard.dtype != self.master_dtype:
@@ -525,163 +448,20 @@ class Chunk:
         if shard.stride(0) == 0:  # absent: every piece is a stand-in of the right size
             self.pieces = [shard[: s.piece] for s in self.slots]
         else:
-            self.pieces = self.shard_pieces(shard)
+            self.pieces = self.layout.shard_pieces(shard)
         for seg in self.segments:
-            _repoint(seg.param, self._local(seg.slot, self.pieces[seg.slot]))
-
-    def absent_shard(self) -> torch.Tensor:
-        """A stand-in for a shard that is not in memory: the right shape, one shared element, NaN.
-
-        In-place updates of it fail ("more than one element of the written-to tensor refers to
-        a single memory location") and reads give NaN, so an optimizer or gather that touches a
-        shard the policy did not bring back fails loudly instead of using stale values.
-        """
-        fill = float("nan") if self.master_dtype.is_floating_point else 0
-        return torch.full((1,), fill, dtype=self.master_dtype).expand(self.shard_size)
+            repoint(seg.param, self.layout.local(seg.slot, self.pieces[seg.slot]))
 
     @property
     def shard_in_memory(self) -> bool:
-        """False while the shard is :meth:`absent_shard` (on disk)."""
+        """False while the shard is :func:`~zero_core.placement.absent_shard` (on disk)."""
         return self._shard is None or self.shard_size == 0 or self._shard.stride(0) != 0
 
 
     @property
-    def has_unreduced_gradients(self) -> bool:
-        """Gradients accumulated (inside ``no_sync``) but not reduce-scattered yet."""
-        return self._grad_flat is not None
-
-    def prepare_gradients(self) -> None:
-        """Point every trainable parameter's ``.grad`` at a zeroed full-size buffer before backward reaches it.
-
-        Autograd then accumulates in place into the buffer (no per-parameter gradient
-        tensors, no copy), and the buffer is what gets reduce-scattered. Stage 1 reuses
-        its one kept buffer; the other stages borrow one from the pool for this backward.
-        """
-        if self._grad_flat is not None or not self.requires_grad:
-            return
-        self._grad_flat = self._take_grad_buffer()
-        for slot in self.slots:
-            if slot.param.grad is None and slot.param.requires_grad:
-                slot.param.grad = self._grad_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-
-    def adopt_gradient(self, slot: int) -> None:
-        """Parameter ``slot``'s gradient has just been accumulated: make sure it lives in this backward's buffer.
-
-        At stages 2 and 3 no buffer is prepared before backward reaches the chunk (see [Note: gradient
-        buffers on arrival] in ``zero_core._engine``): the first gradient to arrive was made by autograd, so the
-        buffer is taken now and the gradient copied in, and every other trainable parameter's ``.grad`` points
-        at its zeroed view, where autograd accumulates in place as for a prepared buffer.
-        """
-        if self._grad_flat is not None:
-            flat = self._grad_flat
-            grad = self.slots[slot].param.grad
-            target = flat[self.slots[slot].offset : self.slots[slot].offset + self.slots[slot].numel]
-            if grad is not None and grad.data_ptr() != target.data_ptr():  # replaced behind our back: take it in
-                with torch.no_grad():
-                    target.copy_(grad.reshape(-1))
-                self.slots[slot].param.grad = target.view(self.slots[slot].shape)
-            return
-        # Always copied, even where autograd's tensor has the buffer's layout: what the engine keeps must be the
-        # engine's allocation, or a memory tracer would count it as activations (see zero_core._accounting).
-        self._grad_flat = self._take_grad_buffer()
-        for s in self.slots:
-            view = self._grad_flat[s.offset : s.offset + s.numel].view(s.shape)
-            if s.param.grad is not None:
-                with torch.no_grad():
-                    view.copy_(s.param.grad)
-                s.param.grad = view
-            elif s.param.requires_grad:
-                s.param.grad = view
-
-    def discard_gradients(self) -> None:
-        """Drop every gradient not yet handed to the optimizer: the running backward's, a ``no_sync()`` window's,
-        a reduction's result. The sharded parameters' gradients stay as they are."""
-        flat, self._grad_flat = self._grad_flat, None
-        if flat is not None and flat is not self.grad_full:
-            self.pool.give(flat)
-        for slot in self.slots:
-            slot.param.grad = None
-        self.reduced_grad = None
-        self.got_grad = [False] * len(self.slots)
-
-    def _take_grad_buffer(self) -> torch.Tensor:
-        if self.stage != 1:
-            return self.pool.take(self.size, self.dtype, self.device)
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.size, dtype=self.dtype, device=self.device)
-            return self.grad_full
-        # Gradients published from the last backward may be views of this buffer's own pieces (they
-        # accumulate until a step): move them out before the buffer is zeroed for this backward.
-        storage = self.grad_full.untyped_storage().data_ptr()
-        for seg in self.segments:
-            grad = seg.param.grad
-            if grad is not None and to_local(grad).untyped_storage().data_ptr() == storage:
-                seg.param.grad = self.wrap(seg.slot, to_local(grad).clone())
-        return self.grad_full.zero_()
-
-
-    def gradients_for_reduction(self) -> torch.Tensor:
-        """Hand over this backward's gradients as one full-size, parameter-major buffer; every ``.grad`` is dropped.
-
-        Gradients autograd placed elsewhere than the prepared buffer are copied in; each rank's
-        piece of a replicated (zero-dimensional) parameter carries its gradient, so every rank
-        gets the sum. The caller (:func:`zero_core._collectives.reduce_gradients`) gives a pooled
-        buffer back; stage 1's kept buffer is never pooled."""
-        flat, self._grad_flat = self._grad_flat, None
-        if flat is None:
-            flat = self._take_grad_buffer()
-        with torch.no_grad():
-            for slot in self.slots:
-                grad = slot.param.grad
-                if grad is not None:
-                    target = flat[slot.offset : slot.offset + slot.numel]
-                    if grad.data_ptr() != target.data_ptr():
-                        target.copy_(grad.reshape(-1))
-                    slot.param.grad = None
-            if self._has_replicated:
-                for slot, region in zip(self.slots, self.regions(flat)):
-                    if slot.replicated:
-                        region.copy_(region[:1].expand_as(region))
-        return flat
-
-    @property
-    def gradient_device(self) -> torch.device:
-        """Where reduced gradients land: ``grad_device`` when a placement policy set one, else the master shard's."""
-        if self.grad_device is not None:
-            return self.grad_device
+    def shard_device(self) -> torch.device:
+        """Where the master shard is (the compute device while the kept full buffer holds it)."""
         return self._shard.device if self._shard is not None else self.device
-
-    def grad_pieces(self, reduced: torch.Tensor) -> list[torch.Tensor]:
-        """The reduced shard (master dtype, where gradients go) as one piece per slot; stage 1 keeps
-        them in its kept full-size buffer when nothing moved them elsewhere, so gradients are held once."""
-        if (self.grad_full is not None and self.world_size > 1 and reduced.device == self.grad_full.device
-                and reduced.dtype == self.grad_full.dtype):
-            own = self.own_pieces(self.grad_full)
-            with torch.no_grad():
-                torch.split_with_sizes_copy(reduced, self.split_sizes, out=own + self._tail(self.grad_full))
-            return own
-        return list(reduced.split(self.split_sizes)[: len(self.slots)])
-
-    def publish_gradients(self, present: Sequence[bool]) -> None:
-        """Hand the reduced gradient to the sharded parameters, as autograd would to parameters.
-
-        ``present[i]`` says whether slot ``i`` got a gradient on any rank; the others keep
-        their ``.grad`` untouched (``None`` after ``zero_grad``), so the optimizer skips
-        them. Gradients add to existing ones, so several backwards before a step accumulate.
-        """
-        reduced, self.reduced_grad = self.reduced_grad, None
-        self.got_grad = [False] * len(self.slots)
-        if reduced is None:
-            return
-        with torch.no_grad():
-            for seg in self.segments:
-                if not present[seg.slot] or not seg.param.requires_grad:
-                    continue
-                piece = self._local(seg.slot, reduced[seg.slot])
-                if seg.param.grad is None:
-                    seg.param.grad = self.wrap(seg.slot, piece)
-                else:
-                    seg.param.grad.add_(self.wrap(seg.slot, piece))
 
     # -- accounting -----------------------------------------------------------------
     @property
@@ -701,23 +481,4 @@ class Chunk:
             f"Chunk(index={self.index}, params={len(self.slots)}, used={self.used}, size={self.size}, "
             f"shard={self.shard_size}, state={self.state.value}, tier={self.tier.value})"
         )
-
-
-def _repoint(param: nn.Parameter, local: torch.Tensor) -> None:
-    """Make ``local`` the sharded parameter's data, keeping the object (the optimizer's key, the model's entry)."""
-    if not isinstance(param, DTensor):
-        param.data = local
-        return
-    if param._local_tensor.device == local.device:  # type: ignore[attr-defined]
-        param._local_tensor = local  # type: ignore[attr-defined]
-        return
-    # A DTensor's device is fixed when it is made, and a shard that moved to another device (host offload) needs
-    # a wrapper there: a new one is swapped into the same object, with its attributes and its gradient moved along.
-    attrs, grad = dict(param.__dict__), param.grad
-    fresh = nn.Parameter(DTensor(local, param._spec, requires_grad=False), requires_grad=param.requires_grad)  # type: ignore[attr-defined]
-    torch.utils.swap_tensors(param, fresh)
-    param.__dict__.update(attrs)
-    if grad is not None:
-        param.grad = rewrap(grad, to_local(grad).to(local.device))
-
 

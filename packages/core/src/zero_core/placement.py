@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from zero_core.api import ZeroConfig
     from zero_core.comm import CommBackend
 
-__all__ = ["ChunkParts", "DevicePlacementPolicy", "HostPlacementPolicy", "PlacementContext", "PlacementPolicy"]
+__all__ = ["ChunkParts", "DevicePlacementPolicy", "HostPlacementPolicy", "PlacementContext", "PlacementPolicy", "absent_shard",
+           "move_shard"]
 
 # The hooks inside which a policy may move shards between tiers. See [Note: who moves a chunk].
 _TIER_HOOKS = ("attach", "on_transition", "before_compute", "before_gather", "after_release", "before_load",
@@ -191,7 +192,7 @@ class PlacementPolicy(ABC):
         """Every gradient of this backward is reduced; next, each segment's parameter gets its gradient.
 
         A segment's gradient must be on the same device as its parameter: a policy that
-        routed gradients elsewhere (``Chunk.grad_device``) brings the shard there now.
+        routed gradients elsewhere (``ChunkGradients.target_device``) brings the shard there now.
         """
 
     def before_step(self, chunks: Sequence[Chunk]) -> None:
@@ -238,6 +239,34 @@ class DevicePlacementPolicy(PlacementPolicy):
         return [dict.fromkeys(("params", "grads", "optimizer_states"), MemoryTier.DEVICE) for _ in parts]
 
 
+def move_shard(chunk: Chunk, device: torch.device) -> None:
+    """Keep ``chunk``'s master shard (and so its gradients and optimizer states) on ``device`` from now on.
+
+    Gathers copy the shard to the compute device; reduced gradients are moved to the shard's
+    device, not copied. Host shards are pinned when the compute device is CUDA. A tier move:
+    call it from a placement policy's hooks (the chunk's :meth:`~Chunk.replace_shard` checks).
+    """
+    if chunk.shard_device == device:
+        return
+    pin = device.type == "cpu" and chunk.device.type == "cuda"
+    with torch.no_grad():
+        shard = torch.empty(chunk.shard_size, dtype=chunk.master_dtype, device=device, pin_memory=pin)
+        shard.copy_(chunk.shard)
+    chunk.replace_shard(shard)
+
+
+def absent_shard(chunk: Chunk) -> torch.Tensor:
+    """A stand-in for a shard that is not in memory (on disk): ``chunk``'s shard shape, one shared element, NaN.
+
+    Pass it to :meth:`Chunk.replace_shard`. In-place updates of it fail ("more than one element of
+    the written-to tensor refers to a single memory location") and reads give NaN, so an optimizer
+    or gather that touches a shard the policy did not bring back fails loudly instead of using
+    stale values.
+    """
+    fill = float("nan") if chunk.master_dtype.is_floating_point else 0
+    return torch.full((1,), fill, dtype=chunk.master_dtype).expand(chunk.shard_size)
+
+
 class HostPlacementPolicy(PlacementPolicy):
     """Keeps every master shard, its gradient and its optimizer state in host memory.
 
@@ -255,7 +284,7 @@ class HostPlacementPolicy(PlacementPolicy):
         host = torch.device("cpu")
         state = self.context.optimizer.state
         for chunk in chunks:
-            chunk.move_shard(host)
+            move_shard(chunk, host)
             chunk.tier = MemoryTier.HOST
             for seg in chunk.segments:  # states an optimizer creates eagerly (Adagrad's sums) follow their shard
                 for key, value in state.get(seg.param, {}).items():

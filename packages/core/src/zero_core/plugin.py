@@ -14,6 +14,8 @@ from zero_core._plugins import ENTRY_POINT_GROUP, ZeroPlugins, hookimpl
 from zero_core._registry import Registry
 from zero_core._scaler import LossScaler
 from zero_core._state import ChunkState, MemoryTier, TrainingState
+from zero_core._chunk_grads import ChunkGradients
+from zero_core._chunk_layout import ChunkLayout
 from zero_core._view import EngineView
 from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk, ChunkSpec, ParamInfo, ParamSlot, Segment, rewrap, to_local
@@ -28,6 +30,8 @@ from zero_core.placement import (
     PartTiers,
     PlacementContext,
     PlacementPolicy,
+    absent_shard,
+    move_shard,
 )
 from zero_core.strategy import ChunkPlan, Reduction, ShardPlan, ShardStrategy, reshard_for_mesh, round_up
 
@@ -35,6 +39,8 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "BufferPool",
     "Chunk",
+    "ChunkGradients",
+    "ChunkLayout",
     "ChunkParts",
     "ChunkPlan",
     "ChunkSpec",
@@ -70,11 +76,13 @@ __all__ = [
     "ZeroConfig",
     "ZeroError",
     "ZeroPlugins",
+    "absent_shard",
     "hookimpl",
     "get_logger",
     "hookspec",
     "in_engine_work",
     "in_policy_call",
+    "move_shard",
     "policy_call",
     "reshard_for_mesh",
     "rewrap",

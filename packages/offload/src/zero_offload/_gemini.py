@@ -144,7 +144,7 @@ class GeminiPolicy(TieredPolicy):
         k, self._event = self._event, self._event + 1
         key = (backward, tuple(c.index for c in chunks))
         need = sum(self._gather_cost(c, backward=backward) for c in chunks
-                   if not c.is_gathered or (backward and c.requires_grad and not c.has_unreduced_gradients))
+                   if not c.is_gathered or (backward and c.requires_grad and not c.grads.unreduced))
         if self.warming_up:
             if k > 0:
                 self.non_model.append(self.tracer.sample(self.device_bytes()))

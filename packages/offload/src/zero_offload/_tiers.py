@@ -10,7 +10,7 @@ A chunk's model states come in three parts, each in its own tier at every moment
 :meth:`Tiers.move` moves one part of one chunk to another tier, copying exactly its
 bytes and charging its budget before anything changes, so a move that does not fit
 fails with the state untouched. A part that leaves a tier drops its storage there: a
-shard on the disk tier is the chunk's :meth:`~zero_core.plugin.Chunk.absent_shard` (one NaN
+shard on the disk tier is the chunk's :func:`~zero_core.plugin.absent_shard` (one NaN
 element, expanded) and optimizer states on disk are such stand-ins too, so any access
 that a policy did not prepare fails or shows NaN instead of reading stale values.
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from zero_core.plugin import Chunk, MemoryTier, PlacementContext, get_logger, rewrap, to_local
+from zero_core.plugin import Chunk, MemoryTier, PlacementContext, absent_shard, get_logger, rewrap, to_local
 from zero_offload._disk import DiskStore
 from zero_offload.config import TierConfig, mib
 from zero_offload.errors import DiskTierError, TierBudgetError
@@ -252,7 +252,7 @@ class Tiers:
                 self.disk_fresh.add(i)
             self._drop_host_copy(i)
             self.staged.discard(i)
-            chunk.replace_shard(chunk.absent_shard())
+            chunk.replace_shard(absent_shard(chunk))
             return
         if src is DISK and i not in self.staged:
             assert self.disk is not None
@@ -300,9 +300,7 @@ class Tiers:
 
     def _move_grads(self, chunk: Chunk, src: MemoryTier, dst: MemoryTier) -> None:
         device = self.location(dst)
-        chunk.grad_device = device
-        if chunk.reduced_grad is not None:
-            chunk.reduced_grad = [g.to(device) for g in chunk.reduced_grad]
+        chunk.grads.move_reduced(device)
         for seg in chunk.segments:
             if seg.param.grad is not None and seg.param.grad.device != device:
                 seg.param.grad = seg.param.grad.to(device)
@@ -392,7 +390,7 @@ class Tiers:
         if i not in self.staged:
             return
         self.staged.discard(i)
-        chunk.replace_shard(chunk.absent_shard())
+        chunk.replace_shard(absent_shard(chunk))
         self._discharge(HOST, chunk.shard_bytes)
 
     def write_staged(self, chunk: Chunk) -> None:
@@ -425,7 +423,7 @@ class Tiers:
                     if seg.param.grad is not None:
                         storage = to_local(seg.param.grad).untyped_storage()
                         seen[storage.data_ptr()] = storage.nbytes()
-                for piece in chunk.reduced_grad or ():
+                for piece in chunk.grads.reduced or ():
                     seen[piece.untyped_storage().data_ptr()] = piece.untyped_storage().nbytes()
                 total += sum(seen.values())
             if where[Part.OPTIM] is DEVICE:

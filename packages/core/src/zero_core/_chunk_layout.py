@@ -1,0 +1,103 @@
+"""A chunk's layout on one rank: where each parameter sits in the full buffer and in the shard.
+
+See [Note: chunk layout] in ``zero_core.chunk``. Fixed when the chunk is built; every method
+is a pure view or copy between the layout's two orders (parameter-major full buffers,
+rank-major collective buffers), so the chunk's storage, its gradients and the collectives
+share one description of the bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from zero_core._slots import ChunkSpec, ParamSlot, layout_slots, rewrap, to_local
+
+__all__ = ["ChunkLayout", "repoint"]
+
+
+class ChunkLayout:
+    """Slots, shard size and the views between the parameter-major and rank-major orders."""
+
+    def __init__(self, spec: ChunkSpec, *, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.slots: tuple[ParamSlot, ...]
+        self.slots, pieces_numel = layout_slots([(p.name, p.param) for p in spec.params], world_size)
+        # A chunk of one parameter needs no padding beyond its piece: then its full buffer and the ranks' shards
+        # side by side are the same layout, and it gathers and reduces in place (no copy-out, no copy-in).
+        self.shard_size = pieces_numel if len(self.slots) == 1 else max(spec.size // world_size, pieces_numel)
+        self.size = self.shard_size * world_size
+        # Column sizes of a (world_size, shard_size) view: each parameter's piece, then the shard's tail padding.
+        tail = self.shard_size - pieces_numel
+        self.split_sizes = [s.piece for s in self.slots] + ([tail] if tail else [])
+        self.has_replicated = any(s.replicated for s in self.slots)
+        # One column: parameter-major and rank-major coincide (see the shard size above).
+        self.direct = len(self.split_sizes) == 1
+
+    def regions(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """``buf`` (parameter-major, ``size`` elements) cut into one ``(world_size, piece)`` view per column of the split."""
+        out, at = [], 0
+        for width in self.split_sizes:
+            out.append(buf[at : at + self.world_size * width].view(self.world_size, width))
+            at += self.world_size * width
+        return out
+
+    def own_pieces(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's padded piece of each parameter inside a parameter-major buffer (full or gradient)."""
+        return [buf[s.offset + self.rank * s.piece : s.offset + (self.rank + 1) * s.piece] for s in self.slots]
+
+    def shard_pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's padded piece inside a shard (``shard_size`` elements)."""
+        return [shard[s.shard_offset : s.shard_offset + s.piece] for s in self.slots]
+
+    def tail(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """The shard's tail padding inside ``buf``'s own rank row (empty list when there is none)."""
+        if len(self.split_sizes) == len(self.slots):
+            return []
+        return [self.regions(buf)[-1][self.rank]]
+
+    def local(self, i: int, piece: torch.Tensor) -> torch.Tensor:
+        """Parameter ``i``'s padded ``piece`` cut to this rank's rows, in the sharded parameter's local shape."""
+        shape = self.slots[i].local_shape(self.rank)
+        return piece[: shape.numel()].view(shape)
+
+    def own_range(self, slot: int) -> tuple[int, int]:
+        """The elements ``[lo, hi)`` of parameter ``slot`` (flattened) that this rank owns (``lo == hi``: none)."""
+        return self.slots[slot].own_range(self.rank)
+
+    def held_range(self, slot: int) -> tuple[int, int]:
+        """The elements of parameter ``slot`` this rank's shard holds: its own range, and a replicated parameter whole."""
+        return self.slots[slot].held_range(self.rank)
+
+    def copy_out(self, rank_major: torch.Tensor, full: torch.Tensor) -> None:
+        """Fill ``full`` (parameter-major) from a ``(world_size, shard_size)`` view of the ranks' shards."""
+        with torch.no_grad():
+            if self.direct:
+                full.view(self.world_size, self.shard_size).copy_(rank_major)
+            else:
+                torch.split_with_sizes_copy(rank_major, self.split_sizes, dim=1, out=self.regions(full))
+
+    def copy_in(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """Lay a parameter-major buffer out rank-major into ``out`` (``size`` elements), casting to its dtype."""
+        with torch.no_grad():
+            torch.cat(self.regions(flat), dim=1, out=out.view(self.world_size, self.shard_size))
+
+
+def repoint(param: nn.Parameter, local: torch.Tensor) -> None:
+    """Make ``local`` the sharded parameter's data, keeping the object (the optimizer's key, the model's entry)."""
+    if not isinstance(param, DTensor):
+        param.data = local
+        return
+    if param._local_tensor.device == local.device:  # type: ignore[attr-defined]
+        param._local_tensor = local  # type: ignore[attr-defined]
+        return
+    # A DTensor's device is fixed when it is made, and a shard that moved to another device (host offload) needs
+    # a wrapper there: a new one is swapped into the same object, with its attributes and its gradient moved along.
+    attrs, grad = dict(param.__dict__), param.grad
+    fresh = nn.Parameter(DTensor(local, param._spec, requires_grad=False), requires_grad=param.requires_grad)  # type: ignore[attr-defined]
+    torch.utils.swap_tensors(param, fresh)
+    param.__dict__.update(attrs)
+    if grad is not None:
+        param.grad = rewrap(grad, to_local(grad).to(local.device))
