@@ -101,7 +101,7 @@ from torch import nn
 
 from zero_core._accounting import engine_work
 from zero_core._autograd import in_backward, reachable_params, tensors_of
-from zero_core._group import build_groups
+from zero_core._group import GatherGroup
 from zero_core._lockstep import Lockstep
 from zero_core._module_hooks import ModuleHooks
 from zero_core._module_params import ModuleParameters
@@ -145,7 +145,7 @@ class Engine:
         comm: CommBackend,
         reduce_comm: CommBackend,
         mesh_comms: Sequence[CommBackend],
-        gather_groups: Sequence[Sequence[int]] | None,
+        groups: Sequence[GatherGroup],
         reducer: GradientReducer,
         bridge: OptimizerBridge,
         strategy: ShardStrategy,
@@ -178,8 +178,7 @@ class Engine:
         self._module_hooks = ModuleHooks(module, self.params.registrations, chunks, self._pre_forward, self._post_forward)
         # Stages 1 and 2 never gather during a pass, so they need no agreement rounds either.
         self._forward_gathers = any(not c.persistent for c in chunks)
-        pool = chunks[0].pool if chunks else None
-        self.groups = build_groups(chunks, gather_groups, pool) if pool is not None else []
+        self.groups = list(groups)
         self.residency = Residency(chunks, self.groups, comm=comm, comms=self._comms, placement=placement,
                                    params=self.params, stage=config.stage,
                                    agree=not config.static_graph and self._forward_gathers)
@@ -334,7 +333,7 @@ class Engine:
                 "stood for a parameter that was not gathered; read model parameters again between steps "
                 "(they are then the sharded parameters), or inside model.gathered_parameters()"
             )
-        if chunk.index in self.reducer.reduced and self.state is TrainingState.BACKWARD:
+        if self.reducer.is_reduced(chunk) and self.state is TrainingState.BACKWARD:
             raise GradientLostError(
                 f"parameter {name!r} was read in backward after its chunk {chunk.index} was reduced; its gradient "
                 "would be lost. Read it inside the forward of the module that owns it"
@@ -375,7 +374,7 @@ class Engine:
         if chunks:
             self.residency.gather(chunks, backward=True)
             for chunk in chunks:
-                if chunk.index not in self.reducer.reduced and chunk.stage == 1:  # its kept buffer is there anyway
+                if not self.reducer.is_reduced(chunk) and chunk.stage == 1:  # its kept buffer is there anyway
                     chunk.grads.prepare()  # stages 2 and 3: see [Note: gradient buffers on arrival]
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:

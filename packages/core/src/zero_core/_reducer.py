@@ -1,9 +1,10 @@
 """Gradient reduction: each chunk reduced once per backward, in one order on every rank.
 
-See [Note: gradient reduction order] in ``zero_core._engine``. :class:`GradientReducer` owns the
-bookkeeping of that order (which gradients each chunk waits for, which chunks are ready, which
-are reduced) and the thread that completes reductions; the engine tells it when a forward
-built a graph, when a backward begins and ends, and releases each chunk it launches.
+See [Note: gradient reduction order] in ``zero_core._engine``. :class:`GradientReducer` owns that
+order across gather groups and the thread that completes reductions; each
+:class:`~zero_core._group.GatherGroup` keeps its own bookkeeping (which gradients it waits for,
+whether it is ready or reduced). The engine tells the reducer when a forward built a graph, when
+a backward begins and ends, and releases each chunk it launches.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 
 from zero_core._accounting import engine_work
 from zero_core._collectives import reduce_gradients
+from zero_core._group import GatherGroup
+from zero_core._state import ReduceState
 from zero_core._waiter import ReductionWaiter
 from zero_core.chunk import Chunk
 from zero_core.comm import CommBackend
@@ -25,9 +28,12 @@ __all__ = ["GradientReducer"]
 class GradientReducer:
     """Reduce-scatters (and HSDP all-reduces) chunks as their gradients become ready; publishes the results."""
 
-    def __init__(self, chunks: Sequence[Chunk], *, reduce_comm: CommBackend, mesh_comms: Sequence[CommBackend],
+    def __init__(self, groups: Sequence[GatherGroup], *, reduce_comm: CommBackend, mesh_comms: Sequence[CommBackend],
                  agree: bool) -> None:
-        self._chunks = tuple(chunks)
+        self._groups = tuple(groups)
+        chunks = [c for g in self._groups for c in g.chunks]
+        self._chunks = tuple(sorted(chunks, key=lambda c: c.index))
+        self._group_of = {c.index: g for g in self._groups for c in g.chunks}
         self._comm = reduce_comm
         self._mesh_comms = tuple(mesh_comms)
         # Whether ranks agree on which parameters got a gradient anywhere (off with static_graph=True).
@@ -39,18 +45,17 @@ class GradientReducer:
         self._waiter = ReductionWaiter()
         # False inside ZeroModule.no_sync(): backwards accumulate full gradients without reducing them.
         self.sync = True
-        # Chunks reduced in this order on every rank; recomputed when a step's first forward begins, since
-        # parameters may be frozen or unfrozen between steps.
-        self.order: list[Chunk] = [c for c in reversed(self._chunks) if c.requires_grad]
-        # Parameters a gradient may reach from the graphs the forwards since the last backward built, per chunk
-        # index; the last backward's are kept, for a second backward through a retained graph.
-        self._expected: dict[int, set[int]] = {}
-        self._last_expected: dict[int, set[int]] = {}
-        # Of those, the ones the running backward still waits for; which chunks are ready, reduced, next.
-        self._waiting: dict[int, set[int]] = {}
-        self._ready: dict[int, bool] = {}
-        self.reduced: set[int] = set()
-        self._next = 0
+        # Groups reduced in this order on every rank (the reverse of the plan), each with its trainable chunks in
+        # reverse; recomputed when a step's first forward begins, since parameters may be (un)frozen between steps.
+        self._steps: list[tuple[GatherGroup, tuple[Chunk, ...]]] = []
+        self.order: list[Chunk] = []  # the trainable chunks, in the order they are reduced
+        self._take_order()
+        self._next = 0  # the next group of the order to reduce in the running backward
+
+    def _take_order(self) -> None:
+        self._steps = [(g, trainable) for g in reversed(self._groups)
+                       if (trainable := tuple(c for c in reversed(g.chunks) if c.requires_grad))]
+        self.order = [c for _, trainable in self._steps for c in trainable]
 
     # -- between steps and in forward ------------------------------------------------------------------
     @property
@@ -61,33 +66,35 @@ class GradientReducer:
     def reorder(self) -> None:
         """A step's first forward begins (no ``no_sync()`` accumulation open): take the trainable chunks anew."""
         if not any(chunk.grads.unreduced for chunk in self._chunks):
-            self.order = [c for c in reversed(self._chunks) if c.requires_grad]
+            self._take_order()
 
     def expect(self, reachable: set[int]) -> None:
         """A forward built a graph that reaches the parameters (ids) in ``reachable``."""
-        for chunk in self.order:
-            ids = {id(s.param) for s in chunk.slots if id(s.param) in reachable}
-            self._expected.setdefault(chunk.index, set()).update(ids)
+        for group, trainable in self._steps:
+            group.expect({id(s.param) for chunk in trainable for s in chunk.slots if id(s.param) in reachable})
 
     def forget_graphs(self) -> None:
         """After a step: graphs built before it cannot be backwarded after it."""
-        self._expected, self._last_expected = {}, {}
+        for group in self._groups:
+            group.forget_graphs()
 
     # -- backward --------------------------------------------------------------------------------------
     def begin(self, *, forwards: int) -> None:
         """A backward begins after ``forwards`` forwards that built a graph (0: through a kept graph)."""
-        # a backward with no forward since the last one runs through a kept graph: it reaches what that one did
-        expected = self._expected if forwards else self._last_expected
-        self._last_expected, self._expected = expected, {}
-        self._waiting = {index: set(ids) for index, ids in expected.items()}
-        self._ready = {c.index: not self._waiting.get(c.index) for c in self.order}
-        self.reduced = set()
+        for group in self._groups:
+            # a backward with no forward since the last one runs through a kept graph: it reaches what that one did
+            group.begin_backward(kept_graph=not forwards)
         self._next = 0
+
+    def is_reduced(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s reduction was launched in the running backward (a later gradient would be lost)."""
+        return self._group_of[chunk.index].reduce_state is ReduceState.REDUCED
 
     def accumulated(self, param: torch.Tensor) -> None:
         """Autograd accumulated ``param``'s gradient (an unsharded parameter)."""
         chunk = self._chunk_of[id(param)]
-        if chunk.index in self.reduced:
+        group = self._group_of[chunk.index]
+        if group.reduce_state is ReduceState.REDUCED:
             raise GradientLostError(
                 f"parameter {self._name_of[id(param)]!r} received a gradient after its chunk {chunk.index} was already "
                 "reduce-scattered in this backward, so the gradient would be lost. This happens with reentrant "
@@ -95,29 +102,29 @@ class GradientReducer:
                 "parameter's gradient does not flow through the wrapped model's outputs."
             )
         self._adopt(chunk, self._slot_of[id(param)])
-        waiting = self._waiting.get(chunk.index)
-        if waiting is not None:
-            waiting.discard(id(param))
-            if not waiting:
-                self._ready[chunk.index] = True
+        group.arrived(id(param))
 
     @engine_work
     def _adopt(self, chunk: Chunk, slot: int) -> None:
         chunk.grads.adopt(slot)  # see [Note: gradient buffers on arrival]
 
     def launch_ready(self, loss_scale: float) -> Iterator[Chunk]:
-        """Launch the reduction of every chunk that is next in the order and ready; yields each once launched."""
-        while self._next < len(self.order):
-            chunk = self.order[self._next]
-            if not self._ready.get(chunk.index):
+        """Launch the reductions of every group that is next in the order and ready; yields each chunk once launched."""
+        while self._next < len(self._steps):
+            if self._steps[self._next][0].reduce_state is not ReduceState.READY:
                 return
-            self._launch(chunk, loss_scale)
-            yield chunk
+            yield from self._launch_next(loss_scale)
 
     def launch_rest(self, loss_scale: float) -> Iterator[Chunk]:
         """The backward ended: launch every chunk not reduced yet, in order (zeros for gradients that never came)."""
-        while self._next < len(self.order):
-            chunk = self.order[self._next]
+        while self._next < len(self._steps):
+            yield from self._launch_next(loss_scale)
+
+    def _launch_next(self, loss_scale: float) -> Iterator[Chunk]:
+        group, trainable = self._steps[self._next]
+        group.mark_reduced()
+        self._next += 1
+        for chunk in trainable:
             self._launch(chunk, loss_scale)
             yield chunk
 
@@ -125,8 +132,6 @@ class GradientReducer:
     def _launch(self, chunk: Chunk, loss_scale: float) -> None:
         with torch.profiler.record_function("ZeRO::reduce_scatter"):
             self._waiter.submit(reduce_gradients(chunk, self._comm, loss_scale=loss_scale))
-        self.reduced.add(chunk.index)
-        self._next += 1
 
     def complete(self) -> None:
         """Every reduce group launches what a bucketing backend still holds (on every rank, in one order), and
@@ -149,7 +154,8 @@ class GradientReducer:
 
     def end(self) -> None:
         """The backward is over (finished or undone): nothing waits any more."""
-        self._waiting, self._ready = {}, {}
+        for group in self._groups:
+            group.end_backward()
 
     def discard_unreduced(self, *, set_to_none: bool = True) -> None:
         """``zero_grad()``: gradients a ``no_sync()`` window accumulated and never reduced are dropped, as in DDP.

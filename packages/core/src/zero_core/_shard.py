@@ -22,6 +22,7 @@ from zero_core._meshes import MeshGroups
 from zero_core._module import ZeroModule, adopt
 from zero_core._optimizer_bridge import OptimizerBridge
 from zero_core._plugins import ZeroPlugins
+from zero_core._group import build_groups
 from zero_core._reducer import GradientReducer
 from zero_core._scaler import LossScaler
 from zero_core._setup import check_ranks_agree, collect_params, first_use_order, resolve_device, resolve_group
@@ -197,7 +198,8 @@ def shard(
     # Built in an order without cycles: the reducer and the optimizer bridge exist before the placement policy,
     # which receives the bridge's step_chunks; the engine last, holding all of them.
     mesh_comms = _mesh_comms(chunks, comm, reduce_comm)
-    reducer = GradientReducer(chunks, reduce_comm=reduce_comm, mesh_comms=mesh_comms, agree=not config.static_graph)
+    gather_groups = build_groups(chunks, groups, pool)
+    reducer = GradientReducer(gather_groups, reduce_comm=reduce_comm, mesh_comms=mesh_comms, agree=not config.static_graph)
     loss_scale = config.precision.loss_scale
     bridge = OptimizerBridge(optimizer, reducer=reducer, comm=comm, device=device,
                              scaler=LossScaler(loss_scale) if loss_scale is not None else None)
@@ -209,7 +211,7 @@ def shard(
 
     engine = Engine(
         module=model, optimizer=optimizer, chunks=chunks, comm=comm, reduce_comm=reduce_comm, mesh_comms=mesh_comms,
-        gather_groups=plan.gather_groups, reducer=reducer, bridge=bridge, strategy=strategy, placement=placement,
+        groups=gather_groups, reducer=reducer, bridge=bridge, strategy=strategy, placement=placement,
         config=config, plugin_hooks=plugins_.manager.hook, device=device,
     )
     if bridge.scaler is not None:

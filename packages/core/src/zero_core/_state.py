@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ChunkState", "MemoryTier", "TrainingState"]
+__all__ = ["ChunkState", "MemoryTier", "ReduceState", "TrainingState"]
 
 
 class TrainingState(enum.Enum):
@@ -34,6 +34,20 @@ class ChunkState(enum.Enum):
     GATHERING = "gathering"
     #: The full buffer holds every rank's shard; parameter views are valid.
     GATHERED = "gathered"
+
+
+class ReduceState(enum.Enum):
+    """Where a gather group (the unit of gathering) stands in the running backward's gradient reduction.
+    See [Note: gradient reduction order] in ``zero_core._engine``."""
+
+    #: No backward runs.
+    IDLE = "idle"
+    #: A gradient the forwards' graphs can deliver to one of its parameters has not arrived yet.
+    WAITING = "waiting"
+    #: Every gradient it waits for arrived (or none can): it is reduced as soon as its turn in the order comes.
+    READY = "ready"
+    #: Its trainable chunks' reductions were launched in this backward; a later gradient would be lost.
+    REDUCED = "reduced"
 
 
 class MemoryTier(enum.Enum):

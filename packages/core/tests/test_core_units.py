@@ -1,0 +1,83 @@
+"""A gather group's own reduce bookkeeping (ReduceState), and the reducer's order across groups."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zero_core._group import GatherGroup
+from zero_core._reducer import GradientReducer
+from zero_core._state import ReduceState
+from zero_core.chunk import BufferPool, Chunk, ChunkSpec, ParamInfo
+
+
+class _OneRank:
+    """What the reducer asks of a comm backend at world size 1, where no collective runs."""
+
+    world_size = 1
+
+    def flush(self) -> None:
+        pass
+
+
+def _chunks(n: int, pool: BufferPool) -> list[Chunk]:
+    params = [nn.Parameter(torch.randn(3)) for _ in range(n)]
+    return [Chunk(i, ChunkSpec((ParamInfo(f"p{i}", p, 0),), 3), rank=0, world_size=1, device=torch.device("cpu"), pool=pool)
+            for i, p in enumerate(params)]
+
+
+def test_a_group_waits_for_every_expected_gradient_then_is_ready_then_reduced() -> None:
+    pool = BufferPool()
+    a, b = _chunks(2, pool)
+    group = GatherGroup(0, [a, b], pool)
+    assert group.reduce_state is ReduceState.IDLE
+    ids = {id(a.slots[0].param), id(b.slots[0].param)}
+    group.expect(ids)
+    group.begin_backward(kept_graph=False)
+    assert group.reduce_state is ReduceState.WAITING
+    group.arrived(id(a.slots[0].param))
+    assert group.reduce_state is ReduceState.WAITING
+    group.arrived(id(b.slots[0].param))
+    assert group.reduce_state is ReduceState.READY
+    group.mark_reduced()
+    group.end_backward()
+    assert group.reduce_state is ReduceState.IDLE
+    # a second backward with no forward since runs through the kept graph: it waits for the same gradients
+    group.begin_backward(kept_graph=True)
+    assert group.reduce_state is ReduceState.WAITING
+    group.end_backward()
+    group.forget_graphs()  # a step: no graph from before it can be backwarded
+    group.begin_backward(kept_graph=True)
+    assert group.reduce_state is ReduceState.READY  # nothing can arrive, so nothing is waited for
+
+
+def test_the_reducer_reduces_a_group_once_all_of_its_gradients_arrived_in_reverse_plan_order() -> None:
+    pool = BufferPool()
+    chunks = _chunks(3, pool)
+    for c in chunks:
+        c.pack(None, broadcast_from_rank0=False)  # type: ignore[arg-type]  # one rank: no collective
+    groups = [GatherGroup(0, chunks[:2], pool), GatherGroup(1, chunks[2:], pool)]
+    reducer = GradientReducer(groups, reduce_comm=_OneRank(), mesh_comms=(), agree=False)  # type: ignore[arg-type]
+    try:
+        assert [c.index for c in reducer.order] == [2, 1, 0]
+        reducer.expect({id(c.slots[0].param) for c in chunks})
+        reducer.begin(forwards=1)
+        launched: list[int] = []
+        for c in (chunks[0], chunks[2], chunks[1]):  # gradients arrive in this order
+            c.slots[0].param.grad = torch.ones(3)
+            reducer.accumulated(c.slots[0].param)
+            launched += [x.index for x in reducer.launch_ready(1.0)]
+            if c is chunks[0]:
+                assert launched == []  # group 1 (chunk 2) comes first in the order and is not ready
+                assert not reducer.is_reduced(chunks[0])
+            if c is chunks[2]:
+                assert launched == [2]  # group 0 still waits for chunk 1
+        assert launched == [2, 1, 0]  # group 0's chunks together, in reverse
+        assert all(reducer.is_reduced(c) for c in chunks)
+        reducer.complete()
+        reducer.publish()
+        reducer.end()
+        assert all(g.reduce_state is ReduceState.IDLE for g in groups)
+        assert all(torch.equal(c.segments[0].param.grad, torch.ones(3)) for c in chunks)
+    finally:
+        reducer.close()
