@@ -218,7 +218,7 @@ class GatherScenario(Scenario):
         self.chunks = []
         for index, spec in enumerate(specs):
             chunk = Chunk(index, spec, rank=self.comm.rank, world_size=WORLD_SIZE, device=torch.device("cpu"), pool=pool, stage=3)
-            chunk.pack(self.comm, broadcast_from_rank0=False)  # stage 3: leaves the chunk SHARDED
+            chunk.pack()  # stage 3: leaves the chunk SHARDED
             self.chunks.append(chunk)
         self.groups = build_groups(self.chunks, declared, pool)
         self.plan = plan
@@ -271,7 +271,7 @@ class PackScenario(Scenario):
         pool = BufferPool()
         for index, spec in enumerate(self.specs):
             chunk = Chunk(index, spec, rank=self.comm.rank, world_size=WORLD_SIZE, device=torch.device("cpu"), pool=pool, stage=3)
-            chunk.pack(self.comm, broadcast_from_rank0=False)
+            chunk.pack()
             self.chunks.append(chunk)
 
     def check(self) -> str | None:

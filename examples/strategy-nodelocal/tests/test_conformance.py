@@ -76,7 +76,7 @@ def infos(*sizes: int, frozen: tuple[int, ...] = ()) -> list[ParamInfo]:
 
 def plan(params: list[ParamInfo], world: int, *, chunk_size: int | None = 10, topology: Topology | None = None, **config):
     cfg = ZeroConfig(chunk=ChunkPolicy(chunk_size=chunk_size), **config)
-    shard = topology.default.shard_size if topology is not None else world
+    shard = topology.default.shard_ranks if topology is not None else world
     result = NodeLocalStrategy().plan(params, world_size=shard, config=cfg, topology=topology)
     result.validate(params, shard, topology)
     return result

@@ -24,7 +24,7 @@ class _Rogue(DevicePlacementPolicy):
 def _owned_chunk() -> Chunk:
     param = torch.nn.Parameter(torch.randn(4, 3))
     chunk = Chunk(0, ChunkSpec((ParamInfo("w", param, 0),), 12), rank=0, world_size=1, device=torch.device("cpu"))
-    chunk.pack(None, broadcast_from_rank0=False)  # type: ignore[arg-type]  # one rank: no collective
+    chunk.pack()  # one rank: no collective
     chunk.owned = True
     return chunk
 

@@ -1,7 +1,8 @@
-"""A gather group's own reduce bookkeeping (ReduceState), and the reducer's order across groups."""
+"""The runtime units: a gather group's own reduce bookkeeping (ReduceState), the reducer's order across groups, mesh sizes."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -9,6 +10,7 @@ from zero_core._group import GatherGroup
 from zero_core._reducer import GradientReducer
 from zero_core._state import ReduceState
 from zero_core.chunk import BufferPool, Chunk, ChunkSpec, ParamInfo
+from zero_core.plugin import MeshSpec
 
 
 class _OneRank:
@@ -55,7 +57,7 @@ def test_the_reducer_reduces_a_group_once_all_of_its_gradients_arrived_in_revers
     pool = BufferPool()
     chunks = _chunks(3, pool)
     for c in chunks:
-        c.pack(None, broadcast_from_rank0=False)  # type: ignore[arg-type]  # one rank: no collective
+        c.pack()  # one rank: no collective
     groups = [GatherGroup(0, chunks[:2], pool), GatherGroup(1, chunks[2:], pool)]
     reducer = GradientReducer(groups, reduce_comm=_OneRank(), mesh_comms=(), agree=False)  # type: ignore[arg-type]
     try:
@@ -81,3 +83,13 @@ def test_the_reducer_reduces_a_group_once_all_of_its_gradients_arrived_in_revers
         assert all(torch.equal(c.segments[0].param.grad, torch.ones(3)) for c in chunks)
     finally:
         reducer.close()
+
+
+def test_a_mesh_counts_ranks_under_names_that_say_so() -> None:
+    mesh = MeshSpec.of_shape((2, 4))
+    assert (mesh.shard_ranks, mesh.replicate_ranks) == (4, 2)
+    assert mesh.hybrid(2).shape == (4, 2)
+    with pytest.warns(DeprecationWarning, match="shard_ranks"):
+        assert mesh.shard_size == 4  # the old name, which clashed with Chunk.shard_size (elements), still answers
+    with pytest.warns(DeprecationWarning, match="replicate_ranks"):
+        assert mesh.replicate_size == 2

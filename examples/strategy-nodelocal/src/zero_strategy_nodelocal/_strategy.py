@@ -87,7 +87,7 @@ def reshard_for(k: bool | int, mesh: MeshSpec) -> bool | int:
     """``ZeroConfig.reshard_after_forward`` for chunks on ``mesh``: a group size ``k`` at least the shard group's
     is ``True`` (the backward's gathers already stay inside the shard group); a ``k`` that does not divide it
     is left for ``ChunkPlan`` to reject."""
-    if not isinstance(k, bool) and k >= mesh.shard_size:
+    if not isinstance(k, bool) and k >= mesh.shard_ranks:
         return True
     return k
 
@@ -117,7 +117,7 @@ class NodeLocalStrategy(ShardStrategy):
             user = topology.mesh_for(info.name) if topology is not None else default
             if user not in placed:
                 # A 2-D mesh is the user's own (replicate, shard) layout; a 1-D one is split into node groups.
-                mesh = user if user.ndim == 2 else user.hybrid(node_shard_size(user.size, default=default.shard_size))
+                mesh = user if user.ndim == 2 else user.hybrid(node_shard_size(user.size, default=default.shard_ranks))
                 try:
                     placed[user] = ChunkPlan(mesh=mesh, reshard_after_forward=reshard_for(config.reshard_after_forward, mesh))
                 except ConfigError as err:
@@ -132,7 +132,7 @@ class NodeLocalStrategy(ShardStrategy):
         oversize: set[int] = set()
         for info in params:
             cp = plan_for(info)
-            capacity = round_up(chunk_size, cp.mesh.shard_size)
+            capacity = round_up(chunk_size, cp.mesh.shard_ranks)
             if info.numel > capacity:  # its own chunk; the open one of its key stays open
                 oversize.add(len(members))
                 members.append([info])
@@ -153,7 +153,7 @@ class NodeLocalStrategy(ShardStrategy):
         last = set(open_chunk.values())
         specs = []
         for index, (infos, used, cp) in enumerate(zip(members, filled, plans)):
-            shard = cp.mesh.shard_size
+            shard = cp.mesh.shard_ranks
             size = round_up(used, shard) if index in oversize or index in last else round_up(chunk_size, shard)
             specs.append(ChunkSpec(tuple(infos), size))
         return ShardPlan(tuple(specs), chunk_plans=tuple(plans))

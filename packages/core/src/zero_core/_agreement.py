@@ -1,4 +1,13 @@
-"""Every rank learns whether any rank failed, so all raise together instead of some waiting forever."""
+"""What ranks agree on: the control-plane collectives (small flags, integers and objects), as free functions.
+
+[Note: two planes of collectives]
+Parameters and gradients travel through :mod:`zero_core._collectives` (the data plane); every
+other collective the runtime issues is a decision the ranks must share (are we in step, which
+group to gather next, did any rank see an overflow or fail, which rank-0 value everyone uses),
+and goes through the functions here. No other core module calls a comm backend's collective, so
+both planes can be read, counted and changed in one file each. Every function returns at once in
+one process.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +17,27 @@ import torch
 
 from zero_core.errors import CheckpointError
 
-__all__ = ["agree_ok", "raise_if_any_failed"]
+__all__ = ["agree_ok", "any_rank", "gather_objects", "min_over_ranks", "raise_if_any_failed", "rank0_value"]
+
+
+def any_rank(comm: Any, flags: torch.Tensor) -> torch.Tensor:
+    """Elementwise OR of a 1-D ``uint8`` tensor over the ranks."""
+    return comm.agree_any(flags) if comm.world_size > 1 else flags
+
+
+def min_over_ranks(comm: Any, value: int) -> int:
+    """The minimum of ``value`` over the ranks."""
+    return comm.agree_min(value) if comm.world_size > 1 else value
+
+
+def gather_objects(comm: Any, obj: Any) -> list[Any]:
+    """Every rank's small picklable ``obj``, in rank order."""
+    return comm.all_gather_object(obj) if comm.world_size > 1 else [obj]
+
+
+def rank0_value(comm: Any, obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (a choice made once, used everywhere: an order, an id, an RNG state)."""
+    return comm.all_gather_object(obj)[0] if comm.world_size > 1 else obj
 
 
 def raise_if_any_failed(comm: Any, error: str | None, what: str) -> None:
@@ -18,7 +47,7 @@ def raise_if_any_failed(comm: Any, error: str | None, what: str) -> None:
     died makes the gather itself fail: that is reported the same way.
     """
     try:
-        errors = comm.all_gather_object(error) if comm.world_size > 1 else [error]
+        errors = gather_objects(comm, error)
     except RuntimeError as exc:  # a rank died or timed out: the collective itself failed
         raise CheckpointError(f"{what}: another rank failed or stopped responding ({exc})") from exc
     if error is not None:
@@ -35,7 +64,7 @@ def agree_ok(comm: Any, error: str | None, what: str) -> None:
     The messages are gathered only when something failed.
     """
     if comm.world_size > 1:
-        failed = bool(comm.agree_any(torch.tensor([error is not None], dtype=torch.uint8))[0].item())
+        failed = bool(any_rank(comm, torch.tensor([error is not None], dtype=torch.uint8))[0].item())
         if failed:
             raise_if_any_failed(comm, error, what)
     elif error is not None:

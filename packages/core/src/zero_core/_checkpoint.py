@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from zero_core._agreement import agree_ok, raise_if_any_failed
+from zero_core._agreement import agree_ok, gather_objects, raise_if_any_failed, rank0_value
 from zero_core._atomic import TMP_MARK, atomic_write, file_sha256, fsync_dir
 from zero_core._hf_layout import model_config_texts
 from zero_core._layout import ModelLayout, check_names, publish_kept
@@ -131,8 +131,7 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra:
         except (OSError, CheckpointError) as exc:
             error = f"cannot use {directory} as a checkpoint directory ({exc})"
     raise_if_any_failed(engine.comm, error, f"saving a checkpoint to {directory} failed")
-    if world > 1:
-        save_id = comm.all_gather_object(save_id)[0]
+    save_id = rank0_value(comm, save_id)
     assert save_id is not None
     description: dict[str, Any] | None = None
     try:
@@ -147,7 +146,7 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra:
     what = f"saving a checkpoint to {directory} failed; the previous checkpoint there is intact"
     raise_if_any_failed(engine.comm, error, what)
     try:
-        descriptions = comm.all_gather_object(description)
+        descriptions = gather_objects(comm, description)
     except RuntimeError as exc:
         raise CheckpointError(f"{what}: another rank failed or stopped responding ({exc})") from exc
     error = None

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from zero_core._collectives import sum_over_ranks
 from zero_core._devices import by_device
 from zero_core._module import ZeroModule
 from zero_core._state import TrainingState
@@ -56,14 +57,14 @@ def clip_grad_norm_(model: ZeroModule, max_norm: float, norm_type: float = 2.0) 
         for group in groups.values():
             local = torch.stack([g.abs().max() for g in group]).max().to(device=device, dtype=torch.float64)
             total = torch.maximum(total, local.reshape(1))
-        engine.comm.all_reduce(total, op="max")
+        sum_over_ranks(total, engine.comm, op="max")
         norm = float(total.item())
     else:
         for group in groups.values():
             local = sum((g.double().abs().pow(norm_type).sum() for g in group), torch.zeros((), dtype=torch.float64,
                                                                                          device=group[0].device))
             total += local.to(device)
-        engine.comm.all_reduce(total)
+        sum_over_ranks(total, engine.comm)
         norm = float(total.item() ** (1.0 / norm_type))
     coef = min(1.0, max_norm / (norm + 1e-6))
     if coef < 1.0:

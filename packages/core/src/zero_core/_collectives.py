@@ -30,8 +30,8 @@ from zero_core.comm import CommBackend, Pending
 if TYPE_CHECKING:
     from zero_core._group import GatherGroup
 
-__all__ = ["Reduction", "gather_chunk", "gather_for_peers", "gather_group", "publish_chunk", "publish_group",
-           "reduce_gradients"]
+__all__ = ["Reduction", "broadcast_from_rank0", "gather_chunk", "gather_for_peers", "gather_group", "gather_master",
+           "publish_chunk", "publish_group", "reduce_gradients", "sum_over_ranks"]
 
 
 # -- parameters: all-gathers ----------------------------------------------------------------------------
@@ -327,3 +327,26 @@ class Reduction:
         if self._pooled is not None:  # the collective is done with it
             chunk.pool.give(self._pooled)
             self._pooled = None
+
+
+# -- values outside a step: setup, norms, inspection ----------------------------------------------------
+def broadcast_from_rank0(tensor: torch.Tensor, comm: CommBackend) -> None:
+    """Make ``tensor`` hold rank 0's values on every rank, in place (``sync_module_states``)."""
+    if comm.world_size > 1:
+        comm.broadcast(tensor, src=0)
+
+
+def sum_over_ranks(tensor: torch.Tensor, comm: CommBackend, *, op: str = "sum") -> None:
+    """Reduce a small tensor (a norm's partial sums) over the ranks in place; ``op`` is ``sum`` or ``max``."""
+    if comm.world_size > 1:
+        comm.all_reduce(tensor, op=op)
+
+
+def gather_master(chunk: Chunk, comm: CommBackend) -> torch.Tensor:
+    """The chunk's full master values (parameter-major, master dtype, on the compute device), gathered from every
+    rank's shard into a fresh buffer; the chunk's own state is untouched."""
+    received = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
+    chunk.comm_for(comm).all_gather(received, chunk.shard.to(chunk.device))
+    full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
+    chunk.layout.copy_out(received.view(chunk.world_size, chunk.shard_size), full)
+    return full

@@ -210,7 +210,7 @@ def estimate(
     """
     config = config or ZeroConfig()
     mesh = _mesh(world_size, mesh_shape)
-    world, replicas, shards = mesh.size, mesh.replicate_size, mesh.shard_size
+    world, replicas, shards = mesh.size, mesh.replicate_ranks, mesh.shard_ranks
     if isinstance(optimizer_bytes_per_element, bool) or not isinstance(optimizer_bytes_per_element, int) \
             or optimizer_bytes_per_element < 0:
         raise ConfigError(f"optimizer_bytes_per_element must be a non-negative int, got {optimizer_bytes_per_element!r}")
@@ -301,7 +301,7 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: MeshS
             group_of.update({id(p): g for p in group["params"]})
     params = [ParamInfo(name, p, group_of.get(id(p), 0 if optimizer is None else None)) for name, p in named]
     strategy = plugins.strategies.get(config.strategy)()
-    world_size = mesh.shard_size  # the strategy plans for the default mesh's shard group
+    world_size = mesh.shard_ranks  # the strategy plans for the default mesh's shard group
     topology = Topology.of(mesh)
     # as shard() does: a strategy written before meshes takes no topology, and plans for a 1-D mesh only
     takes_topology = "topology" in inspect.signature(strategy.plan).parameters

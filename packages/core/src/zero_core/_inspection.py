@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zero_core._accounting import engine_work_context as _engine_work
+from zero_core._collectives import gather_master
 from zero_core.chunk import Chunk, to_local
 from zero_core.comm import CommBackend
 from zero_core.placement import PlacementPolicy
@@ -144,13 +145,7 @@ def iter_full_chunks(chunks: Sequence[Chunk], *, placement: PlacementPolicy,
             if chunk.shard_is_view:
                 full = chunk.full
             else:
-                received = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-                gather = chunk.comms.gather if chunk.comms is not None else comm
-                gather.all_gather(received, chunk.shard.to(chunk.device))
-                full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-                torch.split_with_sizes_copy(received.view(chunk.world_size, chunk.shard_size), chunk.split_sizes, dim=1,
-                                            out=chunk.layout.regions(full))
-                del received
+                full = gather_master(chunk, comm)
         try:
             yield chunk, full
         finally:

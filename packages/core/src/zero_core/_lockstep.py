@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from zero_core._agreement import any_rank, gather_objects
 from zero_core.errors import CollectiveTimeoutError, RanksOutOfStepError
 
 __all__ = ["Lockstep"]
@@ -55,7 +56,7 @@ class Lockstep:
         tag = torch.frombuffer(bytearray(struct.pack("<III", zlib.crc32(what.encode()), step & _MASK,
                                                      self.rounds & _MASK)), dtype=torch.uint8)
         try:
-            agreed = self.comm.agree_any(torch.cat([tag, 255 - tag]))
+            agreed = any_rank(self.comm, torch.cat([tag, 255 - tag]))
         except CollectiveTimeoutError as err:
             raise CollectiveTimeoutError(
                 f"rank {self.comm.rank} waited for the other ranks to start {what} (step {step}) and they did not "
@@ -65,7 +66,7 @@ class Lockstep:
         n = tag.numel()
         if torch.equal(agreed[:n], tag) and torch.equal(agreed[n:], 255 - tag):
             return
-        everyone = self.comm.all_gather_object((what, step, self.rounds))
+        everyone = gather_objects(self.comm, (what, step, self.rounds))
         lines = "; ".join(f"rank {r}: {w} (step {s}, round {k})" for r, (w, s, k) in enumerate(everyone))
         raise RanksOutOfStepError(
             f"the ranks are out of step, so their collectives would pair wrongly: {lines}. Every rank must run "

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from zero_core._agreement import rank0_value
 from zero_core._lazy import LazyRecording
 from zero_core.chunk import Chunk
 from zero_core.comm import CommBackend
@@ -52,8 +53,8 @@ def materialize(
             finals.setdefault(key, []).append(
                 lambda storage, owner=owner, name=name, like=buf: owner._buffers.__setitem__(name, _view(storage, like)))
     rng_state = recording.rng_state
-    if from_rank0 and comm.world_size > 1:
-        rng_state = comm.all_gather_object(rng_state)[0]
+    if from_rank0:
+        rng_state = rank0_value(comm, rng_state)
     recording.replay(
         device=torch.device("cpu"),
         finals={key: (lambda storage, calls=calls: [call(storage) for call in calls]) for key, calls in finals.items()},

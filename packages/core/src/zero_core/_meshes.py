@@ -53,7 +53,7 @@ class ChunkComms:
     @property
     def all_reduce(self) -> bool:
         """Whether the shard group all-reduces (``Reduction.ALL_REDUCE``) instead of reduce-scattering."""
-        return self.plan.reduction is Reduction.ALL_REDUCE and self.plan.mesh.shard_size > 1
+        return self.plan.reduction is Reduction.ALL_REDUCE and self.plan.mesh.shard_ranks > 1
 
 
 class MeshGroups:
@@ -76,8 +76,8 @@ class MeshGroups:
         spec = plan.mesh
         device_mesh, gather, reduce, replicate = self._mesh(spec)
         reduce_all = None
-        if plan.reduction is Reduction.ALL_REDUCE and spec.shard_size > 1:
-            reduce_all = self._subgroups(spec, "reduce_all", spec.shard_size)
+        if plan.reduction is Reduction.ALL_REDUCE and spec.shard_ranks > 1:
+            reduce_all = self._subgroups(spec, "reduce_all", spec.shard_ranks)
         sub = None
         if not isinstance(plan.reshard_after_forward, bool):
             sub = self._subgroups(spec, "sub", plan.reshard_after_forward)
@@ -94,8 +94,8 @@ class MeshGroups:
         else:
             device_mesh = spec.device_mesh if spec.device_mesh is not None else self._new_device_mesh(spec)
             gather = self._make_comm(device_mesh.get_group(spec.ndim - 1))
-            reduce = self._subgroups(spec, "reduce", spec.shard_size)
-            replicate = self._make_comm(device_mesh.get_group(0)) if spec.replicate_size > 1 else None
+            reduce = self._subgroups(spec, "reduce", spec.shard_ranks)
+            replicate = self._make_comm(device_mesh.get_group(0)) if spec.replicate_ranks > 1 else None
             built = (device_mesh, gather, reduce, replicate)
         self._meshes[spec] = built
         return built

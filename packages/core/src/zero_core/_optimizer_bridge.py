@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from zero_core._accounting import engine_work
+from zero_core._agreement import any_rank
 from zero_core._devices import by_device
 from zero_core._reducer import GradientReducer
 from zero_core._scaler import LossScaler
@@ -104,7 +105,7 @@ class OptimizerBridge:
             torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, torch.ones(1, device=device))
             found += found_here.to(self._device)
         flag = torch.tensor([1 if found.item() > 0 else 0], dtype=torch.uint8)
-        overflow = bool(self._comm.agree_any(flag)[0].item())
+        overflow = bool(any_rank(self._comm, flag)[0].item())
         if overflow:
             for chunk in self._reducer.order:
                 for seg in chunk.segments:

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from zero_core._accounting import engine_work
+from zero_core._agreement import any_rank
 from zero_core._collectives import reduce_gradients
 from zero_core._group import GatherGroup
 from zero_core._state import ReduceState
@@ -145,7 +146,7 @@ class GradientReducer:
         """Give each optimizer segment its gradient if its parameter got one on any rank."""
         flags = [f for chunk in self.order for f in chunk.grads.got]
         if self._comm.world_size > 1 and self._agree:
-            agreed = self._comm.agree_any(torch.tensor(flags, dtype=torch.uint8)).tolist()
+            agreed = any_rank(self._comm, torch.tensor(flags, dtype=torch.uint8)).tolist()
             flags = [bool(f) for f in agreed]
         offset = 0
         for chunk in self.order:

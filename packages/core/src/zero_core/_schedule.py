@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from zero_core._agreement import min_over_ranks
 from zero_core._collectives import gather_group
 from zero_core._group import GatherGroup
 from zero_core._state import ChunkState
@@ -183,7 +184,7 @@ class GatherScheduler:
                 continue
             while not group.is_gathered:  # serving another rank may prefetch this very group
                 proposal = self._proposal(group)
-                agreed = self.comm.agree_min(proposal)
+                agreed = min_over_ranks(self.comm, proposal)
                 self._cursor = agreed
                 if agreed == proposal:
                     self._issue(group, "own")
@@ -206,7 +207,7 @@ class GatherScheduler:
         if not self.agree:
             return
         self._replay_rest()
-        while (agreed := self.comm.agree_min(_NOTHING)) != _NOTHING:
+        while (agreed := min_over_ranks(self.comm, _NOTHING)) != _NOTHING:
             self._cursor = agreed
             self._serve(self._group_at(agreed))
         self._open = False

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from zero_core._agreement import gather_objects, rank0_value
 from zero_core.api import ZeroConfig
 from zero_core.chunk import ParamInfo
 from zero_core.comm import CommBackend
@@ -141,8 +142,7 @@ def first_use_order(model: nn.Module, params: Sequence[ParamInfo], example_input
         for h in handles:
             h.remove()
     order += [i for i in range(len(params)) if i not in set(order)]
-    if comm.world_size > 1:
-        order = comm.all_gather_object(order)[0]
+    order = rank0_value(comm, order)
     return [params[i] for i in order]
 
 
@@ -159,10 +159,10 @@ def check_ranks_agree(params: Sequence[ParamInfo], config: ZeroConfig, comm: Com
         return
     lines = _signature(params, config)
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    digests = comm.all_gather_object(digest)
+    digests = gather_objects(comm, digest)
     if len(set(digests)) == 1:
         return
-    every = comm.all_gather_object(lines)
+    every = gather_objects(comm, lines)
     reference = every[0]
     for rank, theirs in enumerate(every):
         if theirs == reference:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from zero_core._agreement import raise_if_any_failed
+from zero_core._collectives import broadcast_from_rank0
 from zero_core._engine import Engine
 from zero_core._inspection import device_bytes
 from zero_core._layout import ModelLayout, check_names, fill_from_source, publish_kept
@@ -167,15 +168,15 @@ def shard(
         chunk_comms = mesh_groups.for_plan(chunk_plans[index])
         if chunk_comms.device_mesh is not None and chunk_comms.device_mesh is not default_mesh:
             _register_dtensor_ops()
-        chunk = Chunk(index, spec, rank=chunk_comms.shard_rank, world_size=chunk_plans[index].mesh.shard_size,
+        chunk = Chunk(index, spec, rank=chunk_comms.shard_rank, world_size=chunk_plans[index].mesh.shard_ranks,
                       device=device, pool=pool, stage=config.stage, compute_dtype=config.precision.compute,
                       reduce_dtype=config.precision.reduce,
                       gradient_predivide_factor=config.precision.gradient_predivide_factor, keep_gathered=index in keep,
-                      mesh=chunk_comms.device_mesh, replicas=chunk_plans[index].mesh.replicate_size)
+                      mesh=chunk_comms.device_mesh, replicas=chunk_plans[index].mesh.replicate_ranks)
         chunk.plan, chunk.comms = chunk_plans[index], chunk_comms
         chunk.owned = True
         if recording is None:
-            chunk.pack(comm, broadcast_from_rank0=config.sync_module_states)
+            chunk.pack(sync=functools.partial(broadcast_from_rank0, comm=comm) if config.sync_module_states else None)
         else:
             chunk.begin_fill()
         chunks.append(chunk)
@@ -191,8 +192,8 @@ def shard(
                 buf = buf.to(device)
                 if config.precision.compute is not None and buf.is_floating_point():
                     buf = buf.to(config.precision.compute)  # the model runs in the compute dtype throughout
-                if config.sync_module_states and comm.world_size > 1:
-                    comm.broadcast(buf, src=0)
+                if config.sync_module_states:
+                    broadcast_from_rank0(buf, comm)
                 module._buffers[name] = buf
     _repoint_optimizer(optimizer, chunks)
     # Built in an order without cycles: the reducer and the optimizer bridge exist before the placement policy,
@@ -319,20 +320,20 @@ def _plan(strategy: ShardStrategy, params: list[Any], topology: Topology, config
             "meshes (chunk, tensor) or a 1-D mesh"
         )
     kwargs = {"topology": topology} if takes_topology else {}
-    plan = strategy.plan(params, world_size=topology.default.shard_size, config=config, hook=hook, **kwargs)
+    plan = strategy.plan(params, world_size=topology.default.shard_ranks, config=config, hook=hook, **kwargs)
     if topology.modules and plan.chunk_plans is None:
         raise ZeroSetupError(
             f"shard strategy {strategy.name!r} returned no chunk_plans, so module_meshes would be ignored; it must "
             "give each chunk a ChunkPlan on its module's mesh"
         )
-    plan.validate(params, topology.default.shard_size, topology)
+    plan.validate(params, topology.default.shard_ranks, topology)
     return plan
 
 
 def _default_reshard(config: ZeroConfig, topology: Topology) -> bool | int:
     """The config's ``reshard_after_forward`` for a strategy that gave no chunk plans; a group size the default
     mesh cannot be cut into is rejected here, with what it can be."""
-    k, size = config.reshard_after_forward, topology.default.shard_size
+    k, size = config.reshard_after_forward, topology.default.shard_ranks
     if isinstance(k, bool) or (1 < k < size and size % k == 0):
         return k
     raise ZeroSetupError(

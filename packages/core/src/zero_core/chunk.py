@@ -66,7 +66,7 @@ one-process training, and so do those that reduce over a whole tensor through DT
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -208,8 +208,12 @@ class Chunk:
         return out
 
     # -- setup ---------------------------------------------------------------------
-    def pack(self, comm: CommBackend, *, broadcast_from_rank0: bool) -> None:
+    def pack(self, *, sync: Callable[[torch.Tensor], None] | None = None) -> None:
         """Copy the parameters into the chunk, keep this rank's shard, point params at views.
+
+        ``sync``, when given, makes the staged values rank 0's on every rank before the shard is
+        cut (``shard()`` passes :func:`zero_core._collectives.broadcast_from_rank0` for
+        ``sync_module_states``).
 
         Each parameter's original storage is dropped as soon as it is copied, so at no
         point does a rank hold more than its parameters plus one full chunk (two when the
@@ -224,8 +228,8 @@ class Chunk:
             for slot, view in zip(self.slots, self._views):
                 staging[slot.offset : slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
                 slot.param.data = view
-            if broadcast_from_rank0 and self.world_size > 1:
-                comm.broadcast(staging, src=0)
+            if sync is not None and self.world_size > 1:
+                sync(staging)
             if self.layout.has_replicated:  # every rank's piece of a replicated parameter holds its value
                 for slot, region in zip(self.slots, self.layout.regions(staging)):
                     if slot.replicated:

@@ -20,6 +20,7 @@ strategy's plan (:class:`zero_core.plugin.ChunkPlan`).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,14 +80,28 @@ class MeshSpec:
         return len(self.ranks)
 
     @property
-    def shard_size(self) -> int:
-        """Ranks one chunk is sharded over (``S``)."""
+    def shard_ranks(self) -> int:
+        """Ranks one chunk is sharded over (``S``). A count of ranks: ``Chunk.shard_size`` counts elements."""
         return self.shape[-1]
 
     @property
-    def replicate_size(self) -> int:
+    def replicate_ranks(self) -> int:
         """Copies of each shard (``R``; 1 for a 1-D mesh)."""
         return self.shape[0] if self.ndim == 2 else 1
+
+    @property
+    def shard_size(self) -> int:
+        """Deprecated name of :attr:`shard_ranks` (a chunk's ``shard_size`` counts elements, this counts ranks)."""
+        warnings.warn("MeshSpec.shard_size is deprecated: use MeshSpec.shard_ranks (a count of ranks)", DeprecationWarning,
+                      stacklevel=2)
+        return self.shard_ranks
+
+    @property
+    def replicate_size(self) -> int:
+        """Deprecated name of :attr:`replicate_ranks`."""
+        warnings.warn("MeshSpec.replicate_size is deprecated: use MeshSpec.replicate_ranks", DeprecationWarning,
+                      stacklevel=2)
+        return self.replicate_ranks
 
     def coordinates(self, rank: int) -> tuple[int, int]:
         """``(replicate index, shard index)`` of global ``rank``."""
@@ -94,29 +109,29 @@ class MeshSpec:
             at = self.ranks.index(rank)
         except ValueError:
             raise ConfigError(f"rank {rank} is not in the mesh {self}; every mesh must span every data-parallel rank") from None
-        return divmod(at, self.shard_size)
+        return divmod(at, self.shard_ranks)
 
     def shard_groups(self) -> list[list[int]]:
         """The rows: each one chunk's shard group."""
-        s = self.shard_size
+        s = self.shard_ranks
         return [list(self.ranks[i : i + s]) for i in range(0, self.size, s)]
 
     def replicate_groups(self) -> list[list[int]]:
         """The columns: the ranks that hold the same shard."""
-        s = self.shard_size
+        s = self.shard_ranks
         return [list(self.ranks[j :: s]) for j in range(s)]
 
     def subgroups(self, size: int) -> list[list[int]]:
         """Each shard group cut into consecutive groups of ``size`` ranks (``reshard_after_forward=size``)."""
-        if self.shard_size % size:
-            raise ConfigError(f"a shard group of {self.shard_size} ranks cannot be cut into groups of {size}")
+        if self.shard_ranks % size:
+            raise ConfigError(f"a shard group of {self.shard_ranks} ranks cannot be cut into groups of {size}")
         return [row[i : i + size] for row in self.shard_groups() for i in range(0, len(row), size)]
 
-    def hybrid(self, shard_size: int) -> MeshSpec:
-        """The same ranks as ``(size / shard_size, shard_size)``: shard within consecutive groups, replicate across."""
-        if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1 or self.size % shard_size:
-            raise ConfigError(f"cannot shard {self.size} ranks in groups of {shard_size!r}: it must divide {self.size}")
-        return MeshSpec((self.size // shard_size, shard_size), self.ranks)
+    def hybrid(self, shard_ranks: int) -> MeshSpec:
+        """The same ranks as ``(size / shard_ranks, shard_ranks)``: shard within consecutive groups, replicate across."""
+        if isinstance(shard_ranks, bool) or not isinstance(shard_ranks, int) or shard_ranks < 1 or self.size % shard_ranks:
+            raise ConfigError(f"cannot shard {self.size} ranks in groups of {shard_ranks!r}: it must divide {self.size}")
+        return MeshSpec((self.size // shard_ranks, shard_ranks), self.ranks)
 
     def __str__(self) -> str:
         dims = "x".join(map(str, self.shape))

@@ -48,9 +48,9 @@ class Reduction(enum.Enum):
     @classmethod
     def for_mesh(cls, mesh: MeshSpec) -> Reduction:
         """The cheapest reduction that leaves every replica the same mean."""
-        if mesh.shard_size == 1:
+        if mesh.shard_ranks == 1:
             return cls.ALL_REDUCE
-        return cls.REDUCE_SCATTER if mesh.replicate_size == 1 else cls.REDUCE_SCATTER_ALL_REDUCE
+        return cls.REDUCE_SCATTER if mesh.replicate_ranks == 1 else cls.REDUCE_SCATTER_ALL_REDUCE
 
 
 ReshardAfterForward = bool | int
@@ -60,7 +60,7 @@ def reshard_for_mesh(value: bool | int, mesh: MeshSpec) -> bool | int:
     """``ZeroConfig.reshard_after_forward`` as a chunk on ``mesh`` can use it: a group size its shard group cannot
     be cut into (a module mesh with a smaller shard group) has nothing smaller to keep, which is ``True``.
     (``shard()`` rejects a size the default mesh cannot use.)"""
-    if isinstance(value, bool) or (1 < value < mesh.shard_size and mesh.shard_size % value == 0):
+    if isinstance(value, bool) or (1 < value < mesh.shard_ranks and mesh.shard_ranks % value == 0):
         return value
     return True
 
@@ -70,7 +70,7 @@ class ChunkPlan:
     """Where one chunk lives and how the engine runs it. See [Note: meshes] in ``zero_core.mesh``.
 
     Attributes:
-        mesh: The mesh the chunk is sharded on (its size must divide by ``mesh.shard_size``).
+        mesh: The mesh the chunk is sharded on (its size must divide by ``mesh.shard_ranks``).
         reduction: How its gradients are reduced; ``None`` takes :meth:`Reduction.for_mesh`.
         reshard_after_forward: At stage 3, what a forward that builds a graph leaves for the
             backward: ``True`` frees the full buffer (the backward gathers again), ``False``
@@ -89,20 +89,20 @@ class ChunkPlan:
         reduction = Reduction.for_mesh(self.mesh) if self.reduction is None else self.reduction
         if not isinstance(reduction, Reduction):
             raise ConfigError(f"ChunkPlan.reduction must be a zero_core.plugin.Reduction, got {reduction!r}")
-        if reduction is Reduction.REDUCE_SCATTER and self.mesh.replicate_size > 1:
+        if reduction is Reduction.REDUCE_SCATTER and self.mesh.replicate_ranks > 1:
             raise ConfigError(
-                f"Reduction.REDUCE_SCATTER on {self.mesh} would leave its {self.mesh.replicate_size} replicas with "
+                f"Reduction.REDUCE_SCATTER on {self.mesh} would leave its {self.mesh.replicate_ranks} replicas with "
                 "different gradients; use REDUCE_SCATTER_ALL_REDUCE"
             )
-        if reduction is Reduction.REDUCE_SCATTER_ALL_REDUCE and self.mesh.shard_size == 1:
+        if reduction is Reduction.REDUCE_SCATTER_ALL_REDUCE and self.mesh.shard_ranks == 1:
             raise ConfigError(f"{self.mesh} shards nothing (shard groups of 1 rank): use Reduction.ALL_REDUCE")
         object.__setattr__(self, "reduction", reduction)
         check_reshard_after_forward(self.reshard_after_forward, "ChunkPlan.reshard_after_forward")
         k = self.reshard_after_forward
-        if not isinstance(k, bool) and (k < 2 or k >= self.mesh.shard_size or self.mesh.shard_size % k):
+        if not isinstance(k, bool) and (k < 2 or k >= self.mesh.shard_ranks or self.mesh.shard_ranks % k):
             raise ConfigError(
                 f"ChunkPlan.reshard_after_forward={k} must be a divisor of the shard group size "
-                f"{self.mesh.shard_size} below it (or True / False)"
+                f"{self.mesh.shard_ranks} below it (or True / False)"
             )
 
 
@@ -155,7 +155,7 @@ class ShardPlan:
         for i, spec in enumerate(self.chunks):
             if not spec.params:
                 raise PlanError(f"chunk {i} of the plan holds no parameter")
-            shard_size = self.chunk_plans[i].mesh.shard_size if self.chunk_plans is not None else world_size
+            shard_size = self.chunk_plans[i].mesh.shard_ranks if self.chunk_plans is not None else world_size
             if spec.size % shard_size:
                 raise PlanError(f"chunk {i} has size {spec.size}, not a multiple of its shard group size {shard_size}")
             if spec.used > spec.size:

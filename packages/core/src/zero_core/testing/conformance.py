@@ -14,13 +14,14 @@ Each test's docstring says what a failure usually means.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
 
-from zero_core._collectives import gather_chunk
+from zero_core._collectives import broadcast_from_rank0, gather_chunk
 from zero_core._plugins import hookimpl
 from zero_core._state import ChunkState, MemoryTier
 from zero_core.api import ChunkPolicy, ZeroConfig
@@ -153,7 +154,7 @@ def _chunk_roundtrip_worker() -> list[tuple[str, torch.Tensor]]:
     expected = {s.name: s.param.detach().clone() for c in chunks for s in c.slots}
     out = []
     for chunk in chunks:
-        chunk.pack(comm, broadcast_from_rank0=True)
+        chunk.pack(sync=functools.partial(broadcast_from_rank0, comm=comm))
         assert chunk.state is ChunkState.SHARDED or chunk.persistent
         assert chunk.shard.numel() == chunk.shard_size
         gather_chunk(chunk, comm)
@@ -182,7 +183,7 @@ class ChunkConformance:
         params = tuple(_params("odd_sizes"))
         used = sum(p.numel for p in params)
         chunk = self.chunk_class(0, ChunkSpec(params, used + (-used) % 2), rank=0, world_size=2, device=torch.device("cpu"))
-        chunk.pack(None, broadcast_from_rank0=False)  # type: ignore[arg-type]  # no collective without broadcast
+        chunk.pack()  # no collective without sync
         assert chunk.state is ChunkState.SHARDED
         assert chunk.full.untyped_storage().nbytes() == 0
         assert chunk.shard.numel() == chunk.size // 2
@@ -268,7 +269,7 @@ class ShardStrategyConformance:
                     where = f"{case}, {topology}"
                     plan = _plan(self.strategy_class(), params, self.config, world, topology)
                     try:
-                        plan.validate(params, topology.default.shard_size, topology)
+                        plan.validate(params, topology.default.shard_ranks, topology)
                     except ValueError as err:
                         raise AssertionError(f"{where}: {err}") from None
                     assert plan.numel == sum(p.numel for p in params), where
@@ -292,9 +293,9 @@ def _plan(strategy: ShardStrategy, params: list[ParamInfo], config: ZeroConfig, 
     if topology is None:
         return strategy.plan(params, world_size=world, config=config)
     if _accepts_topology(strategy):
-        return strategy.plan(params, world_size=topology.default.shard_size, config=config, topology=topology)
+        return strategy.plan(params, world_size=topology.default.shard_ranks, config=config, topology=topology)
     assert topology.default.ndim == 1 and not topology.modules, "shard() gives no other topology to such a strategy"
-    return strategy.plan(params, world_size=topology.default.shard_size, config=config)
+    return strategy.plan(params, world_size=topology.default.shard_ranks, config=config)
 
 
 def _topologies(world: int, params: list[ParamInfo] | None = None, *, meshes: bool = True) -> list[Topology]:
@@ -323,8 +324,8 @@ def _check_chunk_plans(plan: ShardPlan, ranks: tuple[int, ...], where: str) -> N
     )
     for i, (spec, cp) in enumerate(zip(plan.chunks, plan.chunk_plans)):
         assert isinstance(cp, ChunkPlan), f"{where}: chunk plan {i} is a {type(cp).__name__}, not a zero_core.plugin.ChunkPlan"
-        assert spec.size % cp.mesh.shard_size == 0, (
-            f"{where}: chunk {i} has size {spec.size}, not a multiple of its mesh's shard size {cp.mesh.shard_size} ({cp.mesh})"
+        assert spec.size % cp.mesh.shard_ranks == 0, (
+            f"{where}: chunk {i} has size {spec.size}, not a multiple of its mesh's shard size {cp.mesh.shard_ranks} ({cp.mesh})"
         )
         assert sorted(cp.mesh.ranks) == sorted(ranks), (
             f"{where}: chunk {i} is planned on {cp.mesh}, which does not span every data-parallel rank {sorted(ranks)}"

@@ -40,7 +40,7 @@ def pack_chunks(params: Sequence[ParamInfo], *, world_size: int, config: ZeroCon
     which is trimmed to its content rounded up to its mesh's shard size (``world_size``).
     """
     policy = config.chunk
-    shard_of: Callable[[ParamInfo], int] = (lambda p: mesh_of(p).shard_size) if mesh_of else (lambda p: world_size)
+    shard_of: Callable[[ParamInfo], int] = (lambda p: mesh_of(p).shard_ranks) if mesh_of else (lambda p: world_size)
     if mesh_of is not None:  # one common size that every mesh's shard group divides
         world_size = math.lcm(world_size, *(shard_of(p) for p in params))
     sizes = [p.numel for p in params]

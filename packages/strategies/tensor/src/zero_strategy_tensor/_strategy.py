@@ -76,7 +76,7 @@ class TensorStrategy(ShardStrategy):
     ) -> ShardPlan:
         topology = topology or Topology(MeshSpec.of_shape((world_size,)))
         meshes = [topology.mesh_for(info.name) for info in params]  # a module's parameters share its mesh
-        specs = tuple(ChunkSpec((info,), round_up(info.numel, mesh.shard_size)) for info, mesh in zip(params, meshes))
+        specs = tuple(ChunkSpec((info,), round_up(info.numel, mesh.shard_ranks)) for info, mesh in zip(params, meshes))
         plans = {}
         for mesh in meshes:
             if mesh not in plans:
