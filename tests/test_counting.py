@@ -40,7 +40,7 @@ def padding_on_rank(chunk, rank, world):
 
 
 # See [Note: lockstep rounds]: one flag all-reduce of a 12-byte tag and its complement per communicating phase.
-LOCKSTEP_BYTES = 2 * 12
+LOCKSTEP_BYTES = 2 * 12 + 1  # a 12-byte tag and its complement, and the written-parameters flag
 LOCKSTEP_ROUNDS_STAGES_1_2 = 2  # the backward, the optimizer step
 LOCKSTEP_ROUNDS_STAGE_3 = 3  # and the forward, which gathers
 

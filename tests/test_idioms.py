@@ -406,6 +406,55 @@ def test_ema_with_foreach_lerp(world, stage):
         assert_parity(ref_ema, ema, label=f"rank {rank} EMA:")
 
 
+# --- 6b. writes that bypass the registered optimizer (see [Note: writes outside the optimizer]) ---
+
+WRITES = ["second_optimizer", "recreated_optimizer", "init_a_layer", "clamp_in_place", "ema_swapped_in"]
+
+
+def _train_writes(setup, world, rank, *, steps=4):
+    """Each way of writing parameters outside the optimizer given to shard(), then forwards that must see it."""
+    results = {}
+    for how in WRITES:
+        model = _build()
+        model, opt = setup(model, _sgd(model.parameters()))
+        if how == "recreated_optimizer":  # FSDP2's recipe: an optimizer built over model.parameters() after sharding
+            opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        extra = torch.optim.SGD(model.head.parameters(), lr=0.05) if how == "second_optimizer" else None
+        ema = [p.detach().clone() for p in model.parameters()]
+        losses = []
+        for step in range(steps):
+            loss = _forward(model, step, world, rank)
+            loss.backward()
+            opt.step()
+            if extra is not None:
+                extra.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                torch._foreach_lerp_(ema, list(model.parameters()), 0.5)
+                if how == "init_a_layer" and step == 1:
+                    nn.init.constant_(model.blocks[0].fc.weight, 0.05)
+                    nn.init.zeros_(model.head.bias)
+                if how == "clamp_in_place":
+                    for p in model.parameters():
+                        p.clamp_(-0.25, 0.25)
+                if how == "ema_swapped_in" and step == 2:
+                    for p, e in zip(model.parameters(), ema):
+                        p.copy_(e)
+            losses.append(_global_loss(loss, world))
+            with torch.no_grad():  # an evaluation forward between steps reads the written values too
+                losses.append(_global_loss(_forward(model, 100 + step, world, rank), world))
+        results[how] = RunResult(losses, _params(model))
+    return results
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_writes_outside_the_registered_optimizer_are_seen(stage):
+    reference = _one_process(_train_writes)
+    for rank, rank_results in enumerate(_sharded(_train_writes, 2, stage)):
+        for how, result in rank_results.items():
+            assert_parity(reference[how], result, label=f"{how} rank {rank}:")
+
+
 # --- 7. counting parameters, shapes, class and state_dict keys ---
 
 

@@ -383,6 +383,9 @@ def _out_of_step(*, stage, pattern, directory):
     start = time.monotonic()
     with pytest.raises(RanksOutOfStepError) as info:
         for step in range(4):
+            if pattern == "write_alone" and step == 1 and rank == 0:
+                with torch.no_grad():  # only this rank's copies would change: see [Note: writes outside the optimizer]
+                    next(model.parameters()).mul_(0.5)
             loss = _loss(model, step, world, rank)
             if pattern == "skip_backward" and step == 1 and rank == 0:
                 continue  # this rank skips a backward and steps
@@ -404,6 +407,15 @@ def test_ranks_out_of_step_fail_on_every_rank(stage, pattern, tmp_path):
         assert seconds < 25, f"detected after {seconds:.1f}s: the mismatch should be found, not timed out"
     if pattern == "save_alone":
         assert "save_checkpoint" in results[0][0]
+
+
+@pytest.mark.parametrize("stage", [1, 2])  # stage 3 keeps no copies: a rank writing its own pieces is plain DTensor use
+def test_a_rank_writing_parameters_alone_fails_on_every_rank(stage, tmp_path):
+    results = run_distributed(_out_of_step, WORLD, stage=stage, pattern="write_alone", directory=str(tmp_path),
+                              timeout=TIMEOUT)
+    for message, seconds in results:
+        assert "out of step" in message and "written outside the optimizer" in message, message
+        assert seconds < 25, f"detected after {seconds:.1f}s: the mismatch should be found, not timed out"
 
 
 # --- timeouts on object collectives --------------------------------------------------------------

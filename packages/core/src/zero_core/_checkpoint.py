@@ -475,6 +475,7 @@ def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, st
                 error = f"{type(exc).__name__}: {exc}"
             agree_ok(engine.comm, error, "loading the checkpoint stopped partway; the model is partly loaded, load it again")
             publish_kept(chunk, engine.comm)
+            engine.residency.mark_published([chunk])
         finally:
             placement.after_load([chunk])
     for key, buf in layout.buffers.items():

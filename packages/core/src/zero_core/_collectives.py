@@ -140,10 +140,11 @@ def publish_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) ->
     return copy
 
 
-def publish_group(group: GatherGroup, comm: CommBackend) -> list[Pending | None]:
-    """After a step, bring the kept full buffers of a group's trainable members up to date (see :func:`publish_chunk`)."""
+def publish_group(group: GatherGroup, comm: CommBackend, *, members: Sequence[Chunk] | None = None) -> list[Pending | None]:
+    """After a step, bring the kept full buffers of a group's trainable members (or of ``members``) up to date
+    (see :func:`publish_chunk`)."""
     comm = group.comm or comm
-    refreshed = group.refreshed
+    refreshed = group.refreshed if members is None else tuple(members)
     if len(refreshed) <= 1 or group.world_size == 1:
         return [publish_chunk(c, comm, async_op=True) for c in refreshed]
     numel = sum(c.shard_size for c in refreshed)

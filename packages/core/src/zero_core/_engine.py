@@ -251,8 +251,12 @@ class Engine:
         if self.state is TrainingState.IDLE:
             self.reducer.reorder()  # parameters may have been (un)frozen since the last step
         self._module_hooks.regroup_if_compiled()  # a block compiled after shard() becomes one unit
-        if self._forward_gathers:
-            self._lockstep.begin("forward", self.step_count)
+        # see [Note: writes outside the optimizer] in zero_core._residency
+        written = self.residency.written()
+        if self._forward_gathers or written:
+            what = "forward" if self._forward_gathers else "forward after parameters were written outside the optimizer"
+            if self._lockstep.begin(what, self.step_count, flag=written):
+                self.residency.refresh()
         self.params.use_unsharded()
         self._set_state(TrainingState.FORWARD)
         self._ran = {}
@@ -467,8 +471,8 @@ class Engine:
         if self.state is TrainingState.BACKWARD_PENDING:
             self.residency.drop_leftovers()
             self._set_state(TrainingState.IDLE)
-        if collective:
-            self._lockstep.begin(what or "a collective call", self.step_count)
+        if collective and self._lockstep.begin(what or "a collective call", self.step_count, flag=self.residency.written()):
+            self.residency.refresh()  # a verb reads or writes kept buffers: see [Note: writes outside the optimizer]
 
     # -- the optimizer's hooks ------------------------------------------------------------
     @engine_work

@@ -55,6 +55,7 @@ def gathered_parameters(engine: Engine, *, writable: bool = False) -> Iterator[N
                         if lo < hi:
                             chunk.fill(i, full[slot.offset + lo : slot.offset + hi], lo=lo)
                     publish_kept(chunk, engine.comm)
+                    engine.residency.mark_published([chunk])
                 finally:
                     engine.placement.after_load([chunk])
         fulls.clear()

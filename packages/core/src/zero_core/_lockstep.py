@@ -13,7 +13,9 @@ data-parallel group: a flag all-reduce (MAX) of a fixed-size tag, ``t`` and ``25
 byte by byte, where ``t`` encodes what the rank is about to do, the optimizer step it
 is in and how many rounds it has run. MAX of ``t`` and of ``255 - t`` are the largest
 and (inverted) smallest tag over ranks, so every rank sees at once whether all tags are
-equal. Every round has the same size, so rounds of ranks on different paths still pair
+equal. One more byte carries a flag every rank contributes and every rank gets the OR of
+(whether any rank wrote parameters outside the optimizer, see [Note: writes outside the
+optimizer] in ``zero_core._residency``). Every round has the same size, so rounds of ranks on different paths still pair
 with each other: the first collective a diverging rank issues is a round, and it meets
 its peers' round. On a mismatch, every rank gathers the others' descriptions and raises
 :class:`~zero_core.errors.RanksOutOfStepError` naming them. A rank whose peers never
@@ -48,15 +50,18 @@ class Lockstep:
         self.enabled = enabled and comm.world_size > 1
         self.rounds = 0
 
-    def begin(self, what: str, step: int) -> None:
-        """Check that every rank is about to do ``what`` in optimizer step ``step``; raise on every rank if not."""
+    def begin(self, what: str, step: int, *, flag: bool = False) -> bool:
+        """Check that every rank is about to do ``what`` in optimizer step ``step``; raise on every rank if not.
+
+        Returns whether ``flag`` is set on any rank (this rank's own ``flag`` when rounds are off: a static
+        graph promises every rank the same path)."""
         if not self.enabled:
-            return
+            return flag
         self.rounds += 1
         tag = torch.frombuffer(bytearray(struct.pack("<III", zlib.crc32(what.encode()), step & _MASK,
                                                      self.rounds & _MASK)), dtype=torch.uint8)
         try:
-            agreed = any_rank(self.comm, torch.cat([tag, 255 - tag]))
+            agreed = any_rank(self.comm, torch.cat([tag, 255 - tag, torch.tensor([int(flag)], dtype=torch.uint8)]))
         except CollectiveTimeoutError as err:
             raise CollectiveTimeoutError(
                 f"rank {self.comm.rank} waited for the other ranks to start {what} (step {step}) and they did not "
@@ -64,8 +69,8 @@ class Lockstep:
                 f"(a rank-only branch around the model, optimizer.step() or a checkpoint call). ({err})"
             ) from err
         n = tag.numel()
-        if torch.equal(agreed[:n], tag) and torch.equal(agreed[n:], 255 - tag):
-            return
+        if torch.equal(agreed[:n], tag) and torch.equal(agreed[n : 2 * n], 255 - tag):
+            return bool(agreed[2 * n].item())
         everyone = gather_objects(self.comm, (what, step, self.rounds))
         lines = "; ".join(f"rank {r}: {w} (step {s}, round {k})" for r, (w, s, k) in enumerate(everyone))
         raise RanksOutOfStepError(

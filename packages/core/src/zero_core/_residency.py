@@ -3,6 +3,26 @@
 [Note: who moves a chunk] makes the engine the only one that gathers and releases; this object
 is how it does so. It owns the gather scheduler and the buffers a phase borrows, and tells the
 placement policy and :class:`~zero_core._module_params.ModuleParameters` of every change.
+
+[Note: writes outside the optimizer]
+A kept full buffer (stages 1 and 2, a chunk a policy keeps gathered, a single rank computing
+in another dtype) holds copies of master values: other ranks' rows, or this rank's cast.
+After the registered optimizer's step the engine refreshes them (:meth:`Residency.after_step`),
+but parameters are written in other ways too: a second optimizer, an optimizer re-created
+after ``shard()``, ``nn.init`` on a layer, an in-place clamp or decay under ``no_grad``,
+``load_state_dict`` or an EMA copied in for evaluation. Each of those changes only the master
+values, so the next forward would mix new and stale ones. Every in-place write through a
+sharded parameter bumps its version counter (the DTensor's own; its local tensor's does not
+move), so the residency remembers each such chunk's counters when it last published it, and
+a forward (and every collective verb) first compares them: no write costs a Python loop over
+the parameters and nothing else. A rank that sees a write says so in the phase's lockstep
+round (one byte of it, see [Note: lockstep rounds] in ``zero_core._lockstep``), and when any
+rank did, every rank refreshes every kept buffer from the masters (the step's all-gathers,
+once). A rank that wrote alone, at stages 1 and 2 where a forward has no round of its own,
+opens one, which its peers' next round reports as ranks out of step. Two writes are not seen:
+through ``param.data`` (a tensor outside autograd's version tracking; write through the
+parameter under ``torch.no_grad()`` instead), and one in the same window as a placement
+policy's move of that shard (a move restarts the counters; see ``Chunk.shard_moves``).
 """
 
 from __future__ import annotations
@@ -43,6 +63,10 @@ class Residency:
         self.scheduler = GatherScheduler(self.groups, comm, placement, agree=agree)
         # Groups that keep full buffers, refreshed from the master shards after each step (their trainable members).
         self._refresh_after_step = [g for g in self.groups if any(c.persistent for c in g.chunks)]
+        # Per chunk whose kept buffer mirrors master values: its shard moves and its parameters' version counters when
+        # it was last published (see [Note: writes outside the optimizer]).
+        self._published: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.mark_published()
 
     @engine_work
     def gather(self, chunks: Sequence[Chunk], *, backward: bool) -> None:
@@ -108,3 +132,37 @@ class Residency:
                             pending.wait()
         self.free_idle_buffers()
         self._placement.after_step(self.chunks)
+        if publish:
+            self.mark_published([c for g in self._refresh_after_step for c in g.refreshed])
+
+    # -- writes outside the optimizer -------------------------------------------------------------------
+    def _mirrors(self) -> list[Chunk]:
+        """Chunks whose kept full buffer holds copies of master values (other ranks' rows, or a cast)."""
+        return [c for c in self.chunks if c.persistent and (c.world_size > 1 or not c.shard_is_view)]
+
+    def mark_published(self, chunks: Sequence[Chunk] | None = None) -> None:
+        """The kept buffers of ``chunks`` (every mirror when None) hold their masters' values now."""
+        for chunk in self._mirrors() if chunks is None else chunks:
+            self._published[chunk.index] = (chunk.shard_moves, tuple(seg.param._version for seg in chunk.segments))
+
+    def written(self) -> bool:
+        """Whether a sharded parameter of a mirrored chunk was written in place since its buffer was published."""
+        found = False
+        for chunk in self._mirrors():
+            moves, versions = self._published.get(chunk.index, (-1, ()))
+            now = tuple(seg.param._version for seg in chunk.segments)
+            if moves != chunk.shard_moves:  # a policy moved the shard: its counters restarted (the move kept the values)
+                self._published[chunk.index] = (chunk.shard_moves, now)
+            elif now != versions:
+                found = True
+        return found
+
+    @engine_work
+    def refresh(self) -> None:
+        """Publish every kept full buffer from the masters (collective: every rank calls it, see ``written``)."""
+        with torch.profiler.record_function("ZeRO::publish_parameters"):
+            for group in self._refresh_after_step:
+                for pending in publish_group(group, self._comm, members=[c for c in group.chunks if c.persistent]):
+                    if pending is not None:
+                        pending.wait()
+        self.mark_published()

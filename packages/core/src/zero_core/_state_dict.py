@@ -101,3 +101,4 @@ def load_post_hook(engine: Engine, module: nn.Module, incompatible_keys: Any) ->
     with torch.no_grad():
         for chunk in engine.chunks:
             publish_kept(chunk, engine.comm)
+        engine.residency.mark_published()

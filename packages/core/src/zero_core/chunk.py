@@ -165,6 +165,9 @@ class Chunk:
         # This rank's padded piece of each parameter (master dtype): views of the shard or of the full buffer.
         self.pieces: list[torch.Tensor] = []
         self.segments: tuple[Segment, ...] = ()
+        # How many times a placement policy replaced the shard: the sharded parameters' version counters restart
+        # when a move swaps them to another device (see [Note: writes outside the optimizer]).
+        self.shard_moves = 0
         # The gradients, from autograd's buffer to the optimizer's .grad (see [Note: a gradient's three places]).
         self.grads = ChunkGradients(self)
         # In SHARDED_POST_FORWARD only: this rank's 1/k of the rank-major gathered buffer, kept from a forward for
@@ -449,6 +452,7 @@ class Chunk:
             )
         self._shard = shard
         self.shard_is_view = False
+        self.shard_moves += 1
         if shard.stride(0) == 0:  # absent: every piece is a stand-in of the right size
             self.pieces = [shard[: s.piece] for s in self.slots]
         else:
