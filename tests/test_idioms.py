@@ -455,6 +455,42 @@ def test_writes_outside_the_registered_optimizer_are_seen(stage):
             assert_parity(reference[how], result, label=f"{how} rank {rank}:")
 
 
+# --- 6c. gradients of the inputs: a gradient penalty, and autograd.grad before backward ---
+
+
+def _train_input_gradients(setup, world, rank, *, steps=3):
+    results = {}
+    for how in ("penalty", "grad_then_backward"):
+        model = _build()
+        model, opt = setup(model, _sgd(model.parameters()))
+        losses = []
+        for step in range(steps):
+            x, y = _batch(step, world, rank)
+            x.requires_grad_(True)
+            # per-sample terms summed, over the global batch size: the ranks' mean gradient is one process's
+            summed = F.cross_entropy(model(x), y, reduction="sum")
+            if how == "penalty":  # a gradient penalty (WGAN-GP, R1): backward through the input gradient's own graph
+                (g,) = torch.autograd.grad(summed, x, create_graph=True)
+                total = (summed + g.pow(2).sum()) / (BATCH // world)
+            else:  # the input gradient read for logging, then the ordinary backward
+                (g,) = torch.autograd.grad(summed, x, retain_graph=True)
+                total = summed / (BATCH // world) + 0 * g.sum()
+            total.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(_global_loss(total, world))
+        results[how] = RunResult(losses, _params(model))
+    return results
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradients_of_inputs_before_the_backward(stage):
+    reference = _one_process(_train_input_gradients)
+    for rank, rank_results in enumerate(_sharded(_train_input_gradients, 2, stage)):
+        for how, result in rank_results.items():
+            assert_parity(reference[how], result, label=f"{how} rank {rank}:")
+
+
 # --- 7. counting parameters, shapes, class and state_dict keys ---
 
 

@@ -61,6 +61,19 @@ gradient, which autograd made, is copied in (and dropped), and the other paramet
 ``.grad`` point at their zeroed views from then on. Stage 1 keeps its buffer for the whole run and prepares it as
 before; a chunk gathered on demand or exposed prepares it when it is gathered.
 
+[Note: backwards that accumulate nothing]
+``torch.autograd.grad(loss, inputs)`` (a gradient penalty, a saliency map) runs the same
+autograd graph as ``loss.backward()``, so the module hooks fire and the chunks are gathered as
+modules need them, but no parameter's gradient is accumulated. When such a pass begins, the
+engine asks the autograd engine whether it will run any trainable parameter's gradient
+accumulator (``torch._C._will_engine_execute_node``; under ``autograd.grad`` that question is
+refused for leaves, which answers it too); if not, the pass reduces nothing and prepares no
+gradient buffer. With ``create_graph=True`` the gradients it returns have a graph of their
+own that reads the gathered parameters when a later backward runs through it, and that graph
+has no module hooks to gather again; so the chunks stay gathered (the state is
+BACKWARD_PENDING) until that backward ends, and that backward releases nothing before its end.
+Stage 3 then holds the model gathered between the two passes, as stage 2 always does.
+
 [Note: torch.compile]
 Compiling a block (``block.compile()`` or ``torch.compile(block)``, before or after shard)
 makes dynamo trace the forward hooks of the modules the block calls. Zero's hooks gather,
@@ -195,6 +208,13 @@ class Engine:
         # Modules that ran in the current forward, per chunk index.
         self._ran: dict[int, set[int]] = {}
         self._callback_queued = False
+        # The running backward accumulates into no parameter (torch.autograd.grad over inputs): it gathers what
+        # modules need but reduces nothing. With create_graph, the gradients' own graph reads the parameters in
+        # the backward that follows, so the chunks stay gathered until that backward ends (_hold_gathered).
+        # See [Note: backwards that accumulate nothing].
+        self._capture_only = False
+        self._create_graph = False
+        self._hold_gathered = False
         self.step_count = 0
 
         self._module_hooks.install()
@@ -366,19 +386,21 @@ class Engine:
             # backward that raises leaves them as they are between steps; only a recomputation swaps (_pre_forward).
             self._set_state(TrainingState.BACKWARD)
             self.reducer.begin(forwards=forwards)
+            self._capture_only, self._create_graph = not self.reducer.accumulates(), torch.is_grad_enabled()
             self.residency.scheduler.begin_pass(reverse=True)
             exposed = [c for c in self.chunks if c.index in self._exposed and not c.persistent]
             if exposed:  # see [Note: parameters used outside their module]
                 self.residency.gather(exposed, backward=True)
                 for chunk in exposed:
-                    chunk.grads.prepare()
+                    if not self._capture_only:
+                        chunk.grads.prepare()
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         if chunks:
             self.residency.gather(chunks, backward=True)
             for chunk in chunks:
-                if not self.reducer.is_reduced(chunk) and chunk.stage == 1:  # its kept buffer is there anyway
+                if not self._capture_only and not self.reducer.is_reduced(chunk) and chunk.stage == 1:  # kept anyway
                     chunk.grads.prepare()  # stages 2 and 3: see [Note: gradient buffers on arrival]
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
@@ -386,21 +408,26 @@ class Engine:
         self.reducer.accumulated(param)
         if self.reducer.sync:
             for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
-                self.residency.release([chunk])
+                if not self._hold_gathered:
+                    self.residency.release([chunk])
 
     @engine_work
     def _finish_backward(self) -> None:
         """Queued on the autograd engine: runs once when the outermost backward finishes."""
+        reduce = self.reducer.sync and not self._capture_only
+        keep = self._capture_only and self._create_graph  # a backward through the gradients' graph comes next
         try:
             self.residency.scheduler.drain()
-            if self.reducer.sync:
+            if reduce:
                 for chunk in self.reducer.launch_rest(self.bridge.loss_scale):
-                    self.residency.release([chunk])
+                    if not self._hold_gathered:
+                        self.residency.release([chunk])
                 self.reducer.complete()
                 self.placement.after_backward(self.chunks)
                 self.reducer.publish()
-            self.residency.release(self.chunks)
-            if self.reducer.sync:
+            if not keep:
+                self.residency.release(self.chunks)
+            if reduce:
                 self.residency.free_idle_buffers()
         except BaseException:
             # nothing of this backward reaches the optimizer, and nothing stays gathered or lent
@@ -413,7 +440,9 @@ class Engine:
                 chunk.drop_post_forward_copy()
             self.reducer.end()
             self._callback_queued = False
-            self._set_state(TrainingState.IDLE)
+            self._capture_only = False
+            self._set_state(TrainingState.BACKWARD_PENDING if keep else TrainingState.IDLE)
+            self._hold_gathered = keep
             self.params.use_sharded()
 
     # -- leaving a step by any way ----------------------------------------------------
@@ -457,6 +486,7 @@ class Engine:
                 self.residency.release(self.chunks)
                 self.reducer.end()
                 self._callback_queued = False
+                self._capture_only = self._hold_gathered = False
                 self._set_state(TrainingState.IDLE)
                 self.params.use_sharded()
             if accumulating:
@@ -471,6 +501,7 @@ class Engine:
         if self.state is TrainingState.BACKWARD_PENDING:
             self.residency.drop_leftovers()
             self._set_state(TrainingState.IDLE)
+            self._hold_gathered = False
         if collective and self._lockstep.begin(what or "a collective call", self.step_count, flag=self.residency.written()):
             self.residency.refresh()  # a verb reads or writes kept buffers: see [Note: writes outside the optimizer]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from zero_core._accounting import engine_work
 from zero_core._agreement import any_rank
@@ -86,6 +87,22 @@ class GradientReducer:
             # a backward with no forward since the last one runs through a kept graph: it reaches what that one did
             group.begin_backward(kept_graph=not forwards)
         self._next = 0
+
+    def accumulates(self) -> bool:
+        """Whether the running backward accumulates into a trainable parameter (asked inside the backward).
+
+        False under ``torch.autograd.grad`` and ``backward(inputs=...)`` naming none of them: such a pass
+        captures gradients of other tensors (a gradient penalty's inputs) and gives the parameters none."""
+        for chunk in self.order:
+            for slot in chunk.slots:
+                if not slot.param.requires_grad:
+                    continue
+                try:
+                    if torch._C._will_engine_execute_node(get_gradient_edge(slot.param).node):
+                        return True
+                except RuntimeError:  # torch.autograd.grad() is running: it captures gradients, never accumulates
+                    return False
+        return False
 
     def is_reduced(self, chunk: Chunk) -> bool:
         """Whether ``chunk``'s reduction was launched in the running backward (a later gradient would be lost)."""
