@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from zero_core import ChunkPolicy, ZeroConfig, shard
+from zero_core import ChunkPolicy, ZeroConfig, ZeroError, shard
 from zero_core.testing import RunResult, assert_parity, run_distributed
 from zero_core.testing.zoo import get_case
 
@@ -489,6 +489,57 @@ def test_gradients_of_inputs_before_the_backward(stage):
     for rank, rank_results in enumerate(_sharded(_train_input_gradients, 2, stage)):
         for how, result in rank_results.items():
             assert_parity(reference[how], result, label=f"{how} rank {rank}:")
+
+
+# --- 6d. copies of the state: early stopping with copy.deepcopy, torch.save per rank ---
+
+
+def _train_state_copies(setup, world, rank, *, steps=4):
+    import copy
+    import io
+
+    model = _build()
+    model, opt = setup(model, _sgd(model.parameters()))
+    losses, best, saved = [], None, io.BytesIO()
+    for step in range(steps):
+        loss = _forward(model, step, world, rank)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_global_loss(loss, world))
+        if step == 1:  # the best model so far: kept in memory and saved, as an early-stopping callback does
+            best = copy.deepcopy(model.state_dict())
+            torch.save(model.state_dict(), saved)
+    at_best = {k: _full(v) for k, v in best.items()}
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    model.load_state_dict(best)  # restore the best weights, then evaluate
+    with torch.no_grad():
+        losses.append(_global_loss(_forward(model, 9, world, rank), world))
+    refused = []
+    if dist.is_initialized():
+        from torch.optim.swa_utils import AveragedModel
+
+        for copying in (lambda: copy.deepcopy(model), lambda: AveragedModel(model)):
+            try:
+                copying()
+                refused.append("copied")
+            except ZeroError as err:
+                refused.append("state_dict()" in str(err))
+    return RunResult(losses, _params(model)), at_best, {k: _full(v) for k, v in loaded.items()}, refused
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_state_dict_copies_like_a_tensor_and_the_model_refuses_deepcopy(stage):
+    reference, ref_best, ref_loaded, _ = _one_process(_train_state_copies)
+    for name in ref_best:
+        assert torch.equal(ref_best[name], ref_loaded[name])
+    for rank, (result, best, loaded, refused) in enumerate(_sharded(_train_state_copies, 2, stage)):
+        assert_parity(reference, result, label=f"rank {rank}:")
+        for name, value in ref_best.items():
+            torch.testing.assert_close(best[name], value, rtol=1e-5, atol=1e-6)
+            assert torch.equal(loaded[name], best[name]), name
+        assert refused == [True, True], refused  # a ZeroError naming the alternative, for deepcopy and AveragedModel
 
 
 # --- 7. counting parameters, shapes, class and state_dict keys ---

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from zero_core._slots import ChunkSpec, ParamSlot, layout_slots, rewrap, to_local
 
-__all__ = ["ChunkLayout", "repoint"]
+__all__ = ["ChunkLayout", "dtensor", "repoint"]
 
 
 class ChunkLayout:
@@ -83,6 +83,23 @@ class ChunkLayout:
         """Lay a parameter-major buffer out rank-major into ``out`` (``size`` elements), casting to its dtype."""
         with torch.no_grad():
             torch.cat(self.regions(flat), dim=1, out=out.view(self.world_size, self.shard_size))
+
+
+def dtensor(local: torch.Tensor, spec: object) -> DTensor:
+    """A DTensor over ``local`` (a view into a chunk's buffer) that ``copy.deepcopy``, ``pickle`` and ``torch.save``
+    accept.
+
+    torch gives a DTensor's wrapper its local tensor's storage offset. A wrapper has no storage, and
+    deepcopy and the serializers tell "no storage" by a null data pointer, which the offset of a piece
+    past the start of its chunk makes non-null: they then copy the wrapper's invalid storage and fail
+    ("invalid python storage"). A wrapper at offset 0 is treated as what it is: its local tensor is
+    copied or saved (the whole chunk shard once, which the pieces share)."""
+    out = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        DTensor, spec.shape, strides=spec.stride, storage_offset=0, dtype=local.dtype,  # type: ignore[attr-defined]
+        device=local.device, layout=local.layout, requires_grad=False)
+    out._spec = spec
+    out._local_tensor = local
+    return out
 
 
 def repoint(param: nn.Parameter, local: torch.Tensor) -> None:

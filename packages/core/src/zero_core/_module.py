@@ -56,6 +56,15 @@ class ZeroModule:
         engine.post_forward_root(outputs)
         return outputs
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """Refused: the copy would share the engine (its hooks, process groups and chunk buffers) with this model."""
+        raise ZeroError(
+            f"copy.deepcopy of a sharded {type(self).__name__} is not supported (torch.optim.swa_utils.AveragedModel "
+            "deep-copies too): its engine's hooks, process groups and buffers cannot be duplicated. Copy the weights "
+            "instead: copy.deepcopy(model.state_dict()) (this rank's shards), model.full_state_dict() (whole tensors), "
+            "or, for an EMA, clones of the parameters updated with torch._foreach_lerp_ (see the idioms table in the "
+            "concepts guide)")
+
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Refused: compile each block instead. See [Note: torch.compile] in ``zero_core._engine``."""
         raise ZeroError(_WHOLE_MODEL_COMPILE.format(how=f"{type(self).__name__}.compile()"))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from zero_core._chunk_layout import dtensor
 from zero_core.errors import ZeroError
 
 if TYPE_CHECKING:
@@ -66,6 +67,9 @@ def state_dict_post_hook(engine: Engine, module: nn.Module, state_dict: dict[str
     if any(isinstance(v, nn.Parameter) for v in state_dict.values()):
         return  # keep_vars=True: the caller wants the objects (zero's own layout scans), not their values
     _require_between_steps(engine, "state_dict")
+    for key, value in state_dict.items():  # values copy.deepcopy, pickle and torch.save accept (see dtensor())
+        if isinstance(value, DTensor):
+            state_dict[key] = dtensor(value._local_tensor, value._spec)
 
 
 def load_pre_hook(engine: Engine, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any,

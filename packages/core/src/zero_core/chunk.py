@@ -76,7 +76,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from zero_core._buffers import BufferPool
 from zero_core._chunk_grads import ChunkGradients
-from zero_core._chunk_layout import ChunkLayout, repoint
+from zero_core._chunk_layout import ChunkLayout, dtensor, repoint
 from zero_core._ownership import in_policy_call
 from zero_core._slots import (
     ChunkSpec,
@@ -186,13 +186,14 @@ class Chunk:
             return local
         seg = self.segments[i] if self.segments else None
         if seg is not None:
-            return DTensor(local, seg.param._spec, requires_grad=False)  # type: ignore[attr-defined]
+            return dtensor(local, seg.param._spec)  # type: ignore[attr-defined]
         slot = self.slots[i]
         # dim 0 is sharded over the mesh's last dimension (the shard group); any leading dimension replicates
         # (HSDP's (Replicate(), Shard(0)), FSDP2's convention), and a zero-dimensional parameter replicates everywhere
         placements = (Replicate(),) * (self.mesh.ndim - 1) + ((Replicate(),) if slot.replicated else (Shard(0),))
-        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=slot.shape,
+        made = DTensor.from_local(local, self.mesh, placements, run_check=False, shape=slot.shape,
                                   stride=torch.empty(slot.shape, device="meta").stride())
+        return dtensor(made._local_tensor, made._spec)  # type: ignore[attr-defined]
 
     @property
     def shard(self) -> torch.Tensor:
