@@ -5,6 +5,9 @@ applies the same random sequence of actions to both: forward and backward, valid
 forwards (with gradients, under ``no_grad``, under ``inference_mode``), optimizer steps,
 both ``zero_grad``s with both ``set_to_none`` values, ``no_sync()`` micro-batches,
 gradient clipping, freezing and unfreezing a parameter, saving and loading a checkpoint,
+writes outside the registered optimizer (a second optimizer's step, ``nn.init`` on a layer,
+an in-place clamp, an EMA copied into the model), a gradient penalty (``autograd.grad`` with
+``create_graph`` before the backward), a ``copy.deepcopy`` of the state dict restored later,
 and an exception injected in forward, in backward or in the optimizer step. After every action every parameter
 must equal the plain model's (fp32, 1e-5 of each tensor's largest magnitude), and every
 loss the plain loss. A rule-based generator keeps the sequence meaningful (no
@@ -73,13 +76,14 @@ def generate(seed: int, n: int) -> list[str]:
     while len(actions) < n:
         choices = ["forward_backward"] * 4 + ["no_sync_forward_backward"] * 2 + ["step"] * 3 + [
             "zero_grad_optimizer_none", "zero_grad_optimizer_zeros", "zero_grad_model_none", "zero_grad_model_zeros",
-            "forward_only", "eval_no_grad", "eval_inference_mode", "raise_in_forward"]
+            "forward_only", "eval_no_grad", "eval_inference_mode", "raise_in_forward", "gradient_penalty",
+            "reinit_layer", "clamp_in_place", "ema_update", "ema_swap_in"]
         if not window:
             choices += ["raise_in_backward", "raise_in_step"]
         if grads and not window:
-            choices += ["clip"]
+            choices += ["clip", "second_optimizer_step"]
         if not grads and not window:
-            choices += ["freeze", "unfreeze", "save", "load"]
+            choices += ["freeze", "unfreeze", "save", "load", "snapshot_state_dict", "restore_state_dict"]
         action = rng.choice(choices)
         if action == "freeze":
             options = [n for n in FREEZABLE if n not in frozen]
@@ -94,7 +98,7 @@ def generate(seed: int, n: int) -> list[str]:
             name = rng.choice(sorted(frozen))
             frozen.discard(name)
             action = f"unfreeze:{name}"
-        elif action == "forward_backward":
+        elif action in ("forward_backward", "gradient_penalty"):
             grads, window = True, False
         elif action == "no_sync_forward_backward":
             window = True
@@ -147,7 +151,12 @@ def drive(actions: list[str], *, stage: int, strategy: str, directory: str) -> i
     model, opt = shard(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9),
                        config=ZeroConfig(stage=stage, strategy=strategy, chunk=chunk))
     saved: tuple[dict, dict] | None = None
+    snapshot: tuple[dict, dict] | None = None
     window = False  # a no_sync() window is open
+    # optimizers and an EMA outside the one shard() was given: their writes must reach the next forward
+    extra, plain_extra = torch.optim.SGD(model.head.parameters(), lr=0.05), torch.optim.SGD(plain.head.parameters(), lr=0.05)
+    ema = [p.detach().clone() for p in model.parameters()]
+    plain_ema = [p.detach().clone() for p in plain.parameters()]
 
     def both_forward(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = _batch(i, world, rank)
@@ -181,6 +190,41 @@ def drive(actions: list[str], *, stage: int, strategy: str, directory: str) -> i
             window = False
             (opt if "optimizer" in action else model).zero_grad(set_to_none=set_to_none)
             (plain_opt if "optimizer" in action else plain).zero_grad(set_to_none=set_to_none)
+        elif action == "gradient_penalty":  # per-sample terms over the batch size: the ranks' mean is the plain total
+            totals = []
+            for net, (x, y), n in ((model, _batch(i, world, rank), BATCH // world), (plain, _batch(i, 1, 0), BATCH)):
+                x.requires_grad_(True)
+                summed = F.cross_entropy(net(x), y, reduction="sum")
+                (g,) = torch.autograd.grad(summed, x, create_graph=True)
+                total = (summed + 0.1 * g.pow(2).sum()) / n
+                total.backward()
+                totals.append(total)
+            window = False
+            assert abs(_mean(totals[0], world) - totals[1].item()) <= RTOL * max(abs(totals[1].item()), 1e-6), where
+        elif action == "second_optimizer_step":
+            extra.step()
+            plain_extra.step()
+        elif action in ("reinit_layer", "clamp_in_place", "ema_update", "ema_swap_in"):
+            for net, averages in ((model, ema), (plain, plain_ema)):
+                with torch.no_grad():
+                    if action == "reinit_layer":
+                        nn.init.constant_(net.mid.bias, 0.1)
+                        nn.init.ones_(net.head.weight)
+                    elif action == "clamp_in_place":
+                        for p in net.parameters():
+                            p.clamp_(-0.5, 0.5)
+                    elif action == "ema_update":
+                        torch._foreach_lerp_(averages, list(net.parameters()), 0.5)
+                    else:
+                        for p, e in zip(net.parameters(), averages):
+                            p.copy_(e)
+        elif action == "snapshot_state_dict":  # an early-stopping callback keeps the best weights in memory
+            snapshot = (copy.deepcopy(model.state_dict()), copy.deepcopy(plain.state_dict()))
+        elif action == "restore_state_dict":
+            if snapshot is None:
+                continue
+            model.load_state_dict(snapshot[0])
+            plain.load_state_dict(snapshot[1])
         elif action == "forward_only":  # a validation forward with gradients enabled, never backwarded
             loss, ref = both_forward(i)
             assert abs(_mean(loss, world) - ref.item()) <= RTOL * max(abs(ref.item()), 1e-6), where
