@@ -57,7 +57,7 @@ def test_to_dict_schema():
         "chunk": {"chunk_size": 64, "min_chunk_size": 1 << 20, "search_interval": 1024, "search_range": 1 << 22,
                   "param_order": "registration"},
         "collective_timeout_s": 300.0, "sync_module_states": True, "check_ranks_agree": True, "static_graph": False,
-        "reshard_after_forward": True, "release_host_memory": True,
+        "reshard_after_forward": True, "optimizer_updates": "auto", "release_host_memory": True,
     }
 
 
@@ -96,7 +96,7 @@ def test_missing_keys_take_their_defaults():
 
 @pytest.mark.parametrize(("data", "message"), [
     ({"precison": {}}, r"^unknown config key 'precison'; did you mean 'precision'\? Valid keys at the top level: stage, "
-                       r"precision, strategy, .*, reshard_after_forward, release_host_memory\.$"),
+                       r"precision, strategy, .*, reshard_after_forward, optimizer_updates, release_host_memory\.$"),
     ({"precision": {"compte": "bf16"}}, r"^unknown config key 'precision.compte'; did you mean 'precision.compute'\? "
                                         r"Valid keys in precision: compute, reduce, loss_scale, gradient_predivide_factor\.$"),
     ({"precision": {"loss_scale": {"windw": 3}}}, r"^unknown config key 'precision.loss_scale.windw'\. Valid keys in "

@@ -16,7 +16,7 @@ from zero_core._agreement import gather_objects, rank0_value
 from zero_core.api import ZeroConfig
 from zero_core.chunk import ParamInfo
 from zero_core.comm import CommBackend
-from zero_core.errors import RanksDisagreeError, ZeroSetupError
+from zero_core.errors import ConfigError, RanksDisagreeError, ZeroSetupError
 
 __all__ = [
     "check_ranks_agree",
@@ -54,6 +54,38 @@ def resolve_device(config: ZeroConfig) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# torch's optimizers whose update of an element reads only that element's gradient and state (and scalars).
+_ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+# Those that read a whole tensor (or every parameter at once): stepping each rank's pieces changes the update.
+_WHOLE = {"Muon": "orthogonalises each matrix's update (Newton-Schulz)",
+          "Adafactor": "factors each matrix's second moment into row and column statistics",
+          "LBFGS": "searches along the whole parameter vector with a closure"}
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
+    """Refuse an optimizer whose update of a parameter reads more than its own elements, unless declared.
+
+    See ``ZeroConfig.optimizer_updates``: each rank steps only its pieces of every parameter, which
+    is exact for element-wise updates and silently wrong for whole-matrix ones."""
+    name = type(optimizer).__name__
+    whole = next((why for cls, why in _WHOLE.items()
+                  if (known := getattr(torch.optim, cls, None)) is not None and isinstance(optimizer, known)), None)
+    if whole is not None:
+        raise ConfigError(
+            f"{name} {whole}, but under zero each rank steps only its pieces of every parameter, which would train "
+            f"another model; zero does not run whole-matrix optimizers yet. Use an element-wise optimizer "
+            "(torch.optim.AdamW, SGD, ...)")
+    if config.optimizer_updates == "elementwise":
+        return
+    if any(isinstance(optimizer, known) for cls in _ELEMENTWISE if (known := getattr(torch.optim, cls, None)) is not None):
+        return
+    raise ConfigError(
+        f"zero cannot tell whether {type(optimizer).__module__}.{name} updates each element of a parameter from that "
+        "element's gradient and state alone: each rank steps only its pieces of every parameter, which is exact for "
+        "such optimizers (Adam, SGD, Lion, ...) and silently wrong for those that read whole matrices (Muon, Shampoo, "
+        "LAMB's trust ratio, Adafactor). If it is element-wise, declare it: ZeroConfig(optimizer_updates='elementwise')")
 
 
 def collect_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[ParamInfo]:

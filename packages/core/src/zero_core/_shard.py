@@ -26,7 +26,14 @@ from zero_core._plugins import ZeroPlugins
 from zero_core._group import build_groups
 from zero_core._reducer import GradientReducer
 from zero_core._scaler import LossScaler
-from zero_core._setup import check_ranks_agree, collect_params, first_use_order, resolve_device, resolve_group
+from zero_core._setup import (
+    check_optimizer,
+    check_ranks_agree,
+    collect_params,
+    first_use_order,
+    resolve_device,
+    resolve_group,
+)
 from zero_core._sources import open_source
 from zero_core._host_memory import return_freed_host_memory
 from zero_core.api import ZeroConfig
@@ -108,6 +115,7 @@ def shard(
     if config.release_host_memory:  # before any chunk buffer exists. See [Note: host memory that is freed is returned]
         return_freed_host_memory()
     params = collect_params(model, optimizer)
+    check_optimizer(optimizer, config)
     # Parameters built under lazy_init() are meta tensors; their values come from replaying the recording.
     metas = {id(p.param): p.param.data for p in params if p.param.device.type == "meta"}
     recording = None

@@ -21,6 +21,7 @@ from zero_core.errors import ConfigError
 __all__ = ["ChunkPolicy", "LossScale", "Precision", "ZeroConfig"]
 
 STAGES = (1, 2, 3)
+OPTIMIZER_UPDATES = ("auto", "elementwise")
 
 def check_reshard_after_forward(value: object, owner: str = "reshard_after_forward") -> None:
     if isinstance(value, bool):
@@ -245,6 +246,15 @@ class ZeroConfig:
             unless the agreement rounds show up in a profile. Without the promise, a pass whose
             sequence of all-gathers repeated is replayed with one round instead of one per
             all-gather (see :doc:`concepts`), falling back to agreeing when the model branches.
+        optimizer_updates: What the optimizer's update of a parameter reads, which decides whether each
+            rank may step its own pieces. ``"auto"`` (default): zero knows torch's element-wise
+            optimizers (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop,
+            Rprop and their subclasses), whose update of an element reads only that element's
+            gradient and state, and refuses every other optimizer at ``shard()``: Muon and
+            Adafactor orthogonalise or factor whole matrices and LBFGS searches along the whole
+            parameter vector, so stepping pieces would train another model, silently.
+            ``"elementwise"`` declares a third-party optimizer element-wise (Lion, an 8-bit Adam,
+            ...): zero then steps it on each rank's pieces. See :doc:`concepts`.
         release_host_memory: Let host buffers the engine frees go back to the system: on glibc,
             ``shard()`` fixes malloc's mmap threshold at 4 MiB (process-wide), so buffers of a
             chunk's size are mapped on their own instead of fragmenting malloc's heap. ``False``
@@ -265,6 +275,7 @@ class ZeroConfig:
     check_ranks_agree: bool = True
     static_graph: bool = False
     reshard_after_forward: bool | int = True
+    optimizer_updates: str = "auto"
     release_host_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -304,6 +315,11 @@ class ZeroConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"ZeroConfig.collective_timeout_s must be a positive number of seconds, got {timeout!r}.")
         check_reshard_after_forward(self.reshard_after_forward, "ZeroConfig.reshard_after_forward")
+        if self.optimizer_updates not in OPTIMIZER_UPDATES:
+            raise ConfigError(
+                f"ZeroConfig.optimizer_updates must be one of {list(OPTIMIZER_UPDATES)}, got {self.optimizer_updates!r}: "
+                "'auto' accepts torch's element-wise optimizers, 'elementwise' declares another optimizer element-wise."
+            )
         for name in ("sync_module_states", "check_ranks_agree", "static_graph", "release_host_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"ZeroConfig.{name} must be True or False, got {getattr(self, name)!r}.")
