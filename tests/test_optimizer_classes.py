@@ -91,3 +91,12 @@ def test_a_declared_elementwise_optimizer_trains_as_in_one_process():
     reference = _train_lion(False)
     for rank, result in enumerate(run_distributed(_train_lion, 2, True, timeout=120)):
         assert_parity(reference, result, label=f"rank {rank}:")
+
+
+def test_a_whole_matrix_optimizer_from_elsewhere_is_known_by_its_name():
+    class LAMB(Lion):  # a third-party LAMB (trust ratios of whole-tensor norms), whatever its module
+        pass
+
+    model = _model()
+    with pytest.raises(ConfigError, match="trust ratio"):
+        shard(model, LAMB(model.parameters()), config=ZeroConfig(optimizer_updates="elementwise"))

@@ -58,10 +58,17 @@ def resolve_device(config: ZeroConfig) -> torch.device:
 
 # torch's optimizers whose update of an element reads only that element's gradient and state (and scalars).
 _ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
-# Those that read a whole tensor (or every parameter at once): stepping each rank's pieces changes the update.
+# Optimizers (by class name, anywhere in the class's MRO: torch's, transformers', third-party ports) whose update
+# reads a whole tensor or every parameter at once: stepping each rank's pieces changes the update.
 _WHOLE = {"Muon": "orthogonalises each matrix's update (Newton-Schulz)",
           "Adafactor": "factors each matrix's second moment into row and column statistics",
-          "LBFGS": "searches along the whole parameter vector with a closure"}
+          "LBFGS": "searches along the whole parameter vector with a closure",
+          "Lamb": "scales each tensor's update by a trust ratio of whole-tensor norms",
+          "LAMB": "scales each tensor's update by a trust ratio of whole-tensor norms",
+          "Lars": "scales each tensor's update by a trust ratio of whole-tensor norms",
+          "LARS": "scales each tensor's update by a trust ratio of whole-tensor norms",
+          "Shampoo": "preconditions each matrix with statistics of its rows and columns",
+          "SOAP": "preconditions each matrix with statistics of its rows and columns"}
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
@@ -70,8 +77,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> Non
     See ``ZeroConfig.optimizer_updates``: each rank steps only its pieces of every parameter, which
     is exact for element-wise updates and silently wrong for whole-matrix ones."""
     name = type(optimizer).__name__
-    whole = next((why for cls, why in _WHOLE.items()
-                  if (known := getattr(torch.optim, cls, None)) is not None and isinstance(optimizer, known)), None)
+    whole = next((_WHOLE[c.__name__] for c in type(optimizer).__mro__ if c.__name__ in _WHOLE), None)
     if whole is not None:
         raise ConfigError(
             f"{name} {whole}, but under zero each rank steps only its pieces of every parameter, which would train "
