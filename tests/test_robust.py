@@ -383,6 +383,14 @@ def _out_of_step(*, stage, pattern, directory):
     start = time.monotonic()
     with pytest.raises(RanksOutOfStepError) as info:
         for step in range(4):
+            if pattern == "raise_and_skip" and step == 1 and rank == 0:  # this rank's forward raises; it skips the batch
+                handle = model.inp.register_forward_hook(_raise_in_forward)
+                try:
+                    _loss(model, step, world, rank)
+                except RuntimeError:
+                    continue
+                finally:
+                    handle.remove()
             if pattern == "write_alone" and step == 1 and rank == 0:
                 with torch.no_grad():  # only this rank's copies would change: see [Note: writes outside the optimizer]
                     next(model.parameters()).mul_(0.5)
@@ -407,6 +415,19 @@ def test_ranks_out_of_step_fail_on_every_rank(stage, pattern, tmp_path):
         assert seconds < 25, f"detected after {seconds:.1f}s: the mismatch should be found, not timed out"
     if pattern == "save_alone":
         assert "save_checkpoint" in results[0][0]
+
+
+def _raise_in_forward(module, args, output):
+    raise RuntimeError("injected in forward")
+
+
+@pytest.mark.parametrize("stage", [1, 2])  # stage 3: a forward's agreement rounds meet the next round (issue 29, item 5)
+def test_a_rank_that_skips_its_batch_after_a_forward_raised_fails_on_every_rank(stage, tmp_path):
+    results = run_distributed(_out_of_step, WORLD, stage=stage, pattern="raise_and_skip", directory=str(tmp_path),
+                              timeout=TIMEOUT)
+    for message, seconds in results:
+        assert "out of step" in message and "1 that raised" in message, message
+        assert seconds < 25, f"detected after {seconds:.1f}s: the mismatch should be found, not timed out"
 
 
 @pytest.mark.parametrize("stage", [1, 2])  # stage 3 keeps no copies: a rank writing its own pieces is plain DTensor use

@@ -202,6 +202,9 @@ class Engine:
         # Forwards that built a graph since the last backward: ranks must agree on it when a backward begins,
         # which catches a rank that skipped a backward even where forwards do not communicate (stages 1, 2).
         self._graph_forwards = 0
+        # Forwards with gradients that raised since the last backward: a rank that skipped its batch after an
+        # exception must not pair its next backward with a peer's backward of the batch before (see settle's Note).
+        self._raised_forwards = 0
         self._window_open = False
         # Per-step state, reset by the transitions below.
         self.state = TrainingState.IDLE
@@ -310,6 +313,8 @@ class Engine:
         self.residency.drop_leftovers(wait=True)
         self._set_state(TrainingState.IDLE)
         self.params.use_sharded()
+        if torch.is_grad_enabled():
+            self._raised_forwards += 1
 
     def _pre_forward(self, chunks: tuple[Chunk, ...], module: nn.Module, args: Any) -> None:
         if self.state in (TrainingState.IDLE, TrainingState.BACKWARD_PENDING):
@@ -381,7 +386,9 @@ class Engine:
             forwards, self._graph_forwards = self._graph_forwards, 0
             # a no_sync() window's gradients share this backward's buffers: a failure here loses them too
             self._window_open = self.reducer.has_unreduced
-            self._lockstep.begin(f"backward after {forwards} forward(s) with gradients", self.step_count)
+            raised, self._raised_forwards = self._raised_forwards, 0
+            self._lockstep.begin(f"backward after {forwards} forward(s) with gradients"
+                                 + (f" and {raised} that raised" if raised else ""), self.step_count)
             # The modules keep the sharded parameters in backward (autograd reads the unsharded ones it saved), so a
             # backward that raises leaves them as they are between steps; only a recomputation swaps (_pre_forward).
             self._set_state(TrainingState.BACKWARD)
