@@ -447,12 +447,17 @@ def _train_writes(setup, world, rank, *, steps=4):
     return results
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_writes_outside_the_registered_optimizer_are_seen(stage):
-    reference = _one_process(_train_writes)
-    for rank, rank_results in enumerate(_sharded(_train_writes, 2, stage)):
+def _check_each_variant(train, stage: int) -> None:
+    """``train`` returns one RunResult per variant: each must match one process's, on 2 ranks."""
+    reference = _one_process(train)
+    for rank, rank_results in enumerate(_sharded(train, 2, stage)):
         for how, result in rank_results.items():
             assert_parity(reference[how], result, label=f"{how} rank {rank}:")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_writes_outside_the_registered_optimizer_are_seen(stage):
+    _check_each_variant(_train_writes, stage)
 
 
 # --- 6c. gradients of the inputs: a gradient penalty, and autograd.grad before backward ---
@@ -485,10 +490,7 @@ def _train_input_gradients(setup, world, rank, *, steps=3):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_gradients_of_inputs_before_the_backward(stage):
-    reference = _one_process(_train_input_gradients)
-    for rank, rank_results in enumerate(_sharded(_train_input_gradients, 2, stage)):
-        for how, result in rank_results.items():
-            assert_parity(reference[how], result, label=f"{how} rank {rank}:")
+    _check_each_variant(_train_input_gradients, stage)
 
 
 # --- 6d. copies of the state: early stopping with copy.deepcopy, torch.save per rank ---
