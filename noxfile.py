@@ -1,5 +1,6 @@
 """Sessions: ``nox -s tests`` (the test suite), ``nox -s build`` (sdists and wheels into dist/), ``nox -s demo`` (2-rank training of a byte-level GPT on the standard library's sources),
 ``nox -s docs`` (strict docs build), ``nox -s docs_screenshots`` (the built site checked in headless Chromium), ``nox -s hf_trainer`` (the HF Trainer example on 2 ranks), ``nox -s soak`` (long fuzz and soak runs), ``nox -s bench`` (every strategy and policy against DDP and FSDP2),
+``nox -s gpu`` (one GPU's figures into a report; ``-- --dry-run`` on the CPU),
 ``nox -s microbench`` (pytest-benchmark micro-benchmarks of the collectives on 2 gloo ranks;
 pass pytest-benchmark options after ``--``, e.g. ``--benchmark-compare``)."""
 
@@ -87,6 +88,19 @@ def docs_screenshots(session: nox.Session) -> None:
     session.install("-r", "docs/requirements.txt", "playwright==1.65.2")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
     session.run("python", "docs/_ext/site_check.py", "--site", "site", "--out", "site-screenshots", *session.posargs)
+
+
+@nox.session(default=False)
+def gpu(session: nox.Session) -> None:
+    """What one GPU says about zero, in about 8 minutes: ``nox -s gpu -- --out DIR`` writes DIR/report.md and results.json.
+
+    The environment, copy bandwidth, gloo's CUDA collectives, GPT-2-medium training against plain PyTorch and
+    FSDP2, the CUDA test subset and the largest model under one device budget (docs/benchmarks-gpu.md).
+    ``-- --dry-run --out DIR`` runs it all on the CPU with tiny sizes. On a GPU machine pip's torch 2.13.0 is
+    the CUDA build.
+    """
+    install_zero(session, "-e", "benchmarks", "pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5")
+    session.run("python", "-m", "zero_bench.gpu", *session.posargs)
 
 
 @nox.session(default=False)

@@ -14,7 +14,15 @@ import pytest
 
 from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig
 from zero_core.plugin import ZeroPlugins
-from zero_core.testing import ZOO, assert_parity, run_distributed, train_reference, train_sharded, train_zoo_sharded
+from zero_core.testing import (
+    ZOO,
+    assert_parity,
+    device_under_test,
+    run_distributed,
+    train_reference,
+    train_sharded,
+    train_zoo_sharded,
+)
 
 STRATEGIES = ZeroPlugins.load().strategies.names()  # every installed strategy runs the whole matrix
 STAGES = [1, 2, 3]
@@ -65,6 +73,8 @@ OPTIMIZER_CASES = [("sgd", "unused"), ("adam", "unused"), ("adagrad", "unused"),
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize(("optimizer", "case"), OPTIMIZER_CASES)
 def test_plain_torch_optimizers_on_the_shards(optimizer, case, stage):
+    if optimizer == "adagrad_fused" and device_under_test() == "cuda":
+        pytest.skip("torch's fused Adagrad is CPU-only: torch.optim.Adagrad(fused=True) refuses CUDA parameters in one process too")
     config = ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=64))
     results = run_distributed(train_sharded, 2, case, optimizer=optimizer, config=config)
     assert_parity(reference(case, optimizer=optimizer), results[0])

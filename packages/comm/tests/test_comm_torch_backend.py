@@ -44,3 +44,15 @@ def test_single_process_without_a_process_group():
     assert comm.agree_min(7) == 7
     assert comm.all_gather_object("x") == ["x"]
     assert comm.stats.current == {}
+
+
+def test_collectives_fall_back_to_their_pre_2_12_names(monkeypatch):
+    from zero_comm._torch_backend import single_collective
+
+    if hasattr(dist, "all_gather_single"):  # torch >= 2.12
+        assert single_collective("all_gather_single", "all_gather_into_tensor") is dist.all_gather_single
+    # torch 2.11 (the GPU machines' build) has only the old names
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
+    assert single_collective("all_gather_single", "all_gather_into_tensor") is dist.all_gather_into_tensor
+    assert single_collective("reduce_scatter_single", "reduce_scatter_tensor") is dist.reduce_scatter_tensor

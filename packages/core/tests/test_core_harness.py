@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_core.testing import DistributedTestError, run_distributed
+from zero_core.testing import DistributedTestError, rank_device, run_distributed
 
 
 def _sum_ranks():
-    t = torch.tensor([float(dist.get_rank())])
+    t = torch.tensor([float(dist.get_rank())], device=rank_device())  # NCCL (one GPU per rank) takes only CUDA tensors
     dist.all_reduce(t)
     return dist.get_rank(), dist.get_world_size(), t.item(), os.environ["WORLD_SIZE"]
 
@@ -49,3 +49,32 @@ def test_a_hanging_rank_is_killed_at_the_timeout():
     with pytest.raises(DistributedTestError, match="did not finish within 5s"):
         run_distributed(_rank0_hangs, 2, timeout=5)
     assert time.monotonic() - start < 30
+
+
+def _what_the_rank_sees():
+    return os.environ["ZERO_TEST_DEVICE"], torch.cuda.is_available(), dist.get_backend(), rank_device().type
+
+
+def test_device_under_test_comes_from_the_environment(monkeypatch):
+    from zero_core.testing import device_under_test
+    from zero_core.testing.distributed import backend_for
+
+    monkeypatch.setenv("ZERO_TEST_DEVICE", "cpu")
+    assert device_under_test() == "cpu"
+    monkeypatch.delenv("ZERO_TEST_DEVICE")
+    assert device_under_test() == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv("ZERO_TEST_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="ZERO_TEST_DEVICE must be"):
+        device_under_test()
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("ZERO_TEST_DEVICE", "cuda")
+        with pytest.raises(RuntimeError, match="torch.cuda.is_available"):
+            device_under_test()
+    # NCCL only with a GPU per rank; ranks sharing GPUs, and every CPU run, use gloo
+    assert [backend_for("cuda", 1, 1), backend_for("cuda", 2, 1), backend_for("cuda", 4, 8), backend_for("cpu", 2, 0)] == [
+        "nccl", "gloo", "nccl", "gloo"]
+
+
+def test_cpu_ranks_do_not_see_the_gpus(monkeypatch):
+    monkeypatch.setenv("ZERO_TEST_DEVICE", "cpu")
+    assert run_distributed(_what_the_rank_sees, 2) == [("cpu", False, "gloo", "cpu")] * 2

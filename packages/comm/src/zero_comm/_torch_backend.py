@@ -25,6 +25,16 @@ __all__ = ["TorchCommBackend"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
+# torch 2.12 added the *_single names and 2.13 deprecates the *_into_tensor ones they replace. The
+# tests run 2.13; the GPU machines zero is measured on run 2.11, where only the old names exist.
+def single_collective(name: str, before_2_12: str) -> Callable[..., Any]:
+    """``torch.distributed``'s function ``name``, or its pre-2.12 spelling where this torch lacks it."""
+    return getattr(dist, name, None) or getattr(dist, before_2_12)
+
+
+_all_gather_single = single_collective("all_gather_single", "all_gather_into_tensor")
+_reduce_scatter_single = single_collective("reduce_scatter_single", "reduce_scatter_tensor")
+
 
 def check_reduce_scatter_sizes(output: torch.Tensor, input: torch.Tensor, world_size: int) -> None:
     """A reduce-scatter's input must hold ``world_size`` outputs; say so when it does not."""
@@ -193,7 +203,7 @@ class TorchCommBackend(CommBackend):
             send.view(self._world, -1).copy_(input.reshape(1, -1).expand(self._world, -1))
             work = dist.all_to_all_single(output, send, group=self.group, async_op=True)
             return self._finish(work, what, send, async_op, timer, then=lambda: pool.give(send))
-        work = dist.all_gather_single(output, input, group=self.group, async_op=True)
+        work = _all_gather_single(output, input, group=self.group, async_op=True)
         return self._finish(work, what, input, async_op, timer)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
@@ -214,7 +224,7 @@ class TorchCommBackend(CommBackend):
                 pool.give(received)
 
             return self._finish(work, what, input, async_op, timer, then=add_up)
-        work = dist.reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return self._finish(work, what, input, async_op, timer)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
@@ -262,13 +272,13 @@ class TorchCommBackend(CommBackend):
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self._control_device)
         lengths = torch.empty(self._world, dtype=torch.int64, device=self._control_device)
         what = f"object all-gather (setup or checkpoint metadata, {data.numel()} bytes)"
-        work = dist.all_gather_single(lengths, torch.tensor([data.numel()], device=self._control_device),
+        work = _all_gather_single(lengths, torch.tensor([data.numel()], device=self._control_device),
                                       group=self.group, async_op=True)
         self._wait(work, what)
         width = int(lengths.max().item())
         padded = torch.zeros(width, dtype=torch.uint8, device=self._control_device)
         padded[: data.numel()] = data
         out = torch.empty(width * self._world, dtype=torch.uint8, device=self._control_device)
-        self._complete(dist.all_gather_single(out, padded, group=self.group, async_op=True), what, timer)
+        self._complete(_all_gather_single(out, padded, group=self.group, async_op=True), what, timer)
         rows = out.view(self._world, width).cpu()
         return [pickle.loads(rows[r, : int(n)].numpy().tobytes()) for r, n in enumerate(lengths.tolist())]

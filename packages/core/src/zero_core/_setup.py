@@ -158,8 +158,11 @@ def first_use_order(model: nn.Module, params: Sequence[ParamInfo], example_input
                 seen.add(id(p))
                 order.append(index[id(p)])
 
-    if meta:  # a lazily built model runs on meta tensors: shapes only, no memory
-        example_inputs = tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, example_inputs)
+    # The model is not on the compute device yet (shard() moves it after choosing the order), while the
+    # example is usually a batch already there; a lazily built model runs on meta tensors: shapes only.
+    where = torch.device("meta") if meta else next((p.param.device for p in params), None)
+    if where is not None:
+        example_inputs = tree_map(lambda v: v.to(where) if isinstance(v, torch.Tensor) else v, example_inputs)
     handles = [m.register_forward_pre_hook(record) for m in model.modules()]
     try:
         with torch.no_grad():

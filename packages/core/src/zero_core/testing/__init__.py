@@ -7,7 +7,7 @@ from zero_core.testing.conformance import (
     PlacementPolicyConformance,
     ShardStrategyConformance,
 )
-from zero_core.testing.distributed import DistributedTestError, run_distributed
+from zero_core.testing.distributed import DistributedTestError, device_under_test, rank_device, run_distributed
 from zero_core.testing.parity import (
     RunResult,
     assert_parity,
@@ -28,8 +28,10 @@ __all__ = [
     "RunResult",
     "ZooCase",
     "assert_parity",
+    "device_under_test",
     "get_case",
     "make_optimizer",
+    "rank_device",
     "run_distributed",
     "train_reference",
     "train_sharded",

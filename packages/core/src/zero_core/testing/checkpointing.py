@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core import ZeroConfig, lazy_init, load_checkpoint, save_checkpoint, shard
+from zero_core.testing.distributed import device_under_test
 from zero_core.testing.parity import SEED, make_optimizer
 from zero_core.testing.zoo import ZooCase, get_case
 
@@ -46,7 +47,7 @@ def build(case: ZooCase | str, config: ZeroConfig, *, lazy: bool = False, load_f
         from torch.distributed.device_mesh import init_device_mesh
 
         names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
-        mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
+        mesh = init_device_mesh(device_under_test(), tuple(mesh_shape), mesh_dim_names=names)
     return shard(model, make_optimizer(case, model, optimizer), config=config, load_from=load_from,
                  load_strict=load_strict, plugins=plugins, mesh=mesh)
 
@@ -61,7 +62,8 @@ def train_steps(model: Any, opt: torch.optim.Optimizer, case: ZooCase, start: in
         opt.zero_grad(set_to_none=True)
         inputs, targets = case.batch(step, batch_size)
         part = slice(rank * local, (rank + 1) * local)
-        loss = case.loss(model(inputs[part]), targets[part])
+        device = model.engine.device  # the device under test, see [Note: the device under test]
+        loss = case.loss(model(inputs[part].to(device)), targets[part].to(device))
         model.backward(loss)
         opt.step()
         reported = loss.detach().float().clone()
@@ -99,7 +101,8 @@ def phase(case_name: str, config: ZeroConfig, directory: str, *, mode: str, k: i
         else:
             raise ValueError(f"mode must be straight, save or load, got {mode!r}")
         scale = model.loss_scaler.scale if model.loss_scaler is not None else None
-        return {"losses": losses, "params": model.full_parameters(), "extra": loaded, "step": model.engine.step_count,
+        params = {name: value.cpu() for name, value in model.full_parameters().items()}
+        return {"losses": losses, "params": params, "extra": loaded, "step": model.engine.step_count,
                 "scale": scale, "rng": torch.random.get_rng_state()}
     finally:
         model.close()

@@ -1,14 +1,25 @@
-"""Run a function on N gloo ranks in separate processes, with a timeout.
+"""Run a function on N ranks in separate processes, with a timeout.
 
 ``run_distributed(fn, world_size, *args)`` starts one process per rank (forked from a
 forkserver that has already imported torch, so a start costs well under a second),
-joins them into a gloo process group through a file rendezvous, runs ``fn`` on each
+joins them into a process group through a file rendezvous, runs ``fn`` on each
 and returns the per-rank results. If any rank raises, the others get a short grace
 period and are then killed, and :class:`DistributedTestError` carries every failing
 rank's traceback. Nothing waits longer than ``timeout``.
 
 ``fn`` must be importable by name (a module-level function in an installed module),
 because the ranks are separate processes.
+
+[Note: the device under test]
+``ZERO_TEST_DEVICE`` picks the device the ranks compute on: ``cpu``, ``cuda``, or ``auto``
+(the default: ``cuda`` where torch sees a GPU). On ``cpu`` the ranks do not see the GPUs
+at all (``CUDA_VISIBLE_DEVICES`` is emptied), so zero's own default device is the CPU too.
+On ``cuda`` rank r uses GPU ``r mod count``; the process group is NCCL when there are as
+many GPUs as ranks, else gloo, which moves CUDA tensors through host memory for the
+collectives it supports on them (see :func:`backend_for`). Tests put their inputs on
+:func:`rank_device` and compare values on the CPU. CUDA ranks run with
+``torch.use_deterministic_algorithms``: the tests that resume a checkpoint compare bits, and
+CUDA's default embedding backward adds with atomics in any order.
 """
 
 from __future__ import annotations
@@ -24,13 +35,41 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["DistributedTestError", "run_distributed", "threads_per_rank"]
+__all__ = ["DistributedTestError", "backend_for", "device_under_test", "rank_device", "run_distributed", "threads_per_rank"]
 
 _PRELOAD = ["torch", "torch.distributed", "zero_core"]
 
 
 class DistributedTestError(AssertionError):
     """One or more ranks failed, died or did not finish in time."""
+
+
+def device_under_test() -> str:
+    """``"cpu"`` or ``"cuda"``: see [Note: the device under test]."""
+    wanted = os.environ.get("ZERO_TEST_DEVICE", "auto").strip().lower() or "auto"
+    if wanted not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"ZERO_TEST_DEVICE must be 'auto', 'cpu' or 'cuda', got {wanted!r}")
+    import torch
+
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("ZERO_TEST_DEVICE=cuda but torch.cuda.is_available() is False; unset it or use 'cpu'")
+    if wanted == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return wanted
+
+
+def rank_device() -> Any:
+    """This rank's ``torch.device``: its GPU when the device under test is CUDA, else the CPU."""
+    import torch
+
+    if device_under_test() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend_for(device: str, world_size: int, gpus: int) -> str:
+    """NCCL needs a GPU of its own per rank; with fewer GPUs the ranks share them over gloo."""
+    return "nccl" if device == "cuda" and world_size <= gpus else "gloo"
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -45,16 +84,25 @@ def _context() -> multiprocessing.context.BaseContext:
 
 
 def _rank_main(
-    fn: Callable[..., Any], rank: int, world_size: int, init_file: str, backend: str, timeout: float,
-    threads: int, env: dict[str, str], results: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+    fn: Callable[..., Any], rank: int, world_size: int, init_file: str, backend: str | None, device: str,
+    timeout: float, threads: int, env: dict[str, str], results: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 ) -> None:
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), ZERO_TEST_DEVICE=device)
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read at CUDA's first use, which has not happened in this process
+    else:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     try:
+        if device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        if backend is None:
+            backend = backend_for(device, world_size, torch.cuda.device_count() if device == "cuda" else 0)
         dist.init_process_group(
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout),
@@ -79,7 +127,7 @@ def run_distributed(
     *args: Any,
     timeout: float = 180.0,
     grace: float = 5.0,
-    backend: str = "gloo",
+    backend: str | None = None,
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
@@ -88,11 +136,14 @@ def run_distributed(
     Args:
         timeout: Seconds for the whole run; also the process group's collective timeout.
         grace: Seconds the other ranks get to finish once one rank has failed.
+        backend: The process group's backend; ``None`` picks it from the device under test
+            (:func:`backend_for`).
         env: Extra environment variables for the ranks.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = _context()
+    device = device_under_test()
     threads = threads_per_rank(world_size)
     results = ctx.Queue()
     done: dict[int, Any] = {}
@@ -102,7 +153,7 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, init_file, backend, timeout, threads, dict(env or {}), results, args, kwargs),
+                args=(fn, rank, world_size, init_file, backend, device, timeout, threads, dict(env or {}), results, args, kwargs),
                 daemon=True,
             )
             for rank in range(world_size)

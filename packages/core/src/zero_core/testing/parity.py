@@ -36,9 +36,10 @@ import torch.distributed as dist
 
 from zero_core._clip import clip_grad_norm_
 from zero_core._scaler import LossScaler
+from zero_core._setup import resolve_device
 from zero_core._shard import shard
 from zero_core.api import ChunkPolicy, Precision, ZeroConfig
-from zero_core.testing.distributed import threads_per_rank
+from zero_core.testing.distributed import device_under_test, rank_device, threads_per_rank
 from zero_core.testing.zoo import ZooCase, get_case
 
 __all__ = ["RunResult", "assert_parity", "make_optimizer", "train_reference", "train_sharded", "train_zoo_sharded"]
@@ -114,19 +115,20 @@ def train_reference(case_name: str, *, steps: int = 4, batch_size: int = 8, opti
         finally:
             torch.set_num_threads(threads)
     case = get_case(case_name)
-    model = _build(case)
+    device = rank_device()  # where the ranks compute: kernels, and 16-bit rounding, differ by device
+    model = _build(case).to(device)
     opt = make_optimizer(case, model, optimizer, lr)
     losses, norms = [], []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        inputs, targets = case.batch(step, batch_size)
+        inputs, targets = (t.to(device) for t in case.batch(step, batch_size))
         loss = case.loss(model(inputs), targets)
         loss.backward()
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type).item())
         opt.step()
         losses.append(loss.item())
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return RunResult(losses, params, norms=norms)
 
 
@@ -135,7 +137,8 @@ def _train_reference_16bit(case_name: str, *, steps: int, batch_size: int, optim
     case = get_case(case_name)
     compute, reduce = precision.compute, precision.reduce
     assert isinstance(compute, torch.dtype) and isinstance(reduce, torch.dtype)
-    master = _build(case)
+    device = rank_device()  # where the ranks compute: kernels, and 16-bit rounding, differ by device
+    master = _build(case).to(device)
     opt = make_optimizer(case, master, optimizer, lr)
     replicas = [copy.deepcopy(master).to(compute) for _ in range(world)]
     scaler = LossScaler(precision.loss_scale) if precision.loss_scale is not None else None
@@ -144,9 +147,9 @@ def _train_reference_16bit(case_name: str, *, steps: int, batch_size: int, optim
     losses, norms, scales = [], [], []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        inputs, targets = case.batch(step, batch_size)
+        inputs, targets = (t.to(device) for t in case.batch(step, batch_size))
         scale = scaler.scale if scaler is not None else 1.0
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=device)
         for rank, replica in enumerate(replicas):
             with torch.no_grad():
                 for (_, p), q in zip(master.named_parameters(), replica.parameters()):
@@ -179,7 +182,7 @@ def _train_reference_16bit(case_name: str, *, steps: int, batch_size: int, optim
             scaler.update(overflow)
         opt.step()
         losses.append((loss_sum / world).item())
-    params = {n: p.detach().clone() for n, p in master.named_parameters()}
+    params = {n: p.detach().cpu().clone() for n, p in master.named_parameters()}
     return RunResult(losses, params, norms=norms, scales=scales)
 
 
@@ -206,7 +209,8 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         raise ValueError(f"global batch {batch_size} must divide evenly over {world} ranks")
     local = batch_size // world
     model = _build(case)
-    example = case.batch(0, batch_size)[0][:local] if config.chunk.param_order == "first_use" else None
+    device = resolve_device(config)
+    example = case.batch(0, batch_size)[0][:local].to(device) if config.chunk.param_order == "first_use" else None
     meshes = {}
     if mesh_shape is not None:
         meshes["mesh"] = _device_mesh(mesh_shape)
@@ -221,8 +225,9 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         inputs, targets = case.batch(step, batch_size)
-        inputs, targets = inputs[rank * local:(rank + 1) * local], targets[rank * local:(rank + 1) * local]
-        loss = torch.zeros(())
+        inputs = inputs[rank * local:(rank + 1) * local].to(device)
+        targets = targets[rank * local:(rank + 1) * local].to(device)
+        loss = torch.zeros((), device=device)
         for m in range(micro_batches):
             part = slice(m * micro, (m + 1) * micro)
             context = model.no_sync() if no_sync and m < micro_batches - 1 else contextlib.nullcontext()
@@ -243,7 +248,7 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
     engine = model.engine
     result = RunResult(
         losses=losses,
-        params=model.full_parameters(),
+        params={name: value.cpu() for name, value in model.full_parameters().items()},
         step_stats=[engine.comm.stats.summary(s) for s in engine.comm.stats.steps],
         model_state_bytes=model.model_state_bytes(),
         chunks=[{"size": c.size, "used": c.used, "requires_grad": c.requires_grad, "params": len(c.slots),
@@ -268,7 +273,7 @@ def _device_mesh(shape: tuple[int, ...]) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
+    return init_device_mesh(device_under_test(), tuple(shape), mesh_dim_names=names)
 
 
 def train_zoo_sharded(cases: list[str], *, config: ZeroConfig | None = None, **kwargs: Any) -> dict[str, RunResult]:

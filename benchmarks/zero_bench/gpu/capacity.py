@@ -1,0 +1,473 @@
+"""The largest GPT each system trains for 3 steps under one device budget, found by bisection over depth.
+
+Systems: plain PyTorch, FSDP2 with ``CPUOffloadPolicy``, and zero with the ``gemini``
+placement, without and with its disk tier. Each one's depth is searched 1, 2, 4, ... until
+an attempt runs out of memory, then bisected between the last fit and the first failure,
+within its share of the section's time. At the largest fitting depth the row records
+tokens/s, the allocator's peaks, the bytes copied between host and device per step (and
+their rate, which the driver sets against its measured copy bandwidth), and for zero the
+bytes the placement report says its tier moves took per step.
+
+``run_capacity(dry_run=True)`` runs every code path on the CPU with a tiny model and a
+stand-in budget (a depth fits if its parameter count is at most 3 layers' worth), so the
+section cannot rot while no GPU is at hand.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zero_core import ChunkPolicy, Precision, ZeroConfig, shard
+from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
+from zero_offload import GeminiConfig, TierBudgetError
+
+STEPS = 3
+FULL_SHAPE = {"vocab_size": 50257, "seq_len": 1024, "d_model": 2048, "n_head": 16}
+FULL_BATCH = 4
+DRY_SHAPE = {"vocab_size": 256, "seq_len": 32, "d_model": 64, "n_head": 4}
+DRY_BATCH = 2
+DRY_FIT_LAYERS = 3  # the dry run's stand-in budget: what this many layers take
+MAX_DEPTH = 1024  # the exponential search stops here even if everything fits
+HOST_SHARE = 0.5  # of physical RAM: attempts estimated above it are not made, and zero's host tier is capped at it
+GEMINI_MARGIN = 0.1  # of the budget, kept out of gemini's plan for fragmentation and cuBLAS workspaces
+DISK_SHARE = 0.5  # of the free space where the disk tier lives
+LR = 3e-4
+
+
+@dataclass
+class Trainer:
+    """One built system: a training step on a batch of tokens, a close that frees what it holds, and
+    zero's placement report where there is one."""
+
+    step: Callable[[torch.Tensor], None]
+    close: Callable[[], None]
+    placement_report: Callable[[], dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class Env:
+    """What every attempt of the section shares."""
+
+    device: torch.device
+    dry_run: bool
+    budget_gib: float
+    shape: dict[str, int]
+    batch: int
+    host_cap: int  # bytes
+    disk_dir: str
+    disk_budget: int  # bytes
+
+    def config(self, depth: int) -> GPTConfig:
+        # activation checkpointing keeps activations small, so the model states decide the depth
+        return GPTConfig(n_layer=depth, checkpoint=True, **self.shape)
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    what: str  # for the method paragraph
+    # Host bytes per parameter nothing else bounds: attempts whose estimate passes Env.host_cap are not made,
+    # because a host that runs out kills the whole report, not just the attempt.
+    host_bytes_per_param: int
+    build: Callable[[GPT, Env], Trainer]
+
+
+@dataclass
+class Attempt:
+    depth: int
+    status: str  # "fit", "oom" or "error: ..."
+    detail: str = ""  # for a non-fit: where it stopped and why
+    seconds: float = 0.0  # wall time of the whole attempt; 0 when it was not made
+    measured: dict[str, Any] = field(default_factory=dict)
+
+
+# -- the systems ----------------------------------------------------------------------------------------
+def _build_plain(model: GPT, env: Env) -> Trainer:
+    model.to(env.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+
+    def step(tokens: torch.Tensor) -> None:
+        with torch.autocast(env.device.type, dtype=torch.bfloat16):
+            loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Trainer(step, opt.state.clear)
+
+
+def _build_fsdp2(model: GPT, env: Env) -> Trainer:
+    options = {
+        "mesh": init_device_mesh(env.device.type, (1,)),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        "offload_policy": CPUOffloadPolicy(pin_memory=env.device.type == "cuda"),
+    }
+    for block in model.blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+
+    def step(tokens: torch.Tensor) -> None:
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Trainer(step, opt.state.clear)
+
+
+def _zero_builder(*, disk: bool) -> Callable[[GPT, Env], Trainer]:
+    def build(model: GPT, env: Env) -> Trainer:
+        options = GeminiConfig(
+            device_budget_mb=env.budget_gib * 1024 * (1 - GEMINI_MARGIN),
+            host_budget_mb=env.host_cap / 2**20,
+            disk_dir=env.disk_dir if disk else None,
+            disk_budget_mb=env.disk_budget / 2**20 if disk else None,
+        )
+        config = ZeroConfig(strategy="chunk", stage=3, precision=Precision(compute="bf16"),
+                            chunk=ChunkPolicy(search_interval=env.shape["d_model"]),
+                            placement="gemini", placement_options=options)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+        zmodel, zopt = shard(model, opt, config=config)
+
+        def step(tokens: torch.Tensor) -> None:
+            loss = lm_loss(zmodel(tokens), tokens)
+            zmodel.backward(loss)
+            zopt.step()
+            zopt.zero_grad(set_to_none=True)
+
+        def close() -> None:
+            zmodel.close()  # removes the disk tier's files too
+            zopt.state.clear()
+
+        return Trainer(step, close, zmodel.engine.placement.report)
+
+    return build
+
+
+SYSTEMS = (
+    System("torch", "plain PyTorch: the model on the device, `torch.autocast(bf16)`, fused AdamW", 4, _build_plain),
+    # fp32 parameters, gradients and AdamW's two states on the host, plus the CPU-built copy while it is sharded
+    System("fsdp2-offload", "FSDP2: `fully_shard` per block and the root, `CPUOffloadPolicy(pin_memory=True on CUDA)`, "
+           "`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, fused AdamW (steps on the host)",
+           20, _build_fsdp2),
+    # only the CPU-built model: gemini's host tier is bounded by its own host_budget_mb
+    System("zero-gemini", "zero: `ZeroConfig(strategy='chunk', stage=3, Precision(compute='bf16'), placement='gemini')`, "
+           "`GeminiConfig` with the budgets above and defaults otherwise (margin_ratio=0: optimizer states step on the host), "
+           "fused AdamW",
+           4, _zero_builder(disk=False)),
+    System("zero-gemini-disk", "as zero-gemini, with the disk tier (`disk_dir`): past the host budget, "
+           "master shards and optimizer states go to disk", 4, _zero_builder(disk=True)),
+)
+
+
+# -- one attempt -------------------------------------------------------------------------------------------
+class CopyCounter(TorchDispatchMode):
+    """Bytes every operator copies between the host and another device, as they cross the link."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h2d = 0
+        self.d2h = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        aten = torch.ops.aten
+        if func is aten._to_copy.default:
+            self._count(args[0], out, kwargs.get("non_blocking", False))
+        elif func is aten.copy_.default or func is aten._foreach_copy_.default:
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            pairs = zip(args[0], args[1]) if func is aten._foreach_copy_.default else [(args[0], args[1])]
+            for dst, src in pairs:
+                self._count(src, dst, non_blocking)
+        return out
+
+    def _count(self, src: Any, dst: Any, non_blocking: bool) -> None:
+        if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)) or src.device.type == dst.device.type:
+            return
+        # A copy that also converts the dtype converts on the device when non-blocking and on the host when
+        # blocking (torch's copy_kernel_cuda): converted on the source's side, the destination's dtype crosses.
+        converted_before = (src.device.type == "cpu") != non_blocking
+        nbytes = dst.numel() * (dst.element_size() if converted_before else src.element_size())
+        if dst.device.type == "cpu":
+            self.d2h += nbytes
+        elif src.device.type == "cpu":
+            self.h2d += nbytes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) says the attempt did not fit: the allocator, a CUDA library that
+    could not allocate, or a zero tier that refused the model (gemini's DeviceBudgetError is a TierBudgetError)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current).lower()
+        if isinstance(current, (torch.OutOfMemoryError, TierBudgetError)) or "out of memory" in text or "alloc_failed" in text:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _refusal(system: System, env: Env, params: int) -> str | None:
+    """Why a depth is judged not to fit without being attempted, if it is."""
+    if env.dry_run:
+        limit = env.config(DRY_FIT_LAYERS).num_params
+        if params > limit:
+            return f"stand-in budget: {params:,} parameters > {limit:,} ({DRY_FIT_LAYERS} layers)"
+    host = system.host_bytes_per_param * params
+    if host > env.host_cap:
+        return f"not attempted: ~{host / 2**30:.1f} GiB of host memory estimated, over the cap of {env.host_cap / 2**30:.1f} GiB"
+    return None
+
+
+def _attempt(system: System, env: Env, depth: int) -> Attempt:
+    cfg = env.config(depth)
+    refusal = _refusal(system, env, cfg.num_params)
+    if refusal is not None:
+        return Attempt(depth, "oom", refusal)
+    device = env.device
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, env.budget_gib * 2**30 / total), device)
+        torch.cuda.reset_peak_memory_stats(device)
+    data = SyntheticTokens(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    start = time.perf_counter()
+    measured: dict[str, Any] = {}
+    trainer: Trainer | None = None
+    phase = "build"
+    try:
+        torch.manual_seed(0)
+        model = GPT(cfg)  # fp32 on the CPU; each system moves or shards it as it would
+        measured["build_s"] = round(time.perf_counter() - start, 2)
+        phase = "setup"
+        t0 = time.perf_counter()
+        trainer = system.build(model, env)
+        del model  # the trainer holds what it still needs
+        measured["setup_s"] = round(time.perf_counter() - t0, 2)
+        tokens = [data.batch(i, env.batch).to(device) for i in range(STEPS + 1)]
+        times = []
+        for i in range(STEPS):
+            phase = f"step {i + 1}"
+            if i == 1 and trainer.placement_report is not None:
+                before = trainer.placement_report()
+            _sync(device)
+            t0 = time.perf_counter()
+            trainer.step(tokens[i])
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times[1:])  # the first step warms up (gemini traces it)
+        measured.update({"step_s": [round(t, 4) for t in times],
+                         "tokens_per_s": round(env.batch * cfg.seq_len / step_s, 1)})
+        if device.type == "cuda":
+            measured["peak_alloc_MiB"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+            measured["peak_reserved_MiB"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
+        if trainer.placement_report is not None:
+            measured.update(_placement_per_step(before, trainer.placement_report(), STEPS - 1))
+    except Exception as err:  # noqa: BLE001 - an attempt that fails is a row's data, not the section's end
+        status = "oom" if _out_of_memory(err) else f"error: {type(err).__name__}: {str(err)[:300]}"
+        return Attempt(depth, status, f"{phase}: {type(err).__name__}: {str(err)[:300]}", time.perf_counter() - start, measured)
+    else:
+        measured.update(_count_copies(trainer, tokens[STEPS], device, step_s))
+        return Attempt(depth, "fit", seconds=time.perf_counter() - start, measured=measured)
+    finally:
+        if trainer is not None:
+            try:
+                trainer.close()
+            except Exception as err:  # noqa: BLE001 - after a failed step a close may fail too; the next attempt is clean anyway
+                measured["close_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+
+
+def _count_copies(trainer: Trainer, tokens: torch.Tensor, device: torch.device, step_s: float) -> dict[str, Any]:
+    """One more step, untimed, with every host<->device copy counted (the counting costs Python time per operator)."""
+    counter = CopyCounter()
+    try:
+        with counter:
+            trainer.step(tokens)
+        _sync(device)
+    except Exception as err:  # noqa: BLE001 - the depth fit in 3 steps; only this figure is lost
+        return {"copy_count_error": f"{type(err).__name__}: {str(err)[:200]}"}
+    return {"h2d_MiB_per_step": round(counter.h2d / 2**20, 1), "d2h_MiB_per_step": round(counter.d2h / 2**20, 1),
+            # on the CPU the device is the host: there is no link to measure
+            "offload_GBps": None if device.type == "cpu" else round((counter.h2d + counter.d2h) / step_s / 1e9, 2)}
+
+
+def _placement_per_step(before: dict[str, Any], after: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Tier moves (master shards, gradients, optimizer states) and disk traffic per step, from the report's counters."""
+    moved = {part: round((after["bytes_moved"][part] - before["bytes_moved"][part]) / steps / 2**20, 1)
+             for part in after["bytes_moved"]}
+    disk = {kind: round((after[f"disk_bytes_{kind}"] - before[f"disk_bytes_{kind}"]) / steps / 2**20, 1)
+            for kind in ("read", "written")}
+    return {"tier_moves_MiB_per_step": moved, "disk_MiB_per_step": disk}
+
+
+# -- the search ----------------------------------------------------------------------------------------------
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        # pinned host blocks stay cached otherwise, and the next, deeper attempt pins more
+        empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)  # absent before torch 2.13
+        if empty_host_cache is not None:
+            empty_host_cache()
+
+
+def _empty_row(system: System) -> dict[str, Any]:
+    return {"name": system.name, "what": system.what, "largest_depth": None, "params": None, "tokens_per_s": None,
+            "peak_alloc_MiB": None, "peak_reserved_MiB": None, "tried": [], "capped_by_time": False,
+            "offload_GBps": None, "error": None, "limit": None}
+
+
+def _search(system: System, env: Env, until: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """Exponential search up from depth 1, then bisection between the largest fit and the smallest failure."""
+    row = _empty_row(system)
+    best: Attempt | None = None
+    smallest_failure: Attempt | None = None
+    seconds_per_param = 0.0  # of the last fit, to tell whether the next attempt ends in time
+    while True:
+        if smallest_failure is None:
+            depth = 1 if best is None else 2 * best.depth
+            if depth > MAX_DEPTH:
+                row["limit"] = f"every depth up to {MAX_DEPTH} fit (the search stops there)"
+                break
+        else:
+            low = best.depth if best is not None else 0
+            if smallest_failure.depth - low <= 1:
+                break
+            depth = (low + smallest_failure.depth) // 2
+        if time.perf_counter() + seconds_per_param * env.config(depth).num_params > until:
+            row["capped_by_time"] = True
+            break
+        attempt = _attempt(system, env, depth)
+        _release(env.device)
+        row["tried"].append([depth, attempt.status])
+        log(f"capacity {system.name} depth {depth}: {attempt.status} in {attempt.seconds:.1f} s"
+            + (f" ({attempt.measured['tokens_per_s']} tokens/s)" if attempt.status == "fit" else f" ({attempt.detail})"))
+        if attempt.status == "fit":
+            best = attempt
+            seconds_per_param = attempt.seconds / env.config(depth).num_params
+        elif attempt.status == "oom":
+            smallest_failure = attempt
+        else:
+            row["error"] = attempt.detail
+            break
+    if smallest_failure is not None:
+        row["limit"] = f"depth {smallest_failure.depth}: {smallest_failure.detail}"
+    if best is not None:
+        row.update({"largest_depth": best.depth, "params": env.config(best.depth).num_params, **best.measured})
+    return row
+
+
+def run_capacity(*, device: torch.device, dry_run: bool, budget_gib: float, deadline_s: float,
+                 log: Callable[[str], None]) -> dict[str, Any]:
+    """Search each system's largest depth within an equal share of ``deadline_s`` (time a system leaves unused
+    goes to the ones after it). Never raises: a system that fails says so in its row."""
+    start = time.perf_counter()
+    shape, batch = (DRY_SHAPE, DRY_BATCH) if dry_run else (FULL_SHAPE, FULL_BATCH)
+    result: dict[str, Any] = {"budget_gib": budget_gib, "dry_run": dry_run, "device": str(device),
+                              "shape": {**shape, "batch": batch, "steps": STEPS, "activation_checkpointing": True,
+                                        "compute": "bf16", "master": "fp32", "optimizer": "AdamW"},
+                              "systems": []}
+    disk_dir = None
+    try:
+        # /var/tmp is on disk where /tmp may be memory (tmpfs), which the disk tier would only take from the host
+        disk_dir = tempfile.mkdtemp(prefix="zero-capacity-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+        env = Env(device=device, dry_run=dry_run, budget_gib=budget_gib, shape=shape, batch=batch,
+                  host_cap=int(HOST_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+                  disk_dir=disk_dir, disk_budget=int(DISK_SHARE * shutil.disk_usage(disk_dir).free))
+        result.update({"host_cap_GiB": round(env.host_cap / 2**30, 1), "disk_budget_GiB": round(env.disk_budget / 2**30, 1),
+                       "gemini_device_budget_MiB": round(budget_gib * 1024 * (1 - GEMINI_MARGIN), 1)})
+        for index, system in enumerate(SYSTEMS):
+            left = deadline_s - (time.perf_counter() - start)
+            until = time.perf_counter() + left / (len(SYSTEMS) - index)
+            try:
+                result["systems"].append(_search(system, env, until, log))
+            except Exception as err:  # noqa: BLE001 - fail soft: the other systems still run
+                result["systems"].append({**_empty_row(system), "error": f"{type(err).__name__}: {err}"})
+                _release(device)
+    except Exception as err:  # noqa: BLE001 - fail soft: the report says why the section has no rows
+        result["error"] = f"{type(err).__name__}: {err}"
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        if disk_dir is not None:
+            shutil.rmtree(disk_dir, ignore_errors=True)
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+# -- the report ----------------------------------------------------------------------------------------------
+def _cell(value: Any) -> str:
+    return "n/a" if value is None else str(value)
+
+
+def render_capacity(result: dict[str, Any]) -> list[str]:
+    """The section's heading, its method, and one row per system. Reads ``pinned_H2D_GBps`` when the driver
+    has added its measured pinned host-to-device bandwidth, for the share of it the copies reach."""
+    shape = result["shape"]
+    pinned = result.get("pinned_H2D_GBps")
+    lines = [
+        "\n## Largest model under one device budget\n",
+        f"The deepest GPT each system trains for {shape['steps']} steps under {result['budget_gib']} GiB of device memory "
+        "(`torch.cuda.set_per_process_memory_fraction`, set before every attempt; gemini plans under "
+        f"{result.get('gemini_device_budget_MiB')} MiB, {GEMINI_MARGIN:.0%} less). Shape: d_model {shape['d_model']}, "
+        f"{shape['n_head']} heads, sequence {shape['seq_len']}, vocabulary {shape['vocab_size']}, batch {shape['batch']}, "
+        "activation checkpointing on every block (so the model states decide the depth), bf16 compute, fp32 master "
+        "parameters, AdamW; built in fp32 on the CPU, then moved or sharded by each system. Depths 1, 2, 4, ... until "
+        "one runs out of memory (the allocator, or a zero tier refusing the model), then bisection; each system has "
+        "an equal share of the section's time and starts no attempt that would overrun it (\"capped by time\"). "
+        f"Attempts estimated past {result.get('host_cap_GiB')} GiB of host memory (half the RAM; zero's host tier is "
+        "capped there too) are not made.",
+        "",
+        "- tokens/s and step s: the median of steps 2 and 3; peaks: the allocator's over build, setup and steps.",
+        "- host<->device GB/s: bytes copied between host and device, both directions, counted per operator on a 4th "
+        "step, over the median step time"
+        + (f"; share: of the pinned host-to-device bandwidth above ({pinned} GB/s)." if pinned else "."),
+        "- tier moves: what gemini's report counts as moved between tiers per step (master shards, gradients, optimizer "
+        "states). Gathers reading host-resident shards and the reduced gradients going down are not in it (they are in "
+        "the copy count), and a shard moved back to its kept pinned copy counts without being copied.",
+        "",
+        *(f"- {row['name']}: {row['what']}" for row in result["systems"]),
+        "",
+    ]
+    if result["dry_run"]:
+        lines += ["**Dry run (CPU): the budget is a stand-in.** The CPU has no allocator cap, so a depth fits iff its "
+                  f"parameter count is at most {DRY_FIT_LAYERS} layers' worth; the device is the host, so there are no "
+                  "peaks and no link to measure. This checks the code path; the numbers mean nothing.", ""]
+    if result.get("error"):
+        lines += [f"**ERROR** `{result['error']}`", ""]
+    header = ["system", "largest depth", "params (M)", "tokens/s", "step s", "peak alloc MiB", "peak reserved MiB",
+              "host<->device GB/s", "share", "tier moves MiB/step", "depths tried", "what stopped it"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in result["systems"]:
+        params, step_s, moves, rate = row.get("params"), row.get("step_s"), row.get("tier_moves_MiB_per_step"), row.get("offload_GBps")
+        stopped = [text for text in (row.get("error") and f"error: {row['error']}", row.get("limit"),
+                                     row.get("capped_by_time") and "capped by time") if text]
+        cells = [row["name"], row.get("largest_depth"), None if params is None else round(params / 1e6, 1),
+                 row.get("tokens_per_s"), None if step_s is None else round(statistics.median(step_s[1:]), 3),
+                 row.get("peak_alloc_MiB"), row.get("peak_reserved_MiB"), rate,
+                 f"{rate / pinned:.0%}" if rate is not None and pinned else None,
+                 None if moves is None else round(sum(moves.values()), 1),
+                 " ".join(f"{depth}:{status.split(':')[0]}" for depth, status in row.get("tried", [])),
+                 "; ".join(stopped).replace("|", "/").replace("\n", " ")]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return lines

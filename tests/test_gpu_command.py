@@ -1,0 +1,42 @@
+"""``nox -s gpu``'s driver, end to end on the CPU (``--dry-run``), so that it cannot rot while no GPU is at hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]))
+
+
+def test_dry_run_writes_every_section(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zero_bench.gpu", "--dry-run", "--out", str(tmp_path), "--root", str(ROOT)],
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = (tmp_path / "report.md").read_text()
+    for heading in ("## Environment", "## Host <-> device copy bandwidth", "## gloo collectives on the device under test",
+                    "## Training: GPT-2-medium shape", "## The test suite on the device under test",
+                    "## Largest model under one device budget"):
+        assert heading in report, heading
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["errors"] == [], results["errors"]
+    sections = results["sections"]
+    assert set(sections["gloo collectives"]["results"].values()) == {"ok"}
+    training = sections["training"]["systems"]
+    reference = training["torch-bf16-recipe"]["losses"]
+    for name in ("fsdp2", "zero-chunk-s2", "zero-chunk-s3", "zero-tensor-s2", "zero-tensor-s3", "zero-chunk-s3-gemini"):
+        assert training[name]["losses"] == reference, name  # world size 1, the same recipe: the same numbers
+    (harness,) = sections["cuda tests"]["files"].values()
+    assert harness["tests"] > 0 and harness["failures"] == harness["errors"] == 0
+    assert all(s.get("error") is None and s["largest_depth"] > 0 for s in sections["capacity"]["systems"])
+
+
+def test_without_a_gpu_it_says_how_to_check_the_command(tmp_path):
+    if __import__("torch").cuda.is_available():
+        return  # on a GPU machine the real run is the default
+    proc = subprocess.run([sys.executable, "-m", "zero_bench.gpu", "--out", str(tmp_path)], env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--dry-run" in proc.stderr
