@@ -39,8 +39,8 @@ def padding_on_rank(chunk, rank, world):
     return chunk["size"] // world - chunk["real"][rank]
 
 
-# See [Note: lockstep rounds]: one flag all-reduce of a 12-byte tag and its complement per communicating phase.
-LOCKSTEP_BYTES = 2 * 12 + 1  # a 12-byte tag and its complement, and the written-parameters flag
+# See [Note: lockstep rounds]: one MAX all-reduce of a tagged control message per communicating phase.
+LOCKSTEP_BYTES = 2 * 8  # two int64 words: the tag and payload, the complemented tag
 LOCKSTEP_ROUNDS_STAGES_1_2 = 2  # the backward, the optimizer step
 LOCKSTEP_ROUNDS_STAGE_3 = 3  # and the forward, which gathers
 

@@ -8,7 +8,9 @@ gradient clipping, freezing and unfreezing a parameter, saving and loading a che
 writes outside the registered optimizer (a second optimizer's step, ``nn.init`` on a layer,
 an in-place clamp, an EMA copied into the model), a gradient penalty (``autograd.grad`` with
 ``create_graph`` before the backward), a ``copy.deepcopy`` of the state dict restored later,
-and an exception injected in forward, in backward or in the optimizer step. After every action every parameter
+and an exception injected in forward, in backward or in the optimizer step. Every sequence
+ends with a forward that raises on one rank only, which skips its batch: every rank must then
+raise ``RanksOutOfStepError`` instead of averaging different batches or aborting. After every action every parameter
 must equal the plain model's (fp32, 1e-5 of each tensor's largest magnitude), and every
 loss the plain loss. A rule-based generator keeps the sequence meaningful (no
 checkpoint while gradients are pending, no clipping of a half-accumulated window); a
@@ -106,6 +108,8 @@ def generate(seed: int, n: int) -> list[str]:
             grads = action.endswith("zeros") and grads  # zeroed gradients still count as present
             window = False
         actions.append(action)
+    # Ends every sequence: after it the ranks are out of step for good (see drive).
+    actions[-1] = "one_rank_skip"
     return actions
 
 
@@ -255,6 +259,17 @@ def drive(actions: list[str], *, stage: int, strategy: str, directory: str) -> i
             with pytest.raises(Boom):
                 model(_batch(i, world, rank)[0])
             handle.remove()
+        elif action == "one_rank_skip":  # rank 0's forward raises and only rank 0 skips its batch: every rank raises
+            if rank == 0:
+                handle = model.mid.register_forward_hook(_raise_in_forward)
+                with pytest.raises(Boom):
+                    model(_batch(i, world, rank)[0])
+                handle.remove()
+            with pytest.raises(zero_core.RanksOutOfStepError, match="out of step"):
+                loss = F.cross_entropy(model(_batch(i + 1, world, rank)[0]), _batch(i + 1, world, rank)[1])
+                loss.backward()
+                opt.step()
+            return len(actions)  # the ranks cannot be brought back in step: the run ends here
         elif action == "raise_in_step":  # a step pre-hook raises after the engine prepared the step: nothing changes
             handle = opt.register_step_pre_hook(_raise_in_step)
             with pytest.raises(Boom):

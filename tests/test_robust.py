@@ -421,11 +421,13 @@ def _raise_in_forward(module, args, output):
     raise RuntimeError("injected in forward")
 
 
-# Stages 1 and 2 only. A rank writing its own pieces at stage 3 is plain DTensor use (no copies to keep in step);
-# a stage-3 forward that raises midway meets its peers' gather agreement with its next round (issue 29, item 5).
-@pytest.mark.parametrize(("pattern", "names"), [("raise_and_skip", "1 that raised"),
-                                                ("write_alone", "written outside the optimizer")])
-@pytest.mark.parametrize("stage", [1, 2])
+# A rank writing its own pieces at stage 3 is plain DTensor use (no copies to keep in step), so that pattern is
+# for stages 1 and 2. At stage 3 the rank whose forward raised meets, with its next round, its peer's gather
+# agreement in the middle of the old forward: the messages have one size and tag (see [Note: lockstep rounds]).
+@pytest.mark.parametrize(("stage", "pattern", "names"), [
+    (1, "raise_and_skip", "1 that raised"), (2, "raise_and_skip", "1 that raised"),
+    (3, "raise_and_skip", "agreement on the next all-gather"),
+    (1, "write_alone", "written outside the optimizer"), (2, "write_alone", "written outside the optimizer")])
 def test_a_rank_diverging_between_backwards_fails_on_every_rank(stage, pattern, names, tmp_path):
     results = run_distributed(_out_of_step, WORLD, stage=stage, pattern=pattern, directory=str(tmp_path), timeout=TIMEOUT)
     for message, seconds in results:

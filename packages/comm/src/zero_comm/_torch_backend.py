@@ -253,6 +253,16 @@ class TorchCommBackend(CommBackend):
         self._complete(work, "agreement on the next all-gather", timer)
         return int(t.item())
 
+    def agree_max(self, values: torch.Tensor) -> torch.Tensor:
+        if self._world == 1:
+            return values.clone()
+        values = values.to(self._control_device, dtype=torch.int64, copy=True)
+        timer = self._record(CollectiveKind.CONTROL, values.numel() * 8, self._control_device,
+                             bytes_as=CollectiveKind.ALL_REDUCE)
+        work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._complete(work, "a tagged agreement between the ranks (lockstep round or next all-gather)", timer)
+        return values.cpu()
+
     def agree_any(self, flags: torch.Tensor) -> torch.Tensor:
         if self._world == 1:
             return flags

@@ -17,7 +17,7 @@ import torch
 
 from zero_core.errors import CheckpointError
 
-__all__ = ["agree_ok", "any_rank", "gather_objects", "min_over_ranks", "raise_if_any_failed", "rank0_value"]
+__all__ = ["agree_ok", "any_rank", "gather_objects", "max_over_ranks", "raise_if_any_failed", "rank0_value"]
 
 
 def any_rank(comm: Any, flags: torch.Tensor) -> torch.Tensor:
@@ -25,9 +25,11 @@ def any_rank(comm: Any, flags: torch.Tensor) -> torch.Tensor:
     return comm.agree_any(flags) if comm.world_size > 1 else flags
 
 
-def min_over_ranks(comm: Any, value: int) -> int:
-    """The minimum of ``value`` over the ranks."""
-    return comm.agree_min(value) if comm.world_size > 1 else value
+def max_over_ranks(comm: Any, values: list[int]) -> list[int]:
+    """Elementwise maximum over the ranks of a list of int64 values."""
+    if comm.world_size == 1:
+        return list(values)
+    return comm.agree_max(torch.tensor(values, dtype=torch.int64)).tolist()
 
 
 def gather_objects(comm: Any, obj: Any) -> list[Any]:

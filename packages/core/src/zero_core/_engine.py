@@ -192,11 +192,13 @@ class Engine:
         # Stages 1 and 2 never gather during a pass, so they need no agreement rounds either.
         self._forward_gathers = any(not c.persistent for c in chunks)
         self.groups = list(groups)
+        # Every communicating phase begins with a round that checks the ranks are in the same one, and every
+        # agreement inside a phase is tagged the same way (see [Note: lockstep rounds]).
+        self._lockstep = Lockstep(comm, enabled=not config.static_graph)
+        agree = functools.partial(self._lockstep.min, "agreement on the next all-gather")
         self.residency = Residency(chunks, self.groups, comm=comm, comms=self._comms, placement=placement,
                                    params=self.params, stage=config.stage,
-                                   agree=not config.static_graph and self._forward_gathers)
-        # Every communicating phase begins with a round that checks the ranks are in the same one.
-        self._lockstep = Lockstep(comm, enabled=not config.static_graph)
+                                   agree=agree if not config.static_graph and self._forward_gathers else None)
         # Chunks whose parameters a forward with a graph read outside their modules: gathered when backward begins.
         self._exposed: set[int] = set()
         # Forwards that built a graph since the last backward: ranks must agree on it when a backward begins,

@@ -27,7 +27,7 @@ policy's move of that shard (a move restarts the counters; see ``Chunk.shard_mov
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,7 +52,7 @@ class Residency:
 
     def __init__(self, chunks: Sequence[Chunk], groups: Sequence[GatherGroup], *, comm: CommBackend,
                  comms: Sequence[CommBackend], placement: PlacementPolicy, params: ModuleParameters,
-                 stage: int, agree: bool) -> None:
+                 stage: int, agree: Callable[[int], int] | None) -> None:
         self.chunks = tuple(chunks)
         self.groups = list(groups)
         self._comm = comm

@@ -8,7 +8,7 @@ chosen per sample, branches skipped on some ranks, outputs that reach the loss o
 some ranks only) needs different chunks on different ranks. The scheduler merges the
 ranks' needs: each pass (a forward, or a backward) walks the chunks in plan order
 (reverse order in backward); a rank that needs chunk ``k`` proposes the next position
-of ``k`` on that walk, and one scalar MIN all-reduce picks the earliest proposal of
+of ``k`` on that walk, and one tagged agreement (the minimum, see [Note: lockstep rounds]) picks the earliest proposal of
 any rank. Every rank then joins the all-gather of that chunk; ranks that did not ask
 for it gather into a scratch buffer and drop it. When a rank's pass ends, it keeps
 answering with "nothing" until every rank is done. Needing a chunk again later in the
@@ -47,9 +47,8 @@ the pass ends.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from zero_core._agreement import min_over_ranks
 from zero_core._collectives import gather_group
 from zero_core._group import GatherGroup
 from zero_core._state import ChunkState
@@ -59,17 +58,20 @@ from zero_core.placement import PlacementPolicy
 
 __all__ = ["GatherScheduler"]
 
-_NOTHING = 1 << 62
+_NOTHING = (1 << 32) - 1  # the largest value an agreement carries: "this rank needs nothing"
 
 
 class GatherScheduler:
     """Gathers groups of chunks so that every rank issues the same all-gathers in the same order."""
 
-    def __init__(self, groups: Sequence[GatherGroup], comm: CommBackend, placement: PlacementPolicy, *, agree: bool) -> None:
+    def __init__(self, groups: Sequence[GatherGroup], comm: CommBackend, placement: PlacementPolicy, *,
+                 agree: Callable[[int], int] | None) -> None:
         self.groups = groups
         self.comm = comm
         self.placement = placement
-        self.agree = agree and comm.world_size > 1
+        # The smallest proposal over ranks, as a tagged message (see [Note: lockstep rounds]); None: no agreement.
+        self._agree_min = agree if comm.world_size > 1 else None
+        self.agree = self._agree_min is not None
         self._group_of: dict[int, GatherGroup] = {c.index: g for g in groups for c in g.chunks}
         # Position of the last agreed all-gather in this pass (laps * len(groups) + position), identical on all ranks.
         self._cursor = -1
@@ -184,7 +186,7 @@ class GatherScheduler:
                 continue
             while not group.is_gathered:  # serving another rank may prefetch this very group
                 proposal = self._proposal(group)
-                agreed = min_over_ranks(self.comm, proposal)
+                agreed = self._agree_min(proposal)
                 self._cursor = agreed
                 if agreed == proposal:
                     self._issue(group, "own")
@@ -207,7 +209,7 @@ class GatherScheduler:
         if not self.agree:
             return
         self._replay_rest()
-        while (agreed := min_over_ranks(self.comm, _NOTHING)) != _NOTHING:
+        while (agreed := self._agree_min(_NOTHING)) != _NOTHING:
             self._cursor = agreed
             self._serve(self._group_at(agreed))
         self._open = False

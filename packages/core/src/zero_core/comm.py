@@ -138,6 +138,19 @@ class CommBackend(ABC):
     def agree_any(self, flags: torch.Tensor) -> torch.Tensor:
         """Elementwise OR of a 1-D ``uint8`` tensor over ranks (counted as :attr:`CollectiveKind.CONTROL`)."""
 
+    def agree_max(self, values: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum of a 1-D ``int64`` CPU tensor over ranks, as a new CPU tensor.
+
+        The runtime's tagged control messages use it (see [Note: lockstep rounds] in
+        ``zero_core._lockstep``). This default is one :meth:`all_reduce` (``max``), counted as the
+        backend counts all-reduces; a backend overrides it to count it as
+        :attr:`CollectiveKind.CONTROL`.
+        """
+        out = values.clone()
+        if self.world_size > 1:
+            self.all_reduce(out, op="max")
+        return out
+
     @abstractmethod
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather a small picklable object from every rank, in rank order."""

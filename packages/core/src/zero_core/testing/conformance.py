@@ -82,9 +82,11 @@ def _comm_worker(backend_cls: type[CommBackend]) -> dict[str, Any]:
     agreed = comm.agree_min(5 + r)
     anyflags = comm.agree_any(torch.tensor([0, int(r == n - 1), 0], dtype=torch.uint8))
     objs = comm.all_gather_object({"rank": r})
+    stats = comm.stats.summary(comm.stats.current)  # before agree_max: its default counts as an all-reduce
+    maxed = comm.agree_max(torch.tensor([r, -r, 7], dtype=torch.int64)).tolist()
     return {
         "rank": r, "world": n, "full": full, "rs": rs_out, "rs_async": pending_out, "ar": ar.item(), "max": mx.item(),
-        "bcast": b, "agreed": agreed, "any": anyflags.tolist(), "objs": objs, "stats": comm.stats.summary(comm.stats.current),
+        "bcast": b, "agreed": agreed, "any": anyflags.tolist(), "maxed": maxed, "objs": objs, "stats": stats,
     }
 
 
@@ -115,6 +117,7 @@ class CommBackendConformance:
                 torch.testing.assert_close(res["bcast"], torch.zeros(4))
                 assert res["agreed"] == 5
                 assert res["any"] == [0, 1, 0]
+                assert res["maxed"] == [n - 1, 0, 7]
                 assert [o["rank"] for o in res["objs"]] == list(range(n))
 
     def test_counts_match_ring_formulas(self) -> None:
