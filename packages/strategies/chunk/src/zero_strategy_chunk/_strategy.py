@@ -19,7 +19,7 @@ from zero_core.plugin import (
     reshard_for_mesh,
     round_up,
 )
-from zero_strategy_chunk._search import outlier_threshold, search_chunk_size
+from zero_strategy_chunk._search import block_of, outlier_threshold, search_chunk_size
 
 if TYPE_CHECKING:
     import pluggy
@@ -38,28 +38,38 @@ def pack_chunks(params: Sequence[ParamInfo], *, world_size: int, config: ZeroCon
     the chunk size, or an outlier of the search, gets a chunk of its own. Every chunk has the
     common size (a multiple of every mesh's shard size) except each sequence's last chunk,
     which is trimmed to its content rounded up to its mesh's shard size (``world_size``).
+    When the search finds a chunk per block wastes least (see :func:`search_chunk_size`), a
+    chunk also closes, trimmed, wherever the parameters' block changes.
     """
     policy = config.chunk
     shard_of: Callable[[ParamInfo], int] = (lambda p: mesh_of(p).shard_ranks) if mesh_of else (lambda p: world_size)
     if mesh_of is not None:  # one common size that every mesh's shard group divides
         world_size = math.lcm(world_size, *(shard_of(p) for p in params))
     sizes = [p.numel for p in params]
+    blocks = [block_of(p.name) for p in params]
+    per_block = False
     if policy.chunk_size is not None:
         chunk_size = round_up(policy.chunk_size, world_size)
         limit = float("inf")
     else:
         result = search_chunk_size(
             sizes, world_size=world_size, min_chunk_size=policy.min_chunk_size,
-            interval=policy.search_interval, search_range=policy.search_range,
+            interval=policy.search_interval, search_range=policy.search_range, blocks=blocks,
         )
-        chunk_size, limit = result.chunk_size, outlier_threshold(sizes)
-        logger.info("chunk size %d elements (%d candidates searched, %d elements of padding)",
-                    chunk_size, result.candidates, result.waste)
+        chunk_size, limit, per_block = result.chunk_size, outlier_threshold(sizes), result.per_block
+        logger.info("chunk size %d elements%s (%d candidates searched, %d elements of padding)", chunk_size,
+                    ", a chunk per block" if per_block else "", result.candidates, result.waste)
 
     chunks: list[list[ParamInfo]] = []
     filled: list[int] = []
     open_chunk: dict[tuple[object, ...], int] = {}  # key -> index into chunks of its open chunk
-    for info in params:
+    closed: set[int] = set()  # chunks closed at a block boundary: trimmed like a sequence's last
+    current = None
+    for info, block in zip(params, blocks):
+        if per_block and block != current:
+            closed.update(open_chunk.values())
+            open_chunk.clear()
+            current = block
         if info.numel > chunk_size or info.numel > limit:
             chunks.append([info])
             filled.append(info.numel)
@@ -72,7 +82,7 @@ def pack_chunks(params: Sequence[ParamInfo], *, world_size: int, config: ZeroCon
             index = open_chunk[key] = len(chunks) - 1
         chunks[index].append(info)
         filled[index] += info.numel
-    last_of_key = set(open_chunk.values())
+    last_of_key = set(open_chunk.values()) | closed
     specs = []
     for index, (members, used) in enumerate(zip(chunks, filled)):
         oversize = len(members) == 1 and (members[0].numel > chunk_size or members[0].numel > limit)
