@@ -112,6 +112,21 @@ def test_estimate_builds_a_hugging_face_config_on_the_meta_device(capsys, tmp_pa
     assert e.calls is not None
     assert f"total {sum(e.calls.values())} {human_bytes(e.total_bytes_sent)}" in " ".join(out.split())
     assert human_bytes(e.max_model_state_bytes) in out
+    assert f"padding: {100 * (e.padded_params - e.params) / e.params:.2f}%" in out
+
+
+def test_estimate_compares_the_strategies_side_by_side(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64).save_pretrained(tmp_path)
+    out = run(capsys, "estimate", "--model", str(tmp_path), "--world-size", "4", "--stage", "3", "--compare-strategies")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path),
+                                                              dtype=torch.float32)
+    table = out[out.index("strategy  padding"):]
+    for name in ("chunk", "tensor"):
+        e = estimate(model, world_size=4, config=ZeroConfig(stage=3, strategy=name))
+        row = f"{name} {100 * (e.padded_params - e.params) / e.params:.2f}% {e.calls['all_gather']} {e.calls['reduce_scatter']}"
+        assert row in " ".join(table.split()), (row, table)
 
 
 @pytest.mark.parametrize(("argv", "code", "fragment"), [

@@ -117,6 +117,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="an option of the placement policy (repeat it), e.g. offload_optim_frac=1")
     cfg.add_argument("--optimizer-bytes-per-element", type=_non_negative, default=8, metavar="B",
                      help="optimizer-state bytes per fp32 parameter: Adam 8 (default), SGD with momentum 4, SGD 0")
+    sub.add_argument("--compare-strategies", action="store_true",
+                     help="also print every registered shard strategy side by side: padding, collectives, bytes")
     sub.add_argument("--json", action="store_true", help="print the Estimate as JSON instead of the table")
     sub.set_defaults(run=run)
 
@@ -151,7 +153,30 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(e, config, ddp, source=args.model, opt_bytes=args.optimizer_bytes_per_element,
                      inter_node=inter_node, gpus_per_node=args.gpus_per_node))
+    if args.compare_strategies:
+        print("\n" + compare_strategies(model, args, config, plugins))
     return 0
+
+
+def compare_strategies(model: Any, args: argparse.Namespace, config: ZeroConfig, plugins: Any) -> str:
+    """Every registered strategy on the same model, ranks and configuration: one row each."""
+    from zero_core import estimate
+    from zero_core.errors import ZeroError
+
+    rows = [["strategy", "padding", "all-gathers", "reduce-scatters", "all-reduces", "sent per step", "model states"]]
+    for name in plugins.strategies.names():
+        try:
+            e = estimate(model, world_size=args.world_size, mesh_shape=args.mesh, config=config.replace(strategy=name),
+                         optimizer_bytes_per_element=args.optimizer_bytes_per_element, plugins=plugins)
+        except ZeroError as exc:  # a strategy that cannot plan this model or mesh says why in its row
+            rows.append([name, f"cannot estimate: {exc}"[:100], "", "", "", "", ""])
+            continue
+        calls = e.calls or {}
+        rows.append([name, f"{100 * (e.padded_params - e.params) / e.params:.2f}%",
+                     *(str(calls.get(kind, 0)) if e.calls else "-" for kind in ("all_gather", "reduce_scatter", "all_reduce")),
+                     human_bytes(e.total_bytes_sent), human_bytes(e.max_model_state_bytes)])
+    return (aligned(rows, right=(1, 2, 3, 4, 5, 6)) + "\n  per rank per step; model states of the largest rank"
+            + ("; calls need --model" if isinstance(model, int) else ""))
 
 
 def _config(args: argparse.Namespace) -> ZeroConfig:
@@ -219,7 +244,8 @@ def render(e: Estimate, config: ZeroConfig, ddp: Estimate, *, source: str | None
     compute, reduce = (dtypes.get(str(d), str(d)) for d in (config.precision.compute, config.precision.reduce))
     # the CLI's parameters are fp32 either way: a count has fp32 masters, --model builds them in fp32
     precision = f"compute {compute if config.precision.compute is not None else 'fp32 (the masters)'}, reduce {reduce}"
-    how = (f"from {source}: exact, chunk by chunk ({e.padded_params:,} elements with padding)" if source else
+    padding = 100 * (e.padded_params - e.params) / e.params
+    how = (f"from {source}: exact, chunk by chunk ({e.padded_params:,} elements with padding: {padding:.2f}%)" if source else
            f"from a parameter count: ZeRO's formulas on {e.padded_params:,} (a multiple of {shards})")
     options = config.placement_options
     lines = [f"{e.params:,} parameters on {layout}; stage {e.stage}",
