@@ -8,7 +8,8 @@ from zero_core import ChunkPolicy, ZeroConfig
 from zero_core.plugin import ParamInfo
 from zero_core.testing import ShardStrategyConformance
 from zero_strategy_chunk import ChunkStrategy, pack_chunks, search_chunk_size
-from zero_strategy_chunk._search import block_of, per_block_waste
+from zero_strategy_chunk import block_of
+from zero_strategy_chunk._search import per_block_waste
 
 
 class TestChunkStrategy(ShardStrategyConformance):
