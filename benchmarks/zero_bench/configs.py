@@ -46,6 +46,8 @@ MODELS = {
     "demo": ModelSize(vocab=8192, d_model=512, layers=6, heads=8, seq_len=128, batch_size=4),
     # GPT-2 small's shape (124M parameters), on a sequence short enough for a CPU
     "gpt2-small": ModelSize(vocab=50304, d_model=768, layers=12, heads=12, seq_len=256, batch_size=2),
+    # deep and thin (9.8M parameters, 580 tensors in 48 blocks): per-step overhead, not arithmetic, sets its step time
+    "thin-48": ModelSize(vocab=2048, d_model=128, layers=48, heads=4, seq_len=64, batch_size=4),
 }
 
 
