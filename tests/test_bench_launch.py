@@ -106,3 +106,22 @@ def test_sigterm_raises_inside_only_so_the_ranks_get_stopped():
     with pytest.raises(SystemExit) as stopped, sigterm_raises():
         os.kill(os.getpid(), signal.SIGTERM)  # the handler runs as soon as os.kill returns
     assert stopped.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_every_model_preset_builds_its_architecture():
+    import torch
+
+    from zero_bench.configs import build_model
+    from zero_core.testing.gpt import GPT
+    from zero_core.testing.llama import Llama
+
+    for name, size in MODELS.items():
+        with torch.device("meta"):
+            model = build_model(size.options())
+        assert isinstance(model, Llama if size.ffn else GPT), name
+        assert len(model.blocks) == size.layers, name
+    with torch.device("meta"):
+        moe = build_model(MODELS["moe-small"].options())
+    # the fused experts, as transformers 5 stores Mixtral's: [experts, 2 * ffn, d_model] and [experts, d_model, ffn]
+    assert moe.blocks[0].mlp.gate_up_proj.shape == (8, 1024, 256) and moe.blocks[0].mlp.down_proj.shape == (8, 256, 512)
+    assert moe.blocks[0].self_attn.k_proj.weight.shape == (2 * 32, 256)  # grouped-query: 2 key/value heads of 32

@@ -21,12 +21,16 @@ from typing import Any
 
 from zero_core.plugin import ZeroPlugins
 
-__all__ = ["MODELS", "BenchConfig", "ModelSize", "discover", "mesh_name"]
+__all__ = ["MODELS", "BenchConfig", "ModelSize", "build_model", "discover", "mesh_name"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSize:
-    """A GPT-style model and the per-rank batch it trains on."""
+    """A model and the per-rank batch it trains on: GPT-shaped, or Llama-shaped when ``ffn`` is set.
+
+    Llama's shapes (``zero_core.testing.llama``): ``kv_heads`` key/value heads (grouped-query
+    attention), a SwiGLU MLP ``ffn`` wide, and with ``experts`` a fused mixture of experts.
+    """
 
     vocab: int
     d_model: int
@@ -34,9 +38,27 @@ class ModelSize:
     heads: int
     seq_len: int
     batch_size: int
+    ffn: int = 0
+    kv_heads: int = 0
+    experts: int = 0
 
     def options(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+
+def build_model(options: dict[str, int]) -> Any:
+    """The model ``ModelSize(**options)`` describes, on the current default device."""
+    if options.get("ffn"):
+        from zero_core.testing.llama import Llama, LlamaConfig
+
+        return Llama(LlamaConfig(vocab_size=options["vocab"], seq_len=options["seq_len"], d_model=options["d_model"],
+                                 n_layer=options["layers"], n_head=options["heads"],
+                                 n_kv_head=options.get("kv_heads") or options["heads"], ffn=options["ffn"],
+                                 n_experts=options.get("experts", 0)))
+    from zero_core.testing.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=options["vocab"], seq_len=options["seq_len"], d_model=options["d_model"],
+                         n_layer=options["layers"], n_head=options["heads"]))
 
 
 MODELS = {
@@ -48,6 +70,12 @@ MODELS = {
     "gpt2-small": ModelSize(vocab=50304, d_model=768, layers=12, heads=12, seq_len=256, batch_size=2),
     # deep and thin (9.8M parameters, 580 tensors in 48 blocks): per-step overhead, not arithmetic, sets its step time
     "thin-48": ModelSize(vocab=2048, d_model=128, layers=48, heads=4, seq_len=64, batch_size=4),
+    # Llama's ratios (154M parameters): grouped-query attention, SwiGLU 2752 wide, an untied 32000-token head
+    "llama-small": ModelSize(vocab=32000, d_model=1024, layers=8, heads=16, kv_heads=4, ffn=2752, seq_len=128,
+                             batch_size=2),
+    # Mixtral's layout (17.4M parameters): 8 experts fused into [8, 1024, 256] and [8, 256, 512], top-2 routing
+    "moe-small": ModelSize(vocab=8192, d_model=256, layers=4, heads=8, kv_heads=2, ffn=512, experts=8, seq_len=64,
+                           batch_size=4),
 }
 
 

@@ -33,13 +33,12 @@ from typing import Any
 import torch
 
 from zero_bench import compare as compare_mod
-from zero_bench.configs import MODELS, ModelSize, discover
+from zero_bench.configs import MODELS, ModelSize, build_model, discover
 from zero_bench.launch import launch, sigterm_raises
 from zero_bench.plot import plot, plot_memory
 from zero_bench.report import add_ratios, check_losses, comm_table, peak_table, table
 from zero_core import __version__, estimate
 from zero_core.plugin import ZeroPlugins
-from zero_core.testing.gpt import GPT, GPTConfig
 
 PACKAGE_PARENT = Path(__file__).resolve().parents[1]
 # Run from a zero checkout (an editable install included): the package is benchmarks/zero_bench
@@ -71,7 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
     p.add_argument("--quick", action="store_true", help="the tiny model for 6 steps (under 5 minutes on 2 CPU cores)")
     p.add_argument("--model", choices=sorted(MODELS), default=None, help="model preset (default gpt2-small; tiny with --quick)")
-    for name in ("vocab", "d-model", "layers", "heads", "seq-len", "batch-size"):
+    for name in ("vocab", "d-model", "layers", "heads", "seq-len", "batch-size", "ffn", "kv-heads", "experts"):
         p.add_argument(f"--{name}", type=positive_int, default=None, help=f"override the preset's {name.replace('-', ' ')}")
     p.add_argument("--world-size", type=positive_int, default=2, help="ranks (processes) per configuration")
     p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps per configuration (default 10; 6 with --quick)")
@@ -213,9 +212,9 @@ class Progress:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     size = model_size(args)
-    cfg = GPTConfig(vocab_size=size.vocab, seq_len=size.seq_len, d_model=size.d_model, n_layer=size.layers, n_head=size.heads)
     with torch.device("meta"):
-        meta_model = GPT(cfg)
+        meta_model = build_model(size.options())
+    num_params = sum(p.numel() for p in meta_model.parameters())
     state_mib = estimate(meta_model, world_size=args.world_size).max_model_state_bytes / 2**20
     plugins = ZeroPlugins.load()
     configs = discover(plugins=plugins, strategies=args.strategies and args.strategies.split(","), stages=args.stages,
@@ -225,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        mesh_stages=args.mesh_stages, world_size=args.world_size)
     mesh_rows = sum(c.world_size not in (None, args.world_size) for c in configs)
     print(f"bench: {len(configs)} configurations x {args.world_size} ranks"
-          f"{f' ({mesh_rows} on their own ranks)' if mesh_rows else ''}, model {args.model} ({cfg.num_params / 1e6:.2f}M "
+          f"{f' ({mesh_rows} on their own ranks)' if mesh_rows else ''}, model {args.model} ({num_params / 1e6:.2f}M "
           f"parameters), {args.steps} steps ({args.warmup} warm-up), {machine()['backend']}", flush=True)
     # collectives give up well before the launch is killed, so a stuck rank reports which collective hung
     spec = {"model": size.options(), "steps": args.steps, "warmup": args.warmup, "timeout_s": max(10.0, 0.8 * args.timeout)}
@@ -247,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     add_ratios(records)
     return {"schema_version": SCHEMA_VERSION, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "world_size": args.world_size, "steps": args.steps, "warmup": args.warmup,
-            "model": {"preset": args.model, **size.options(), "params": cfg.num_params},
+            "model": {"preset": args.model, **size.options(), "params": num_params},
             "loss_reference": reference, "loss_rtol": args.loss_rtol, "loss_rtol_16": args.loss_rtol_16,
             "wall_s": time.perf_counter() - started, "records": records}
 

@@ -22,11 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zero_bench.configs import build_model
 from zero_bench.counting import Counter, count_ddp, count_fsdp2
 from zero_bench.teardown import destroy_process_group_checked
 from zero_bench.timeline import MemoryProbe, MemoryTimeline, breakdown_at_peak
 from zero_core import ChunkPolicy, CommStats, ConfigError, LossScale, Precision, ZeroConfig, estimate, shard
-from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
+from zero_core.testing.gpt import SyntheticTokens, lm_loss
 from zero_core.chunk import to_local
 
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -169,11 +170,10 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
     at_start = current_memory_mib(device)  # the interpreter, torch and the process group: the same for every row
     probe = MemoryProbe(device)
     start_rss, (start_in_use, start_held) = probe.rss(), probe.allocator_bytes()
-    cfg = GPTConfig(vocab_size=model["vocab"], seq_len=model["seq_len"], d_model=model["d_model"], n_layer=model["layers"],
-                    n_head=model["heads"])
     data = SyntheticTokens(vocab_size=model["vocab"], seq_len=model["seq_len"])
     torch.manual_seed(0)
-    net = GPT(cfg)
+    net = build_model(model)
+    params = sum(p.numel() for p in net.parameters())
     kind = config["kind"]
     counter = Counter(world)
     record: dict[str, Any] = {"status": "ok", "error": None}
@@ -262,7 +262,6 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
         net.close()
     if rank != 0:
         return None
-    params = cfg.num_params
     steady = times[warmup:] if len(times) > warmup else times
     median = statistics.median(steady)
     theory = reference_theory(kind, params, world) if kind != "zero" else {
