@@ -602,3 +602,19 @@ def test_parameter_counts_shapes_class_and_state_dict_keys(world, stage):
             for param, layout in got["layout"].items():
                 assert all(layout.values()), f"{label}: {param} is not an nn.Parameter DTensor Shard(0) cut like torch.chunk: {layout}"
             assert got["layout"].keys() == ref["values"].keys()
+
+
+def _foreach_seen():
+    model = _build()
+    model, opt = shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=ZeroConfig(stage=3))
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(o.param_groups[0]["foreach"]))  # after zero's
+    _forward(model, 0, dist.get_world_size(), dist.get_rank()).backward()
+    before = opt.param_groups[0]["foreach"]
+    opt.step()
+    return before, seen, opt.param_groups[0]["foreach"], opt.state_dict()["param_groups"][0]["foreach"]
+
+
+def test_optimizer_steps_sharded_parameters_with_foreach_and_keeps_the_users_setting():
+    # see [Note: foreach over sharded parameters]: the same update, one dispatch per op over the DTensors
+    assert run_distributed(_foreach_seen, 2) == [(None, [True], None, None)] * 2
