@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import math
@@ -50,19 +51,23 @@ class System:
     note: str
 
 
-def torch_autocast(model: torch.nn.Module, device: torch.device):
-    model.to(device)
-    opt = make_optimizer(model.parameters())
-
+def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, *, autocast: str | None = None) -> Step:
+    """A step of plain PyTorch: forward (under ``torch.autocast(autocast, bf16)`` if given), backward, step."""
     def step(tokens: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             loss = lm_loss(model(tokens), tokens)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return step, dict, opt.state.clear
+    return step
+
+
+def torch_autocast(model: torch.nn.Module, device: torch.device):
+    model.to(device)
+    opt = make_optimizer(model.parameters())
+    return plain_step(model, opt, autocast=device.type), dict, opt.state.clear
 
 
 def torch_bf16_recipe(model: torch.nn.Module, device: torch.device):
@@ -101,15 +106,7 @@ def fsdp2(model: torch.nn.Module, device: torch.device):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = make_optimizer(model.parameters())
-
-    def step(tokens: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(model(tokens), tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step, dict, opt.state.clear
+    return plain_step(model, opt), dict, opt.state.clear
 
 
 def zero(strategy: str, stage: int, placement: str = "device", options: dict | None = None):
