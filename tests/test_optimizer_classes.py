@@ -1,10 +1,10 @@
 """Which optimizers may step each rank's pieces (``ZeroConfig.optimizer_updates``), checked at ``shard()``.
 
-Each rank steps only its pieces of every parameter. That is exact for an optimizer whose update of
-an element reads only that element's gradient and state, and silently wrong for one that reads
-whole matrices (Muon's orthogonalisation changes the loss by 2e-2 after 5 steps on pieces), so
-``shard()`` accepts torch's element-wise optimizers, refuses the whole-matrix ones, and asks for a
-declaration for any other class.
+Stepping each rank's pieces is exact for an optimizer whose update of an element reads only that
+element's gradient and state, and silently wrong for one that reads whole matrices (Muon's
+orthogonalisation changes the loss by 2e-2 after 5 steps on pieces). So ``shard()`` steps torch's
+element-wise optimizers on pieces, the whole-matrix ones whole (``tests/test_whole_optimizers.py``),
+refuses LBFGS, and asks for a declaration for any other class.
 """
 
 from __future__ import annotations
@@ -45,18 +45,23 @@ def _model() -> nn.Module:
 @pytest.mark.parametrize(("make", "says"), [
     (lambda ps: torch.optim.Muon(ps, lr=0.02), "orthogonalises"),
     (lambda ps: torch.optim.Adafactor(ps, lr=0.01), "row and column"),
-    (lambda ps: torch.optim.LBFGS(ps), "whole parameter vector"),
 ])
-@pytest.mark.parametrize("declared", ["auto", "elementwise"])
-def test_whole_matrix_optimizers_are_refused_even_when_declared(make, says, declared):
+def test_whole_matrix_optimizers_cannot_be_declared_elementwise(make, says):
     model = _model()
     with pytest.raises(ConfigError, match=says):
-        shard(model, make(model.parameters()), config=ZeroConfig(optimizer_updates=declared))
+        shard(model, make(model.parameters()), config=ZeroConfig(optimizer_updates="elementwise"))
+
+
+@pytest.mark.parametrize("declared", ["auto", "elementwise", "whole"])
+def test_an_optimizer_over_all_parameters_at_once_is_refused(declared):
+    model = _model()
+    with pytest.raises(ConfigError, match="whole parameter vector"):
+        shard(model, torch.optim.LBFGS(model.parameters()), config=ZeroConfig(optimizer_updates=declared))
 
 
 def test_an_unknown_optimizer_must_be_declared():
     model = _model()
-    with pytest.raises(ConfigError, match="optimizer_updates='elementwise'") as info:
+    with pytest.raises(ConfigError, match="optimizer_updates='elementwise'.*optimizer_updates='whole'") as info:
         shard(model, Lion(model.parameters()), config=ZeroConfig())
     assert "Lion" in str(info.value)
     with pytest.raises(ConfigError, match="optimizer_updates must be one of"):

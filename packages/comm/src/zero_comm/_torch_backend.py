@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -226,6 +226,27 @@ class TorchCommBackend(CommBackend):
             return self._finish(work, what, input, async_op, timer, then=add_up)
         work = _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return self._finish(work, what, input, async_op, timer)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, output_splits: Sequence[int],
+                   input_splits: Sequence[int]) -> None:
+        world = self._world
+        if len(input_splits) != world or len(output_splits) != world or sum(input_splits) != input.numel() \
+                or sum(output_splits) != output.numel():
+            raise CommError(
+                f"all_to_all splits do not fit: input {input.numel()} elements in {list(input_splits)}, output "
+                f"{output.numel()} in {list(output_splits)}, one split per rank ({world})")
+        if world == 1:
+            output.copy_(input)
+            return
+        size = input.element_size()
+        # bytes this rank sends: everything but its own split (which stays here)
+        sent = (input.numel() - input_splits[self._rank]) * size
+        stats = self.stats
+        count = stats.record(CollectiveKind.ALL_TO_ALL, sent, payload_bytes=input.numel() * size)
+        timer = _Timer(stats, count, input.device) if stats.times(input.device) else None
+        work = dist.all_to_all_single(output, input, output_split_sizes=list(output_splits),
+                                      input_split_sizes=list(input_splits), group=self.group, async_op=True)
+        self._complete(work, f"all_to_all of {input.numel()} elements (a whole-tensor optimizer step)", timer)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         if op not in _OPS:

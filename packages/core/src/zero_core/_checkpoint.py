@@ -175,6 +175,25 @@ def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, w
     scalars: dict[str, dict[str, Any]] = {}
     state_keys: dict[str, list[str]] = {}
     segment_of = {(chunk.index, seg.slot): seg for chunk in engine.chunks for seg in chunk.segments}
+    whole = engine.bridge.whole if with_optimizer else None
+    # A whole-tensor optimizer's states: saved whole by the parameter's owner (see [Note: whole-tensor optimizer
+    # steps]), under w/<name>/<key>, and read back by whichever rank owns the parameter at the load.
+    whole_keys: dict[str, list[str]] = {}
+    whole_states: list[tuple[str, torch.Tensor]] = []
+    if whole is not None:
+        for entry in whole.entries:
+            if entry.owner != rank:
+                continue
+            for key, value in states.pop(id(entry.param), {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    whole_keys.setdefault(entry.name, []).append(key)
+                    whole_states.append((f"w/{entry.name}/{key}", value))
+                elif isinstance(value, torch.Tensor):
+                    scalars.setdefault(entry.name, {})[key] = {"tensor": _dtype_name(value.dtype), "value": value.item()}
+                else:
+                    scalars.setdefault(entry.name, {})[key] = {"value": _jsonable(value)}
+        for entry in whole.entries:
+            states.pop(id(entry.param), None)
     for chunk in engine.chunks:
         for slot, name, lo, hi in _pieces(chunk):
             entries.append((f"p/{name}", chunk.master_dtype, (hi - lo,)))
@@ -197,6 +216,7 @@ def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, w
                     scalars.setdefault(name, {})[key] = {"tensor": _dtype_name(value.dtype), "value": value.item()}
                 else:
                     scalars.setdefault(name, {})[key] = {"value": _jsonable(value)}
+    entries += [(key, value.dtype, tuple(value.shape)) for key, value in whole_states]  # written in this order
     if rank == 0:
         entries += [(f"b/{key}", buf.dtype, tuple(buf.shape)) for key, buf in layout.buffers.items()]
     rng = torch.random.get_rng_state()
@@ -219,13 +239,15 @@ def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, w
                 for slot, name, lo, hi in chunk_pieces:
                     writer.write(f"p/{name}", chunk.shard_range(slot, lo, hi))
                     seg = segment_of.get((chunk.index, slot))
-                    state = readable.get(id(seg.param), {}) if seg is not None else {}
+                    state = readable.get(id(seg.param), {}) if seg is not None and id(seg.param) in states else {}
                     for key, value in state.items():
                         if isinstance(value, torch.Tensor) and (value.dim() > 0 or isinstance(value, DTensor)):
                             writer.write(f"o/{name}/{key}", to_local(value).reshape(-1))
                 del readable
             finally:
                 placement.after_release([chunk])
+        for key, value in whole_states:
+            writer.write(key, value.reshape(-1))
         if rank == 0:
             for key, buf in layout.buffers.items():
                 writer.write(f"b/{key}", buf)
@@ -238,7 +260,7 @@ def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, w
     with torch.no_grad():
         size, digest = atomic_write(directory / name, write)
     return {"file": {"name": name, "bytes": size, "sha256": digest}, "pieces": pieces, "scalars": scalars,
-            "state_keys": state_keys, "groups": groups,
+            "state_keys": state_keys, "whole_keys": whole_keys, "groups": groups,
             "params": {s.name: {"shape": list(s.shape), "dtype": _dtype_name(c.master_dtype), "group": c.param_group,
                                 "requires_grad": c.requires_grad}
                        for c in engine.chunks for s in c.slots},
@@ -251,6 +273,7 @@ def _metadata(engine: Engine, save_id: str, descriptions: list[dict[str, Any]]) 
     params = {name: {**info, "pieces": []} for name, info in first["params"].items()}
     scalars: dict[str, dict[str, Any]] = {}
     state_keys: dict[str, list[str]] = {}
+    whole: dict[str, dict[str, Any]] = {}
     for rank, description in enumerate(descriptions):
         for name, lo, hi in description["pieces"]:
             params[name]["pieces"].append([rank, lo, hi])
@@ -258,6 +281,8 @@ def _metadata(engine: Engine, save_id: str, descriptions: list[dict[str, Any]]) 
             scalars.setdefault(name, values)
         for name, keys in description["state_keys"].items():
             state_keys.setdefault(name, keys)
+        for name, keys in description.get("whole_keys", {}).items():
+            whole[name] = {"rank": rank, "keys": keys}
     scaler = engine.bridge.scaler.state_dict() if engine.bridge.scaler is not None else None
     return {
         "format": FORMAT, "version": VERSION, "save_id": save_id, "world_size": len(descriptions),
@@ -267,7 +292,9 @@ def _metadata(engine: Engine, save_id: str, descriptions: list[dict[str, Any]]) 
         "files": [d["file"] for d in descriptions], "extra": first.get("extra"),
         "params": params, "buffers": first["buffers"], "tied": first["tied"],
         "optimizer": None if first["groups"] is None else
-        {"param_groups": first["groups"], "state_keys": state_keys, "scalars": scalars},
+        {"param_groups": first["groups"], "state_keys": state_keys, "scalars": scalars,
+         # states of a whole-tensor optimizer: the rank whose file holds each parameter's, and their keys
+         "whole": whole},
         "loss_scaler": scaler,
         # an HF-style model's config.json (and generation_config.json), so that `zero consolidate` can write a
         # directory from_pretrained loads without the model's code; {} for other models
@@ -387,6 +414,7 @@ def load_checkpoint(
     extra = None
     metadata: dict[str, Any] = {}
     reads: list[tuple[Chunk, int, str, int, int]] = []
+    needed = {0} if layout.buffers else set()
     try:
         metadata = read_metadata(directory)
         shapes = {**{n: tuple(i["shape"]) for n, i in metadata["params"].items()},
@@ -411,8 +439,8 @@ def load_checkpoint(
                 for entry in value.values():
                     if "tensor" in entry:
                         _dtype(entry["tensor"])
+            needed |= _check_whole_states(engine, metadata, directory)
         reader_meta = metadata["params"]
-        needed = {0} if layout.buffers else set()
         for chunk in engine.chunks:
             for i, slot in enumerate(chunk.slots):
                 lo, hi = chunk.layout.held_range(i)
@@ -487,6 +515,31 @@ def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, st
             group.update({k: v for k, v in hyper.items() if k != "params"})
 
 
+def _check_whole_states(engine: Engine, metadata: dict[str, Any], directory: Path) -> set[int]:
+    """The rank files this rank reads whole-tensor optimizer states from; raises when the checkpoint's optimizer
+    states are of the other kind (element-wise pieces for a whole-tensor optimizer, or the reverse)."""
+    saved = metadata["optimizer"]
+    held = saved.get("whole", {})
+    whole = engine.bridge.whole
+    if whole is None:
+        if held:
+            raise CheckpointError(
+                f"the checkpoint at {directory} holds the states of an optimizer stepped whole per parameter (Muon, "
+                f"Adafactor, ...; for example {next(iter(held))!r}), and this optimizer is element-wise; load it "
+                "with the same optimizer, or pass optimizer=None to load the parameters only")
+        return set()
+    pieces = [e.name for e in whole.entries if saved["state_keys"].get(e.name)]
+    if pieces:
+        raise CheckpointError(
+            f"the checkpoint at {directory} holds element-wise optimizer states (for example of {pieces[0]!r}), and "
+            f"this optimizer ({type(engine.optimizer).__name__}) is stepped whole per parameter; load it with the "
+            "same optimizer, or pass optimizer=None to load the parameters only")
+    for entry in whole.entries:
+        if entry.owner == engine.comm.rank and entry.name in held and held[entry.name]["rank"] >= len(metadata["files"]):
+            raise CheckpointError(f"the metadata names a missing file for {entry.name!r}: the checkpoint is damaged")
+    return {held[e.name]["rank"] for e in whole.entries if e.owner == engine.comm.rank and e.name in held}
+
+
 def _load_states(engine: Engine, chunk: Chunk, reader: _Reader, where: dict[int, tuple[str, int, int]],
                  metadata: dict[str, Any]) -> None:
     """Replace the optimizer states of ``chunk``'s segments by the saved ones, as torch's
@@ -496,11 +549,17 @@ def _load_states(engine: Engine, chunk: Chunk, reader: _Reader, where: dict[int,
     saved = metadata["optimizer"]
     group = optimizer.param_groups[chunk.param_group] if chunk.param_group is not None else {}
     on_device = bool(group.get("fused") or group.get("capturable"))
+    whole = engine.bridge.whole
     for seg in chunk.segments:
         found = where.get(seg.slot)
-        if found is None:
+        owner = whole.owner_of(seg.param) if whole is not None else None
+        if owner is not None and owner != whole.rank:  # another rank steps it and holds its states
+            optimizer.state.pop(seg.param, None)
             continue
-        name, lo, hi = found
+        if found is None and owner is None:
+            continue
+        # an owner may hold no rows of its parameter: its states are whole all the same
+        name, lo, hi = found if found is not None else (chunk.slots[seg.slot].name, 0, 0)
         entry: dict[str, Any] = {}
         for key, value in saved["scalars"].get(name, {}).items():
             if "tensor" in value:
@@ -508,6 +567,15 @@ def _load_states(engine: Engine, chunk: Chunk, reader: _Reader, where: dict[int,
                 entry[key] = scalar.to(seg.local.device) if on_device else scalar
             else:
                 entry[key] = value["value"]
+        if owner is not None:
+            held = saved.get("whole", {}).get(name)
+            for key in held["keys"] if held else []:
+                entry[key] = reader.tensor(held["rank"], f"w/{name}/{key}").to(seg.local.device)
+            if entry:
+                optimizer.state[seg.param] = entry
+            else:
+                optimizer.state.pop(seg.param, None)
+            continue
         for key in saved["state_keys"].get(name, []):
             values = reader.read(f"o/{name}/{key}", name, lo, hi, seg.param.dtype)
             local = values.to(seg.local.device).view(chunk.slots[seg.slot].local_shape(chunk.rank))

@@ -52,6 +52,7 @@ class CollectiveKind(enum.Enum):
     BROADCAST = "broadcast"
     OBJECT = "object"  # small pickled metadata exchanges at setup
     CONTROL = "control"  # scalar agreements that keep ranks' collective order identical
+    ALL_TO_ALL = "all_to_all"  # whole-tensor optimizer steps: pieces to each parameter's owner and back
 
 
 def ring_bytes_sent(kind: CollectiveKind, payload_bytes: int, world_size: int) -> int:

@@ -22,6 +22,7 @@ from zero_core._agreement import any_rank
 from zero_core._devices import by_device
 from zero_core._reducer import GradientReducer
 from zero_core._scaler import LossScaler
+from zero_core._whole_step import WholeTensorSteps
 from zero_core.chunk import Chunk, to_local
 from zero_core.comm import CommBackend
 from zero_core.errors import ZeroError
@@ -63,8 +64,10 @@ class OptimizerBridge:
     """The step's own state: an fp16 overflow check, early steps of a placement policy, an open step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, reducer: GradientReducer, comm: CommBackend,
-                 device: torch.device, scaler: LossScaler | None) -> None:
+                 device: torch.device, scaler: LossScaler | None, whole: WholeTensorSteps | None = None) -> None:
         self.optimizer = optimizer
+        # A whole-tensor optimizer's owners and stand-ins (see [Note: whole-tensor optimizer steps]); None: element-wise.
+        self.whole = whole
         self._reducer = reducer  # its order is the trainable chunks, whose segments get gradients
         self._comm = comm
         self._device = device
@@ -101,6 +104,8 @@ class OptimizerBridge:
                              if "foreach" in g and g["foreach"] is None and not g.get("fused")]
         for group in self._foreach_set:
             group["foreach"] = True
+        if self.whole is not None:
+            self.whole.begin()  # after the overflow check, which may have dropped every gradient
 
     def _check_overflow(self) -> None:
         """See [Note: one overflow check per step]."""
@@ -153,6 +158,8 @@ class OptimizerBridge:
     def end(self) -> bool:
         """The user's ``optimizer.step()`` returned: early-stepped gradients come back. Whether the step was
         skipped (an fp16 overflow)."""
+        if self.whole is not None:
+            self.whole.end()  # the new values reach every rank's shard before the engine publishes them
         self.abort()
         self.loss_scaled = False
         return self.scaler is not None and self.scaler.last_step_skipped
@@ -161,6 +168,8 @@ class OptimizerBridge:
         """Close the step, whether it returned or raised: gradients set aside for early steps come back."""
         self.step_open = False
         self.in_substep = False
+        if self.whole is not None:
+            self.whole.abort()
         for param, grad in self._stepped:
             param.grad = grad
         self._stepped = []

@@ -59,39 +59,48 @@ def resolve_device(config: ZeroConfig) -> torch.device:
 # torch's optimizers whose update of an element reads only that element's gradient and state (and scalars).
 _ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
 # Optimizers (by class name, anywhere in the class's MRO: torch's, transformers', third-party ports) whose update
-# reads a whole tensor or every parameter at once: stepping each rank's pieces changes the update.
+# of a parameter reads the whole tensor: zero steps them whole, on one owner rank (see zero_core._whole_step).
 _WHOLE = {"Muon": "orthogonalises each matrix's update (Newton-Schulz)",
           "Adafactor": "factors each matrix's second moment into row and column statistics",
-          "LBFGS": "searches along the whole parameter vector with a closure",
           "Lamb": "scales each tensor's update by a trust ratio of whole-tensor norms",
           "LAMB": "scales each tensor's update by a trust ratio of whole-tensor norms",
           "Lars": "scales each tensor's update by a trust ratio of whole-tensor norms",
           "LARS": "scales each tensor's update by a trust ratio of whole-tensor norms",
           "Shampoo": "preconditions each matrix with statistics of its rows and columns",
           "SOAP": "preconditions each matrix with statistics of its rows and columns"}
+# Optimizers whose update reads every parameter at once: no layout of pieces or owners gives them what they read.
+_GLOBAL = {"LBFGS": "searches along the whole parameter vector with a closure"}
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> None:
-    """Refuse an optimizer whose update of a parameter reads more than its own elements, unless declared.
+def optimizer_updates(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> str:
+    """How zero steps this optimizer: ``"elementwise"`` (each rank its pieces) or ``"whole"`` (each parameter whole,
+    on its owner rank); raises for one it cannot step or cannot classify.
 
-    See ``ZeroConfig.optimizer_updates``: each rank steps only its pieces of every parameter, which
-    is exact for element-wise updates and silently wrong for whole-matrix ones."""
+    See ``ZeroConfig.optimizer_updates`` and [Note: whole-tensor optimizer steps] in ``zero_core._whole_step``."""
     name = type(optimizer).__name__
-    whole = next((_WHOLE[c.__name__] for c in type(optimizer).__mro__ if c.__name__ in _WHOLE), None)
-    if whole is not None:
+    mro = [c.__name__ for c in type(optimizer).__mro__]
+    global_ = next((_GLOBAL[c] for c in mro if c in _GLOBAL), None)
+    if global_ is not None:
         raise ConfigError(
-            f"{name} {whole}, but under zero each rank steps only its pieces of every parameter, which would train "
-            f"another model; zero does not run whole-matrix optimizers yet. Use an element-wise optimizer "
-            "(torch.optim.AdamW, SGD, ...)")
-    if config.optimizer_updates == "elementwise":
-        return
+            f"{name} {global_}, which no sharded layout gives it: zero cannot run it. Use an element-wise optimizer "
+            "(torch.optim.AdamW, SGD, ...) or a whole-tensor one (torch.optim.Muon, Adafactor)")
+    whole = next((_WHOLE[c] for c in mro if c in _WHOLE), None)
+    if whole is not None and config.optimizer_updates == "elementwise":
+        raise ConfigError(
+            f"ZeroConfig(optimizer_updates='elementwise') declares {name} element-wise, but it {whole}: stepped on "
+            "each rank's pieces it would train another model. Leave optimizer_updates='auto' (or 'whole'): zero then "
+            "steps each parameter whole on one rank")
+    if config.optimizer_updates != "auto":
+        return config.optimizer_updates
+    if whole is not None:
+        return "whole"
     if any(isinstance(optimizer, known) for cls in _ELEMENTWISE if (known := getattr(torch.optim, cls, None)) is not None):
-        return
+        return "elementwise"
     raise ConfigError(
         f"zero cannot tell whether {type(optimizer).__module__}.{name} updates each element of a parameter from that "
-        "element's gradient and state alone: each rank steps only its pieces of every parameter, which is exact for "
-        "such optimizers (Adam, SGD, Lion, ...) and silently wrong for those that read whole matrices (Muon, Shampoo, "
-        "LAMB's trust ratio, Adafactor). If it is element-wise, declare it: ZeroConfig(optimizer_updates='elementwise')")
+        "element's gradient and state alone (Adam, SGD, Lion, ...: each rank steps its pieces) or reads whole "
+        "tensors (Muon, Shampoo, LAMB's trust ratio, Adafactor: each parameter is stepped whole on one rank). "
+        "Declare it: ZeroConfig(optimizer_updates='elementwise') or ZeroConfig(optimizer_updates='whole')")
 
 
 def collect_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[ParamInfo]:

@@ -27,7 +27,7 @@ from zero_core._group import build_groups
 from zero_core._reducer import GradientReducer
 from zero_core._scaler import LossScaler
 from zero_core._setup import (
-    check_optimizer,
+    optimizer_updates,
     check_ranks_agree,
     collect_params,
     first_use_order,
@@ -35,6 +35,7 @@ from zero_core._setup import (
     resolve_group,
 )
 from zero_core._sources import open_source
+from zero_core._whole_step import WholeTensorSteps
 from zero_core._host_memory import return_freed_host_memory
 from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk
@@ -115,7 +116,7 @@ def shard(
     if config.release_host_memory:  # before any chunk buffer exists. See [Note: host memory that is freed is returned]
         return_freed_host_memory()
     params = collect_params(model, optimizer)
-    check_optimizer(optimizer, config)
+    updates = optimizer_updates(optimizer, config)
     # Parameters built under lazy_init() are meta tensors; their values come from replaying the recording.
     metas = {id(p.param): p.param.data for p in params if p.param.device.type == "meta"}
     recording = None
@@ -210,8 +211,9 @@ def shard(
     gather_groups = build_groups(chunks, groups, pool)
     reducer = GradientReducer(gather_groups, reduce_comm=reduce_comm, mesh_comms=mesh_comms, agree=not config.static_graph)
     loss_scale = config.precision.loss_scale
+    whole = _whole_steps(optimizer, chunks, comm, device, config, mesh_comms) if updates == "whole" else None
     bridge = OptimizerBridge(optimizer, reducer=reducer, comm=comm, device=device,
-                             scaler=LossScaler(loss_scale) if loss_scale is not None else None)
+                             scaler=LossScaler(loss_scale) if loss_scale is not None else None, whole=whole)
     placement.setup(PlacementContext(
         optimizer=optimizer, device=device, comm=comm, config=config, gather_groups=groups,
         step_chunks=bridge.step_chunks, device_bytes=functools.partial(device_bytes, tuple(chunks)),
@@ -488,3 +490,20 @@ def _attach_scaler_state(optimizer: torch.optim.Optimizer, scaler: LossScaler) -
 
     optimizer.register_state_dict_post_hook(save)
     optimizer.register_load_state_dict_pre_hook(load)
+
+
+def _whole_steps(optimizer: torch.optim.Optimizer, chunks: list[Chunk], comm: CommBackend, device: torch.device,
+                 config: ZeroConfig, mesh_comms: Any) -> WholeTensorSteps:
+    """Whole-tensor steps (see [Note: whole-tensor optimizer steps]), where their layout holds."""
+    name = type(optimizer).__name__
+    if config.placement != "device":
+        raise ConfigError(
+            f"{name} is stepped whole on one rank per parameter (optimizer_updates='whole'), which needs the shards "
+            f"on the device; placement={config.placement!r} keeps or steps them elsewhere. Use placement='device', "
+            "or an element-wise optimizer with offload")
+    if mesh_comms or any(c.plan.mesh.replicate_ranks > 1 or c.world_size != comm.world_size for c in chunks):
+        raise ConfigError(
+            f"{name} is stepped whole on one rank per parameter (optimizer_updates='whole'), which zero runs over one "
+            "data-parallel group; this model has replicas (HSDP) or module meshes. Shard over one group, or use an "
+            "element-wise optimizer")
+    return WholeTensorSteps(optimizer, chunks, comm=comm, device=device)

@@ -21,7 +21,7 @@ from zero_core.errors import ConfigError
 __all__ = ["ChunkPolicy", "LossScale", "Precision", "ZeroConfig"]
 
 STAGES = (1, 2, 3)
-OPTIMIZER_UPDATES = ("auto", "elementwise")
+OPTIMIZER_UPDATES = ("auto", "elementwise", "whole")
 
 def check_reshard_after_forward(value: object, owner: str = "reshard_after_forward") -> None:
     if isinstance(value, bool):
@@ -246,15 +246,18 @@ class ZeroConfig:
             unless the agreement rounds show up in a profile. Without the promise, a pass whose
             sequence of all-gathers repeated is replayed with one round instead of one per
             all-gather (see :doc:`concepts`), falling back to agreeing when the model branches.
-        optimizer_updates: What the optimizer's update of a parameter reads, which decides whether each
-            rank may step its own pieces. ``"auto"`` (default): zero knows torch's element-wise
-            optimizers (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop,
-            Rprop and their subclasses), whose update of an element reads only that element's
-            gradient and state, and refuses every other optimizer at ``shard()``: Muon and
-            Adafactor orthogonalise or factor whole matrices and LBFGS searches along the whole
-            parameter vector, so stepping pieces would train another model, silently.
-            ``"elementwise"`` declares a third-party optimizer element-wise (Lion, an 8-bit Adam,
-            ...): zero then steps it on each rank's pieces. See :doc:`concepts`.
+        optimizer_updates: What the optimizer's update of a parameter reads, which decides how it is
+            stepped. ``"elementwise"``: an element's update reads only that element's gradient and
+            state (SGD, Adam, Lion, an 8-bit Adam, ...), so each rank steps its own pieces.
+            ``"whole"``: the update reads the whole tensor (Muon's orthogonalisation, Adafactor's
+            factored moments, LAMB's trust ratio, Shampoo), so each parameter is stepped whole on one
+            owner rank, which holds its optimizer state, and the new values are scattered back
+            (three all-to-alls of the shard per step). ``"auto"`` (default) picks ``"elementwise"``
+            for torch's element-wise optimizers (SGD, Adam, AdamW, Adagrad, Adadelta, Adamax, ASGD,
+            NAdam, RAdam, RMSprop, Rprop and their subclasses) and ``"whole"`` for classes named
+            Muon, Adafactor, LAMB, LARS, Shampoo or SOAP, and refuses any other optimizer at
+            ``shard()`` until declared; LBFGS, which reads every parameter at once, is refused. See
+            :doc:`concepts`.
         release_host_memory: Let host buffers the engine frees go back to the system: on glibc,
             ``shard()`` fixes malloc's mmap threshold at 4 MiB (process-wide), so buffers of a
             chunk's size are mapped on their own instead of fragmenting malloc's heap. ``False``
@@ -318,7 +321,7 @@ class ZeroConfig:
         if self.optimizer_updates not in OPTIMIZER_UPDATES:
             raise ConfigError(
                 f"ZeroConfig.optimizer_updates must be one of {list(OPTIMIZER_UPDATES)}, got {self.optimizer_updates!r}: "
-                "'auto' accepts torch's element-wise optimizers, 'elementwise' declares another optimizer element-wise."
+                "'auto' classifies torch's optimizers, 'elementwise' or 'whole' declares what another one reads."
             )
         for name in ("sync_module_states", "check_ranks_agree", "static_graph", "release_host_memory"):
             if not isinstance(getattr(self, name), bool):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 from zero_core._comm_stats import CollectiveCount, CollectiveKind, CommStats, ring_bytes_sent
+from zero_core.errors import CommError
 
 if TYPE_CHECKING:
     from zero_core.api import ZeroConfig
@@ -150,6 +151,36 @@ class CommBackend(ABC):
         if self.world_size > 1:
             self.all_reduce(out, op="max")
         return out
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, output_splits: Sequence[int],
+                   input_splits: Sequence[int]) -> None:
+        """Send ``input``'s ``input_splits[j]`` elements (in rank order) to rank ``j``; receive into ``output``
+        rank ``i``'s ``output_splits[i]`` elements, in rank order. Blocking; 1-D tensors of one dtype.
+
+        Whole-tensor optimizer steps use it (see [Note: whole-tensor optimizer steps] in
+        ``zero_core._whole_step``). This default is built from :meth:`all_gather` and
+        :meth:`agree_max` (every rank's padded send buffer reaches every rank, ``world_size`` times
+        the bytes of a native all-to-all); a backend over a transport with an all-to-all overrides it.
+        """
+        world, rank = self.world_size, self.rank
+        if len(input_splits) != world or len(output_splits) != world:
+            raise CommError(f"all_to_all needs one split per rank ({world}), got {len(input_splits)} and "
+                            f"{len(output_splits)}")
+        if world == 1:
+            output.copy_(input)
+            return
+        width = int(self.agree_max(torch.tensor([max(input_splits)], dtype=torch.int64))[0])
+        send = torch.zeros(world, width, dtype=input.dtype, device=input.device)
+        at = 0
+        for j, n in enumerate(input_splits):
+            send[j, :n] = input[at:at + n]
+            at += n
+        everyone = torch.empty(world, world, width, dtype=input.dtype, device=input.device)
+        self.all_gather(everyone.view(-1), send.view(-1))
+        at = 0
+        for i, n in enumerate(output_splits):
+            output[at:at + n] = everyone[i, rank, :n]
+            at += n
 
     @abstractmethod
     def all_gather_object(self, obj: Any) -> list[Any]:

@@ -1,0 +1,137 @@
+"""Whole-tensor optimizers (Muon, Adafactor) train as in one process: each parameter stepped whole on its owner.
+
+See [Note: whole-tensor optimizer steps] in ``zero_core._whole_step``. One spawn per world size runs
+every stage and strategy for both optimizers, each against the same code in one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from zero_core import ConfigError, ZeroConfig, load_checkpoint, save_checkpoint, shard
+from zero_core._whole_step import assign_owners
+from zero_core.testing import RunResult, assert_parity, run_distributed
+
+STEPS = 4
+# (strategy, stage): every stage of the default strategy, and the tensor strategy's sharded stages
+LAYOUTS = [("chunk", 1), ("chunk", 2), ("chunk", 3), ("tensor", 2), ("tensor", 3)]
+
+
+def _model(biases: bool) -> nn.Module:
+    torch.manual_seed(0)
+    # prime widths: no world size divides a parameter, so pieces are padded and some ranks hold no rows
+    return nn.Sequential(nn.Linear(7, 13, bias=biases), nn.Tanh(), nn.Linear(13, 11, bias=biases), nn.Tanh(),
+                         nn.Linear(11, 3, bias=biases))
+
+
+def _optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "muon":
+        return torch.optim.Muon(params, lr=0.02, weight_decay=0.01)
+    return torch.optim.Adafactor(params, lr=0.01, weight_decay=0.01)
+
+
+def _train(name: str, layout: tuple[str, int] | None, *, steps: range = range(STEPS), load: str | None = None,
+           save: str | None = None) -> tuple[RunResult, dict[str, dict[str, int]]]:
+    sharded = layout is not None
+    world, rank = (dist.get_world_size(), dist.get_rank()) if sharded else (1, 0)
+    model = _model(biases=name == "adafactor")  # Muon takes matrices only, as in one process
+    opt = _optimizer(name, model.parameters())
+    if sharded:
+        strategy, stage = layout
+        model, opt = shard(model, opt, config=ZeroConfig(stage=stage, strategy=strategy))
+    if load is not None:
+        load_checkpoint(model, opt, load)
+    losses, counts = [], {}
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 7, generator=g), torch.randint(0, 3, (8,), generator=g)
+        n = 8 // world
+        loss = F.cross_entropy(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        if sharded:
+            dist.all_reduce(value)
+            counts = model.comm_stats.summary()
+        losses.append(value.item() / world)
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in model.named_parameters()}
+    if save is not None:
+        save_checkpoint(model, opt, save)
+    if sharded:
+        model.close()
+    return RunResult(losses, params), counts
+
+
+def _all_layouts() -> dict[tuple[str, str, int], tuple[RunResult, dict]]:
+    return {(name, *layout): _train(name, layout) for name in ("muon", "adafactor") for layout in LAYOUTS}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_muon_and_adafactor_train_as_in_one_process(world):
+    references = {name: _train(name, None)[0] for name in ("muon", "adafactor")}
+    for rank, runs in enumerate(run_distributed(_all_layouts, world, timeout=300)):
+        for (name, strategy, stage), (result, counts) in runs.items():
+            assert_parity(references[name], result, label=f"{name} {strategy} stage {stage}, rank {rank} of {world}:")
+            if world > 1:
+                assert counts["all_to_all"]["calls"] == 3, counts
+
+
+def _expected_all_to_all_bytes(world: int, rank: int) -> int:
+    """Three all-to-alls of fp32 pieces: values and gradients to the owners, values back (see the Note)."""
+    shapes = [(13, 7), (11, 13), (3, 11)]
+    pieces = [-(-rows // world) * cols for rows, cols in shapes]
+    owners = assign_owners([rows * cols for rows, cols in shapes], world)
+    splits = [sum(p for p, o in zip(pieces, owners) if o == r) for r in range(world)]
+    to_owners = sum(splits) - splits[rank]  # all but this rank's own share leave it
+    back = (world - 1) * splits[rank]  # the owner sends each other rank its pieces
+    return 4 * (2 * to_owners + back)
+
+
+def _counted() -> dict[str, dict[str, int]]:
+    return _train("muon", ("chunk", 3))[1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_whole_steps_send_exactly_the_pieces(world):
+    for rank, counts in enumerate(run_distributed(_counted, world, timeout=120)):
+        assert counts["all_to_all"] == {"calls": 3, "bytes_sent": _expected_all_to_all_bytes(world, rank)}
+
+
+def test_owners_are_balanced_and_deterministic():
+    assert assign_owners([10, 30, 20, 5], 2) == [1, 0, 1, 0]  # 30 -> 0, 20 -> 1, 10 -> 1 (30 each), 5 -> 0 (tie)
+    assert assign_owners([4, 4, 4], 4) == [0, 1, 2]
+    assert assign_owners([], 3) == []
+
+
+def _save_then_resume(directory: str, phase: str) -> dict[str, RunResult]:
+    out = {}
+    for name in ("muon", "adafactor"):
+        path = f"{directory}/{name}"
+        if phase == "save":  # 2 steps at 2 ranks, chunked stage 3
+            out[name] = _train(name, ("chunk", 3), steps=range(2), save=path)[0]
+        else:  # the last 2 at 4 ranks, tensor strategy stage 2: other owners, other pieces
+            out[name] = _train(name, ("tensor", 2), steps=range(2, STEPS), load=path)[0]
+    return out
+
+
+def test_a_checkpoint_resumes_at_another_world_size_and_strategy(tmp_path):
+    references = {name: _train(name, None)[0] for name in ("muon", "adafactor")}
+    run_distributed(_save_then_resume, 2, str(tmp_path), "save", timeout=120)
+    for rank, runs in enumerate(run_distributed(_save_then_resume, 4, str(tmp_path), "load", timeout=120)):
+        for name, result in runs.items():
+            reference = references[name]
+            assert_parity(RunResult(reference.losses[2:], reference.params), result, label=f"{name} rank {rank}:")
+
+
+def test_whole_tensor_optimizers_are_refused_where_their_layout_does_not_hold():
+    model = _model(biases=False)
+    with pytest.raises(ConfigError, match="declares Muon element-wise"):
+        shard(model, torch.optim.Muon(model.parameters()), config=ZeroConfig(optimizer_updates="elementwise"))
+    with pytest.raises(ConfigError, match="placement='device'"):
+        shard(model, torch.optim.Muon(model.parameters()), config=ZeroConfig(placement="host"))
