@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zero_core import ConfigError, ZeroConfig, load_checkpoint, save_checkpoint, shard
+from zero_core import CheckpointError, ChunkPolicy, ConfigError, Precision, ZeroConfig, load_checkpoint, save_checkpoint, shard
 from zero_core._whole_step import assign_owners
-from zero_core.testing import RunResult, assert_parity, run_distributed
+from zero_core.testing import RunResult, assert_parity, run_distributed, train_reference, train_sharded
 
 STEPS = 4
 # (strategy, stage): every stage of the default strategy, and the tensor strategy's sharded stages
@@ -117,6 +117,15 @@ def _save_then_resume(directory: str, phase: str) -> dict[str, RunResult]:
             out[name] = _train(name, ("chunk", 3), steps=range(2), save=path)[0]
         else:  # the last 2 at 4 ranks, tensor strategy stage 2: other owners, other pieces
             out[name] = _train(name, ("tensor", 2), steps=range(2, STEPS), load=path)[0]
+    if phase == "load":  # whole-tensor states cannot become an element-wise optimizer's
+        model = _model(biases=False)
+        model, opt = shard(model, torch.optim.AdamW(model.parameters()))
+        try:
+            load_checkpoint(model, opt, f"{directory}/muon")
+        except CheckpointError as exc:
+            out["adamw"] = str(exc)
+        load_checkpoint(model, None, f"{directory}/muon")  # the parameters alone load
+        model.close()
     return out
 
 
@@ -124,6 +133,7 @@ def test_a_checkpoint_resumes_at_another_world_size_and_strategy(tmp_path):
     references = {name: _train(name, None)[0] for name in ("muon", "adafactor")}
     run_distributed(_save_then_resume, 2, str(tmp_path), "save", timeout=120)
     for rank, runs in enumerate(run_distributed(_save_then_resume, 4, str(tmp_path), "load", timeout=120)):
+        assert "holds the states of an optimizer stepped whole per parameter" in runs.pop("adamw", "")
         for name, result in runs.items():
             reference = references[name]
             assert_parity(RunResult(reference.losses[2:], reference.params), result, label=f"{name} rank {rank}:")
@@ -135,3 +145,12 @@ def test_whole_tensor_optimizers_are_refused_where_their_layout_does_not_hold():
         shard(model, torch.optim.Muon(model.parameters()), config=ZeroConfig(optimizer_updates="elementwise"))
     with pytest.raises(ConfigError, match="placement='device'"):
         shard(model, torch.optim.Muon(model.parameters()), config=ZeroConfig(placement="host"))
+
+
+def test_bf16_compute_with_a_whole_tensor_optimizer_matches_the_16bit_reference():
+    compute = Precision(compute="bf16")
+    config = ZeroConfig(stage=3, precision=compute, chunk=ChunkPolicy(chunk_size=300))
+    results = run_distributed(train_sharded, 2, "gpt", config=config, optimizer="adafactor")
+    reference = train_reference("gpt", precision=compute, world=2, optimizer="adafactor")
+    for rank, result in enumerate(results):
+        assert_parity(reference, result, rtol=1e-3, label=f"rank {rank}:")

@@ -86,8 +86,11 @@ def make_optimizer(case: ZooCase, model: torch.nn.Module, name: str = "adamw", l
         return torch.optim.Adagrad(groups, lr=lr * 10)
     if name == "adagrad_fused":
         return torch.optim.Adagrad(groups, lr=lr * 10, fused=True)
+    if name == "adafactor":  # factored moments: stepped whole on each parameter's owner rank
+        return torch.optim.Adafactor(groups, lr=lr * 10, weight_decay=0.01)
     raise ValueError(
-        f"unknown optimizer {name!r}; use adamw, adamw_fused, adam, adam_foreach, sgd, sgd_fused, adagrad or adagrad_fused"
+        f"unknown optimizer {name!r}; use adamw, adamw_fused, adam, adam_foreach, sgd, sgd_fused, adagrad, "
+        "adagrad_fused or adafactor"
     )
 
 
