@@ -8,11 +8,22 @@ import torch.distributed as dist
 
 from zero_comm import TorchCommBackend
 from zero_core import CollectiveTimeoutError
+from zero_core.plugin import CommBackend
 from zero_core.testing import CommBackendConformance, run_distributed
 
 
 class TestTorchBackend(CommBackendConformance):
     backend_class = TorchCommBackend
+
+
+class _WithoutAllToAll(TorchCommBackend):
+    """A backend that leaves all_to_all to the interface's default (built from all_gather and agree_max)."""
+
+    all_to_all = CommBackend.all_to_all
+
+
+class TestTheDefaultAllToAll(CommBackendConformance):
+    backend_class = _WithoutAllToAll
 
 
 def _rank0_result():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-COLLECTIVES = {"all_gather", "reduce_scatter", "all_reduce", "broadcast", "agree_min", "agree_any", "agree_max", "all_gather_object"}
+COLLECTIVES = {"all_gather", "reduce_scatter", "all_reduce", "broadcast", "agree_min", "agree_any", "agree_max", "all_gather_object",
+               "all_to_all"}
 ALLOWED = {"_collectives.py", "_agreement.py", "comm.py"}  # comm.py defines the interface
 
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from zero_core._group import GatherGroup
 
 __all__ = ["Reduction", "broadcast_from_rank0", "gather_chunk", "gather_for_peers", "gather_group", "gather_master",
-           "publish_chunk", "publish_group", "reduce_gradients", "sum_over_ranks"]
+           "exchange_pieces", "publish_chunk", "publish_group", "reduce_gradients", "sum_over_ranks"]
 
 
 # -- parameters: all-gathers ----------------------------------------------------------------------------
@@ -351,3 +351,10 @@ def gather_master(chunk: Chunk, comm: CommBackend) -> torch.Tensor:
     full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
     chunk.layout.copy_out(received.view(chunk.world_size, chunk.shard_size), full)
     return full
+
+
+# -- whole-tensor optimizer steps: all-to-alls ---------------------------------------------------------
+def exchange_pieces(output: torch.Tensor, input: torch.Tensor, comm: CommBackend, *, output_splits: Sequence[int],
+                    input_splits: Sequence[int]) -> None:
+    """Pieces of parameters to their owners or back (see [Note: whole-tensor optimizer steps]): one all-to-all."""
+    comm.all_to_all(output, input, output_splits=output_splits, input_splits=input_splits)

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zero_core._agreement import any_rank
+from zero_core._collectives import exchange_pieces
 from zero_core._slots import ParamSlot, to_local
 from zero_core.chunk import Chunk
 from zero_core.comm import CommBackend
@@ -161,7 +163,8 @@ class WholeTensorSteps:
                 send[:, at:at + slot.piece] = padded.view(self.world_size, slot.piece)
                 at += slot.piece
             received = torch.empty(sum(splits), dtype=dtype, device=self._device)
-            self._comm.all_to_all(received, send.view(-1), output_splits=splits, input_splits=[width] * self.world_size)
+            exchange_pieces(received, send.view(-1), self._comm, output_splits=splits,
+                            input_splits=[width] * self.world_size)
             at = 0
             for entry in self._by_owner(live):
                 local = to_local(entry.param)
@@ -190,7 +193,7 @@ class WholeTensorSteps:
         has = [e.param.grad is not None for e in self.entries]
         if self.world_size > 1 and self.entries:
             flags = torch.tensor(has + [not h for h in has], dtype=torch.uint8)
-            agreed = self._comm.agree_any(flags).to(torch.bool)
+            agreed = any_rank(self._comm, flags).to(torch.bool)
             n = len(has)
             split = [e.name for i, e in enumerate(self.entries) if agreed[i] and agreed[n + i]]
             if split:
@@ -227,5 +230,6 @@ class WholeTensorSteps:
             send[at:at + local.numel()] = local.reshape(-1)
             at += entry.slot.piece
         received = torch.empty(self.world_size * splits[self.rank], dtype=dtype, device=self._device)
-        self._comm.all_to_all(received, send, output_splits=[splits[self.rank]] * self.world_size, input_splits=splits)
+        exchange_pieces(received, send, self._comm, output_splits=[splits[self.rank]] * self.world_size,
+                        input_splits=splits)
         return received

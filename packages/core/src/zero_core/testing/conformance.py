@@ -84,9 +84,14 @@ def _comm_worker(backend_cls: type[CommBackend]) -> dict[str, Any]:
     objs = comm.all_gather_object({"rank": r})
     stats = comm.stats.summary(comm.stats.current)  # before agree_max: its default counts as an all-reduce
     maxed = comm.agree_max(torch.tensor([r, -r, 7], dtype=torch.int64)).tolist()
+    # all_to_all with uneven splits: rank r sends rank j (j + 1) copies of 100 r + j
+    sent = torch.cat([torch.full((j + 1,), float(100 * r + j)) for j in range(n)])
+    exchanged = torch.empty((r + 1) * n)
+    comm.all_to_all(exchanged, sent, output_splits=[r + 1] * n, input_splits=[j + 1 for j in range(n)])
     return {
         "rank": r, "world": n, "full": full, "rs": rs_out, "rs_async": pending_out, "ar": ar.item(), "max": mx.item(),
         "bcast": b, "agreed": agreed, "any": anyflags.tolist(), "maxed": maxed, "objs": objs, "stats": stats,
+        "exchanged": exchanged,
     }
 
 
@@ -119,6 +124,8 @@ class CommBackendConformance:
                 assert res["any"] == [0, 1, 0]
                 assert res["maxed"] == [n - 1, 0, 7]
                 assert [o["rank"] for o in res["objs"]] == list(range(n))
+                expect_a2a = torch.cat([torch.full((r + 1,), float(100 * i + r)) for i in range(n)])
+                torch.testing.assert_close(res["exchanged"], expect_a2a)
 
     def test_counts_match_ring_formulas(self) -> None:
         """Bytes sent per rank follow the ring convention in zero_core.comm's docstring; one rank sends nothing."""
