@@ -108,11 +108,10 @@ def generate(seed: int, n: int) -> list[str]:
             grads = action.endswith("zeros") and grads  # zeroed gradients still count as present
             window = False
         actions.append(action)
-    # Short sequences end with a one-rank skip (after it the ranks are out of step for good, see drive). Long
-    # (soak) sequences do not yet: by then a pass replays its gather sequence, whose all-gathers carry no tag,
-    # so a rank that left the forward meets a peer's all-gather and both wait for the collective timeout.
-    if not SOAK:
-        actions[-1] = "one_rank_skip"
+    # Every sequence ends with a one-rank skip (after it the ranks are out of step for good, see drive). In long
+    # (soak) sequences a pass replays its gather sequence by then: the rank that left the forward finishes its
+    # all-gathers first (see [Note: a forward that raises finishes its gathers]).
+    actions[-1] = "one_rank_skip"
     return actions
 
 

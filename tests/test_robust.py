@@ -381,9 +381,13 @@ def _out_of_step(*, stage, pattern, directory):
     model = _build()
     model, opt = shard(model, _sgd(model), config=_config(stage, collective_timeout_s=30))
     start = time.monotonic()
+    replayed = 0
     with pytest.raises(RanksOutOfStepError) as info:
-        for step in range(4):
-            if pattern == "raise_and_skip" and step == 1 and rank == 0:  # this rank's forward raises; it skips the batch
+        for step in range(5):
+            # this rank's forward raises and it skips the batch: at step 1, or at step 3, where the forward replays
+            # the gather sequence of the two before it (all-gathers with no agreement)
+            if pattern.startswith("raise_and_skip") and step == (3 if pattern.endswith("replayed") else 1) and rank == 0:
+                replayed = model._zero_engine.residency.scheduler.replayed_passes
                 handle = model.inp.register_forward_hook(_raise_in_forward)
                 try:
                     _loss(model, step, world, rank)
@@ -402,6 +406,8 @@ def _out_of_step(*, stage, pattern, directory):
             loss.backward()
             opt.step()
             opt.zero_grad()
+    if pattern.endswith("replayed") and rank == 0:
+        assert model._zero_engine.residency.scheduler.replayed_passes > replayed, "the raising forward did not replay"
     return str(info.value), time.monotonic() - start
 
 
@@ -422,11 +428,12 @@ def _raise_in_forward(module, args, output):
 
 
 # A rank writing its own pieces at stage 3 is plain DTensor use (no copies to keep in step), so that pattern is
-# for stages 1 and 2. At stage 3 the rank whose forward raised meets, with its next round, its peer's gather
-# agreement in the middle of the old forward: the messages have one size and tag (see [Note: lockstep rounds]).
+# for stages 1 and 2. At stage 3 the rank whose forward raised first serves its peer's gathers to the end of the
+# old forward (see [Note: a forward that raises finishes its gathers]); its next forward's round then meets the
+# peer's backward round.
 @pytest.mark.parametrize(("stage", "pattern", "names"), [
     (1, "raise_and_skip", "1 that raised"), (2, "raise_and_skip", "1 that raised"),
-    (3, "raise_and_skip", "agreement on the next all-gather"),
+    (3, "raise_and_skip", "rank 1: backward"), (3, "raise_and_skip_replayed", "rank 1: backward"),
     (1, "write_alone", "written outside the optimizer"), (2, "write_alone", "written outside the optimizer")])
 def test_a_rank_diverging_between_backwards_fails_on_every_rank(stage, pattern, names, tmp_path):
     results = run_distributed(_out_of_step, WORLD, stage=stage, pattern=pattern, directory=str(tmp_path), timeout=TIMEOUT)

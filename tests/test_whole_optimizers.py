@@ -17,8 +17,8 @@ from zero_core._whole_step import assign_owners
 from zero_core.testing import RunResult, assert_parity, run_distributed, train_reference, train_sharded
 
 STEPS = 4
-# (strategy, stage): every stage of the default strategy, and the tensor strategy's sharded stages
-LAYOUTS = [("chunk", 1), ("chunk", 2), ("chunk", 3), ("tensor", 2), ("tensor", 3)]
+# (strategy, stage): every stage of both strategies
+LAYOUTS = [(strategy, stage) for strategy in ("chunk", "tensor") for stage in (1, 2, 3)]
 
 
 def _model(biases: bool) -> nn.Module:

@@ -124,7 +124,7 @@ from zero_core._residency import Residency
 from zero_core._state import ChunkState, TrainingState
 from zero_core._view import EngineView
 from zero_core.chunk import Chunk
-from zero_core.errors import GradientLostError, ZeroError
+from zero_core.errors import CollectiveTimeoutError, GradientLostError, RanksOutOfStepError, ZeroError
 
 if TYPE_CHECKING:
     import pluggy
@@ -301,17 +301,37 @@ class Engine:
                 self.reducer.expect(reachable_params(tensors))
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._enter_backward, mode="any")
                 self._graph_forwards += 1
-        except BaseException:
-            self.abort_forward()
+        except BaseException as error:
+            self.abort_forward(error)
             raise
         self._set_state(TrainingState.BACKWARD_PENDING if graph else TrainingState.IDLE)
         self.params.use_sharded()
 
     @engine_work
-    def abort_forward(self) -> None:
-        """The wrapped model's forward raised: free what it gathered so the next step starts clean.
+    def abort_forward(self, error: BaseException | None = None) -> None:
+        """The wrapped model's forward raised ``error``: free what it gathered so the next step starts clean.
 
-        Gathers in flight are completed first (every rank issued them), never left to write later."""
+        The pass's gathers are finished first, as a pass that ended would finish them (see [Note: a forward that
+        raises finishes its gathers]); gathers in flight are completed (every rank issued them), never left to
+        write later."""
+        scheduler = self.residency.scheduler
+        if scheduler.open and isinstance(error, Exception) and not isinstance(error, (CollectiveTimeoutError,
+                                                                                       RanksOutOfStepError)):
+            # [Note: a forward that raises finishes its gathers]
+            # Its peers may still be inside this forward: replaying a repeated gather sequence (all-gathers with no
+            # agreement, which pair with whatever this rank issues next) or agreeing on the next all-gather. So this
+            # rank finishes its pass the way a rank whose forward ended early does: it issues the rest of the
+            # replayed sequence and serves its peers' proposals until every rank is done (the sequence is the same
+            # on every rank, and pairing is by order, so this pairs wherever the peers are). A rank that then skips
+            # its batch meets its peers' next phase with a lockstep round and every rank raises RanksOutOfStepError;
+            # ranks that all raised finish together. A collective that failed itself is not followed by more, and an
+            # interrupt (KeyboardInterrupt) does not wait for the peers.
+            try:
+                scheduler.drain()
+            except Exception as failed:  # noqa: BLE001 - the forward's own error is the one to raise
+                warnings.warn(f"a forward raised, and finishing its all-gathers with the other ranks failed too "
+                              f"({type(failed).__name__}: {failed}); the ranks are probably out of step",
+                              stacklevel=2)
         self.residency.drop_leftovers(wait=True)
         self._set_state(TrainingState.IDLE)
         self.params.use_sharded()

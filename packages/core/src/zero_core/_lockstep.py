@@ -32,10 +32,12 @@ others' descriptions and raises :class:`~zero_core.errors.RanksOutOfStepError` n
 them. Two different descriptions hash to one tag with probability 2**-31. A rank whose
 peers never arrive times out (``collective_timeout_s``) with the phase named.
 
-Not covered: data-plane collectives carry no tag, so a rank that leaves a backward
-halfway (its backward raised) while its peers reduce-scatter, or leaves a forward while its
-peers replay a repeated gather sequence (all-gathers with no agreement, see [Note: replaying
-a repeated gather sequence]), is caught only by the collective timeout.
+Data-plane collectives carry no tag. A rank that leaves a forward while its peers replay a
+repeated gather sequence (all-gathers with no agreement, see [Note: replaying a repeated
+gather sequence]) first finishes that sequence, as a pass that ended would (see [Note: a
+forward that raises finishes its gathers] in ``zero_core._engine``), so its next round meets
+its peers' next round. Not covered: a rank that leaves a backward halfway (its backward
+raised) while its peers reduce-scatter is caught only by the collective timeout.
 
 Within a phase ranks may legitimately differ (unused parameters, experts chosen per
 sample): [Note: agreeing on all-gathers] handles that. ``ZeroConfig(static_graph=True)``

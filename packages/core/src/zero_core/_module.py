@@ -50,8 +50,8 @@ class ZeroModule:
         engine.pre_forward_root()
         try:
             outputs = super().__call__(*args, **kwargs)  # type: ignore[misc]
-        except BaseException:
-            engine.abort_forward()
+        except BaseException as error:
+            engine.abort_forward(error)
             raise
         engine.post_forward_root(outputs)
         return outputs

@@ -87,6 +87,11 @@ class GatherScheduler:
         self._open = False  # a pass began and has not drained
         self.replayed_passes = 0  # passes that started as replays (for tests and the bench)
 
+    @property
+    def open(self) -> bool:
+        """A pass began with agreements or a replay and has not drained: peers may still pair with its all-gathers."""
+        return self._open and self.agree
+
     def begin_pass(self, *, reverse: bool) -> None:
         if self._open:  # the last pass raised before its drain: its record is partial and ranks may differ
             self._history = {}
