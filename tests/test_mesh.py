@@ -88,14 +88,20 @@ def test_module_meshes_put_experts_on_their_own_mesh():
         assert set(shapes) == {(4,), (2, 2)}, shapes
 
 
-def test_zero_clip_grad_norm_over_module_meshes():
-    """zero_core.clip_grad_norm_ sums each mesh's part once (torch's function fails inside DTensor on mixed meshes)."""
-    runs = [("unused", _config("unused"), {"module_meshes": {"experts": (2, 2)}, "clip": 0.05})]
+def test_clip_grad_norm_over_module_meshes():
+    """zero_core.clip_grad_norm_ sums each mesh's part once, and torch's own clip over model.parameters() gives the
+    same (see [Note: torch's clip over several meshes]), at stage 3 and with the tensor strategy at stage 2."""
+    meshes = {"module_meshes": {"experts": (2, 2)}, "clip": 0.05}
+    runs = [("unused", _config("unused"), meshes),
+            ("unused", _config("unused"), {**meshes, "clip_with": "torch"}),
+            ("unused", _config("unused", strategy="tensor", stage=2), {**meshes, "clip_with": "torch"})]
     results = run_distributed(_train_many, 4, runs)
     expected = train_reference("unused", clip=0.05)
     assert expected.norms and max(expected.norms) > 0.05  # the clip bites
     for rank, result in enumerate(results):
-        assert_parity(expected, result[0], label=f"rank {rank}:")
+        for run, (_, _, kwargs) in zip(result, runs):
+            assert_parity(expected, run, label=f"{kwargs.get('clip_with', 'zero')} rank {rank}:")
+            assert run.norms == pytest.approx(expected.norms, rel=1e-5)
 
 
 def _reshard_runs():

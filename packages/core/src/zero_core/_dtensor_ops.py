@@ -1,19 +1,35 @@
-"""DTensor sharding rules for torch's fused optimizer kernels that torch registers only for Adam and AdamW.
+"""What torch's DTensor lacks for the idioms users apply to sharded parameters.
 
 The sharded parameters are DTensors, and a fused optimizer step dispatches its kernel on
 them. The fused SGD and Adagrad kernels are elementwise over lists of tensors exactly like
 fused Adam (torch registers those with the same pointwise rule), so they run on each
 rank's local pieces; registering them keeps ``SGD(fused=True)`` and ``Adagrad(fused=True)``
 working on sharded parameters, as they do in one process.
+
+[Note: torch's clip over several meshes]
+``torch.nn.utils.clip_grad_norm_`` (and ``get_total_norm``) takes each gradient's norm with
+``torch._foreach_norm`` and stacks the norms into one tensor. With module meshes the norms are
+DTensors on different meshes, and DTensor refuses ops whose operands span meshes
+("All operands in aten.stack.default must have the same mesh"). So, once a model is sharded
+over several meshes, a stack of one-element DTensors on several meshes (the per-tensor norms)
+returns the plain stack of their global values: the norms of each mesh and placement are
+reduced together, one collective per group, in operand order (identical on every rank), and
+the result is an ordinary tensor. torch then multiplies every gradient by a one-element plain
+tensor, which DTensor takes as replicated on each gradient's own mesh: the clip is the one
+process's; a ``_foreach_mul_`` over gradients of several meshes (the clip's foreach path) runs once per
+mesh. Every other stack and ``_foreach_mul_`` goes through DTensor's own dispatch unchanged.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["register_fused_optimizer_ops"]
+__all__ = ["register_cross_mesh_stack", "register_fused_optimizer_ops"]
 
 _done = False
+_stack_done = False
 
 
 def register_fused_optimizer_ops() -> None:
@@ -36,3 +52,68 @@ def register_fused_optimizer_ops() -> None:
             op = getattr(packet, overload)
             if op not in _pointwise_ops.pointwise_ops:
                 _register_single_dim_pointwise(op)
+
+
+def register_cross_mesh_stack() -> None:
+    """See [Note: torch's clip over several meshes]. Idempotent; a torch without the handler table keeps its error."""
+    global _stack_done
+    if _stack_done:
+        return
+    _stack_done = True
+    from torch.distributed.tensor import DTensor
+
+    handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
+    aten = torch.ops.aten
+    ops = (aten.stack.default, aten._foreach_mul_.Tensor)
+    if not isinstance(handlers, dict) or any(op in handlers for op in ops):
+        return
+
+    def own_dispatch(op: Any, handler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        del handlers[op]  # DTensor's own dispatch, for this call
+        try:
+            return op(*args, **kwargs)
+        finally:
+            handlers[op] = handler
+
+    def by_mesh(tensors: list[Any]) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault(id(t.device_mesh) if isinstance(t, DTensor) else 0, []).append(i)
+        return groups
+
+    def stack(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tensors = list(args[0])
+        if len(by_mesh(tensors)) < 2 or any(t.numel() != 1 for t in tensors):
+            return own_dispatch(op_call, stack, args, kwargs)
+        return _stack_global_values(tensors, *args[1:], **kwargs)
+
+    def foreach_mul_(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # the clip's scale: a one-element tensor times gradients of every mesh, applied per mesh
+        tensors = list(args[0])
+        groups = by_mesh(tensors)
+        if len(groups) < 2:
+            return own_dispatch(op_call, foreach_mul_, args, kwargs)
+        for indices in groups.values():
+            own_dispatch(op_call, foreach_mul_, ([tensors[i] for i in indices], *args[1:]), kwargs)
+        return None
+
+    handlers[aten.stack.default] = stack
+    handlers[aten._foreach_mul_.Tensor] = foreach_mul_
+
+
+def _stack_global_values(tensors: list[Any], dim: int = 0) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    values: list[torch.Tensor | None] = [None if isinstance(t, DTensor) else t for t in tensors]
+    groups: dict[tuple[int, Any], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, DTensor):
+            groups.setdefault((id(t.device_mesh), tuple(t.placements)), []).append(i)
+    for indices in groups.values():  # in operand order: the same collectives on every rank
+        first = tensors[indices[0]]
+        local = torch.stack([tensors[i].to_local().reshape(()) for i in indices])
+        full = DTensor.from_local(local, first.device_mesh, first.placements, run_check=False).full_tensor()
+        for j, i in enumerate(indices):
+            values[i] = full[j].reshape(tensors[i].shape)
+    device = values[0].device  # type: ignore[union-attr]
+    return torch.stack([v.to(device) for v in values], dim)  # type: ignore[union-attr]

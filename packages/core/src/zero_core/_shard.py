@@ -358,9 +358,10 @@ def _shared_stats(backend: Any, comm: Any) -> Any:
 
 
 def _register_dtensor_ops() -> None:
-    from zero_core._dtensor_ops import register_fused_optimizer_ops
+    from zero_core._dtensor_ops import register_cross_mesh_stack, register_fused_optimizer_ops
 
     register_fused_optimizer_ops()
+    register_cross_mesh_stack()  # a model on several meshes: torch's clip stacks norms from all of them
 
 
 def _open_load_source(model: nn.Module, load_from: Any, strict: bool, comm: Any) -> tuple[Any, bool]:

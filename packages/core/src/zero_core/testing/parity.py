@@ -193,13 +193,14 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
                   optimizer: str = "adamw", lr: float = 1e-3, micro_batches: int = 1, clip: float | None = None,
                   norm_type: float = 2.0, no_sync: bool = True, reduce_process_group: Any = None,
                   plugins: Sequence[object] = (), mesh_shape: tuple[int, ...] | None = None,
-                  module_meshes: dict[str, tuple[int, ...]] | None = None) -> RunResult:
+                  module_meshes: dict[str, tuple[int, ...]] | None = None, clip_with: str = "zero") -> RunResult:
     """Run on every rank: shard the zoo model, train on this rank's slice of each global batch.
 
     With ``micro_batches > 1`` the slice is split and all but the last micro-batch run
     inside ``model.no_sync()`` (or, with ``no_sync=False``, each reduces its own
     gradients), each loss scaled so the sum equals the slice's mean loss.
-    With ``clip`` the gradients are clipped by :func:`zero_core.clip_grad_norm_`.
+    With ``clip`` the gradients are clipped by :func:`zero_core.clip_grad_norm_` (``clip_with="torch"``:
+    by ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``).
     ``reduce_process_group`` and ``plugins`` are passed to :func:`zero_core.shard`;
     ``mesh_shape`` (and each shape of ``module_meshes``) becomes a CPU device mesh,
     ``(replicate, shard)`` for two dimensions.
@@ -238,7 +239,9 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
                 micro_loss = case.loss(model(inputs[part]), targets[part]) / micro_batches
                 model.backward(micro_loss)
             loss += micro_loss.detach()
-        if clip is not None:
+        if clip is not None and clip_with == "torch":  # the user's own call, on the sharded parameters
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type)))
+        elif clip is not None:
             norms.append(clip_grad_norm_(model, clip, norm_type))
         if model.loss_scaler is not None:
             scales.append(model.loss_scaler.scale)
