@@ -398,6 +398,14 @@ def _out_of_step(*, stage, pattern, directory):
             if pattern == "write_alone" and step == 1 and rank == 0:
                 with torch.no_grad():  # only this rank's copies would change: see [Note: writes outside the optimizer]
                     next(model.parameters()).mul_(0.5)
+            if pattern == "raise_in_backward" and step == 1 and rank == 0:  # halfway: its peers reduce-scatter on
+                failing = model.mid.register_forward_hook(_raise_in_backward)
+                loss = _loss(model, step, world, rank)
+                failing.remove()
+                try:
+                    loss.backward()
+                except RuntimeError:
+                    continue  # this rank skips the step
             loss = _loss(model, step, world, rank)
             if pattern == "skip_backward" and step == 1 and rank == 0:
                 continue  # this rank skips a backward and steps
@@ -427,6 +435,12 @@ def _raise_in_forward(module, args, output):
     raise RuntimeError("injected in forward")
 
 
+def _raise_in_backward(module, args, output):
+    def fail(grad):
+        raise RuntimeError("injected in backward")
+    output.register_hook(fail)
+
+
 # A rank writing its own pieces at stage 3 is plain DTensor use (no copies to keep in step), so that pattern is
 # for stages 1 and 2. At stage 3 the rank whose forward raised first serves its peer's gathers to the end of the
 # old forward (see [Note: a forward that raises finishes its gathers]); its next forward's round then meets the
@@ -434,6 +448,9 @@ def _raise_in_forward(module, args, output):
 @pytest.mark.parametrize(("stage", "pattern", "names"), [
     (1, "raise_and_skip", "1 that raised"), (2, "raise_and_skip", "1 that raised"),
     (3, "raise_and_skip", "rank 1: backward"), (3, "raise_and_skip_replayed", "rank 1: backward"),
+    # a backward that raises halfway on one rank finishes its collectives (see [Note: a backward that raises
+    # finishes its collectives]); its next round meets the peer's optimizer.step() round
+    (2, "raise_in_backward", "rank 1: optimizer.step()"), (3, "raise_in_backward", "rank 1: optimizer.step()"),
     (1, "write_alone", "written outside the optimizer"), (2, "write_alone", "written outside the optimizer")])
 def test_a_rank_diverging_between_backwards_fails_on_every_rank(stage, pattern, names, tmp_path):
     results = run_distributed(_out_of_step, WORLD, stage=stage, pattern=pattern, directory=str(tmp_path), timeout=TIMEOUT)

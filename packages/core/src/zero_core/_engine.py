@@ -474,6 +474,27 @@ class Engine:
             self._hold_gathered = keep
             self.params.use_sharded()
 
+    def _finish_abandoned_backward(self) -> None:
+        """A backward raised on this rank: issue the collectives the rest of it would have (see the Note below).
+
+        [Note: a backward that raises finishes its collectives]
+        Its peers may still be in that backward, all-gathering (stage 3) and reduce-scattering chunk after chunk.
+        Those collectives pair by order, so this rank issues what a backward that ended here would have: it finishes
+        the gather pass (serving its peers until every rank is done), launches the reductions of the chunks not
+        reduced yet, in the reducer's order (with the gradients it has, zeros for the rest), and joins the
+        agreement on which parameters got gradients. All of it is then discarded, as before: nothing of this
+        backward reaches the optimizer. The peers' gradients are wrong (this rank's part is partial), but every
+        rank's next lockstep round (this rank's next forward or backward, the peers' ``optimizer.step()``) differs,
+        so every rank raises RanksOutOfStepError before any step; ranks that all raised finish together and go
+        on in step."""
+        if self.residency.scheduler.open:
+            self.residency.scheduler.drain()
+        if self.reducer.sync and not self._capture_only:
+            for _ in self.reducer.launch_rest(self.bridge.loss_scale):
+                pass
+            self.reducer.complete()
+            self.reducer.publish(apply=False)
+
     # -- leaving a step by any way ----------------------------------------------------
     def settle(self, what: str | None = None, *, collective: bool = False, in_forward: bool = False) -> None:
         """Bring the engine back to IDLE from wherever an earlier exit left it. See [Note: step transactions].
@@ -505,6 +526,7 @@ class Engine:
                 for chunk in self.chunks:
                     if chunk.state is ChunkState.GATHERING:
                         chunk.wait()
+                self._finish_abandoned_backward()
                 self.reducer.complete()
             except BaseException as err:  # noqa: BLE001 - the state is reset first, then this is raised
                 error = err

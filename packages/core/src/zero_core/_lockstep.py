@@ -35,9 +35,11 @@ peers never arrive times out (``collective_timeout_s``) with the phase named.
 Data-plane collectives carry no tag. A rank that leaves a forward while its peers replay a
 repeated gather sequence (all-gathers with no agreement, see [Note: replaying a repeated
 gather sequence]) first finishes that sequence, as a pass that ended would (see [Note: a
-forward that raises finishes its gathers] in ``zero_core._engine``), so its next round meets
-its peers' next round. Not covered: a rank that leaves a backward halfway (its backward
-raised) while its peers reduce-scatter is caught only by the collective timeout.
+forward that raises finishes its gathers] in ``zero_core._engine``); a rank whose backward
+raised halfway while its peers reduce-scatter issues, when it next calls zero, the rest of
+that backward's all-gathers, reductions and agreement (see [Note: a backward that raises
+finishes its collectives]). Either way its next round meets its peers' next round. A rank
+that never calls zero again is caught by the collective timeout.
 
 Within a phase ranks may legitimately differ (unused parameters, experts chosen per
 sample): [Note: agreeing on all-gathers] handles that. ``ZeroConfig(static_graph=True)``

@@ -159,12 +159,16 @@ class GradientReducer:
             comm.flush()
         self._waiter.join()
 
-    def publish(self) -> None:
-        """Give each optimizer segment its gradient if its parameter got one on any rank."""
+    def publish(self, *, apply: bool = True) -> None:
+        """Give each optimizer segment its gradient if its parameter got one on any rank (``apply=False``: only
+        join the ranks' agreement on it, for a backward that raised; see [Note: a backward that raises finishes
+        its collectives])."""
         flags = [f for chunk in self.order for f in chunk.grads.got]
         if self._comm.world_size > 1 and self._agree:
             agreed = any_rank(self._comm, torch.tensor(flags, dtype=torch.uint8)).tolist()
             flags = [bool(f) for f in agreed]
+        if not apply:
+            return
         offset = 0
         for chunk in self.order:
             chunk.grads.publish(flags[offset : offset + len(chunk.slots)])
