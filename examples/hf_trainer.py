@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -50,7 +51,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
-    parser.add_argument("--output-dir", default="runs/hf_trainer")
+    # outside the checkout, like the other examples' outputs (checkpoints, the export)
+    parser.add_argument("--output-dir", default=os.path.join(tempfile.gettempdir(), "zero-hf-trainer"))
     args = parser.parse_args()
 
     torch.manual_seed(0)

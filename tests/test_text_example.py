@@ -1,6 +1,7 @@
 """examples/text_lm under torchrun on 2 CPU ranks, tiny: it learns, resumes exactly, and exports loadable weights."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,17 +16,32 @@ TINY = ["--steps", "4", "--d-model", "32", "--layers", "1", "--heads", "2", "--s
         "--checkpoint-every", "100", "--train-mb", "0.25", "--sample-bytes", "16"]
 
 
-def _train(out: Path, name: str, *extra: str) -> tuple[dict, str]:
+def _train(out: Path, name: str, *extra: str, default_out: bool = False) -> tuple[dict, str]:
     figures = out.parent / f"{name}.json"
+    # default_out: the example's own default (the system's temporary folder, pointed at `out`'s parent here)
+    where = [] if default_out else ["--out", str(out)]
+    env = {**os.environ, "TMPDIR": str(out.parent)} if default_out else None
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(EXAMPLE / "train.py"), *TINY, "--out", str(out), "--json", str(figures), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+           str(EXAMPLE / "train.py"), *TINY, *where, "--json", str(figures), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(figures.read_text()), proc.stdout
 
 
+def _untracked() -> str:
+    """What `git status` shows of the checkout (untracked and changed files; ignored ones are not shown)."""
+    done = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert done.returncode == 0, f"the tests run from a git checkout: {done.stderr}"
+    return done.stdout
+
+
 def test_text_example_learns_resumes_exactly_and_exports(tmp_path):
-    straight, _ = _train(tmp_path / "straight", "straight")
+    before = _untracked()
+    (tmp_path / "tmp").mkdir()
+    straight, _ = _train(tmp_path / "tmp" / "zero-text-lm", "straight", default_out=True)
+    assert _untracked() == before, "the demo wrote into the checkout: its outputs belong in --out"
+    (tmp_path / "tmp" / "zero-text-lm").rename(tmp_path / "straight")
     first, stdout = _train(tmp_path / "stopped", "first", "--stop-after", "2")
     assert "stopped after step 2" in stdout and not (tmp_path / "stopped" / "hf").exists()
     resumed, stdout = _train(tmp_path / "stopped", "resumed", "--resume")

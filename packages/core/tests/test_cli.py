@@ -230,3 +230,74 @@ def test_console_script():
     assert done.returncode == 0 and "estimate" in done.stdout and "consolidate" in done.stdout, done.stderr
     done = subprocess.run([zero, "env"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "zero-core" in done.stdout and "chunk" in done.stdout, done.stderr
+
+
+_NO_TORCH = """
+import sys
+from zero_core._cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+print("torch imported" if any(m == "torch" or m.startswith("torch.") for m in sys.modules) else "no torch", code)
+"""
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["estimate", "--bogus"], ["no-such-command"],
+                                  ["consolidate", "--help"]])
+def test_help_version_and_argument_errors_do_not_import_torch(argv):
+    # See [Note: a lazy package]: judged by sys.modules in a fresh interpreter, not by timing.
+    done = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip().splitlines()[-1].startswith("no torch"), done.stdout + done.stderr
+
+
+def test_the_lazy_package_offers_every_name_it_did():
+    for name in zero_core.__all__:
+        assert getattr(zero_core, name) is not None, name
+        assert name in dir(zero_core)
+    assert zero_core.plugin.CommBackend is zero_core.plugin.CommBackend  # the submodule, as an attribute
+    assert zero_core.ZeroConfig.__module__ == "zero_core.api"
+    with pytest.raises(AttributeError, match="no attribute 'sharded'"):
+        zero_core.sharded  # noqa: B018 - the lookup is the test
+
+
+def test_install_hints_name_a_command_that_works_from_here(tmp_path):
+    from zero_core._install import install_command
+
+    checkout = tmp_path / "zero"
+    (checkout / "packages" / "offload").mkdir(parents=True)
+    (checkout / "packages" / "offload" / "pyproject.toml").write_text("[project]\nname = 'zero-offload'\n")
+    (checkout / "examples").mkdir()
+    assert install_command("zero-offload", cwd=checkout / "examples") == \
+        f"pip install -e '{checkout / 'packages' / 'offload'}'"
+    wheels = tmp_path / "elsewhere"
+    (wheels / "dist").mkdir(parents=True)
+    (wheels / "dist" / "zero_integrations-0.1.0-py3-none-any.whl").write_bytes(b"")
+    assert install_command("zero-integrations", extra="[hf]", cwd=wheels) == \
+        f"pip install --find-links {wheels / 'dist'} 'zero-integrations[hf]'"
+    nowhere = install_command("zero-offload", cwd=tmp_path)
+    assert "--find-links DIST 'zero-offload'" in nowhere and "pip install -e 'packages/offload'" in nowhere
+
+
+def test_a_missing_plugin_names_a_working_install_command(monkeypatch):
+    from zero_core._plugins import ZeroPlugins
+
+    monkeypatch.setenv("ZERO_BLOCKED_PLUGINS", "zero-offload")
+    monkeypatch.chdir(REPO)
+    with pytest.raises(zero_core.PluginNotFoundError, match="provided by zero-offload: pip install -e '.*packages/offload'"):
+        ZeroPlugins.load().placement_policies.get("gemini")
+
+
+def test_consolidate_finds_the_zero_folder_of_an_hf_trainer_checkpoint(tmp_path, capsys):
+    from zero_core._checkpoint import read_metadata
+
+    trainer = tmp_path / "checkpoint-10"
+    (trainer / "zero").mkdir(parents=True)
+    (trainer / "zero" / "zero_checkpoint.json").write_text("{}")
+    with pytest.raises(zero_core.CheckpointError, match="but .*checkpoint-10/zero inside it is"):
+        read_metadata(trainer)
+    capsys.readouterr()
+    assert main(["consolidate", str(trainer), str(tmp_path / "out")]) == 1  # the stand-in metadata is not a real one
+    out, err = capsys.readouterr()
+    assert f"consolidating {trainer / 'zero'}" in out, out
+    assert "zero_checkpoint.json is not the metadata of a zero sharded checkpoint" in err, err

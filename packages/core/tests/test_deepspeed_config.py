@@ -66,8 +66,10 @@ def test_errors_name_the_deepspeed_key(config, message):
 
 def test_bf16():
     conversion = convert(bf16={"enabled": True})
-    assert conversion.config.precision == Precision(compute="bf16")  # reduce stays fp32: zero's default
-    assert "bf16.enabled" in conversion.mapped
+    # DeepSpeed reduces in the compute dtype when communication_data_type is absent: so does the import
+    assert conversion.config.precision == Precision(compute="bf16", reduce="bf16")
+    assert "bf16.enabled" in conversion.mapped and "DeepSpeed reduces" in conversion.defaults["communication_data_type"]
+    assert convert(bf16={"enabled": True}, communication_data_type="fp32").config.precision.reduce is torch.float32
     assert convert(bfloat16={"enabled": True}).config.precision.compute is torch.bfloat16  # DeepSpeed's old name
     off = convert(bf16={"enabled": False, "immediate_grad_update": True})
     assert off.config.precision == Precision() and set(off.no_ops) == {"bf16.enabled", "bf16.immediate_grad_update"}
@@ -78,15 +80,19 @@ def test_bf16():
 def test_fp16_dynamic_loss_scale():
     conversion = convert(fp16={"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 100,
                                "hysteresis": 3, "min_loss_scale": 0.5, "consecutive_hysteresis": True, "auto_cast": True})
-    assert conversion.config.precision == Precision(compute="fp16", loss_scale=LossScale(
-        init_scale=256.0, growth_interval=100, hysteresis=3, min_scale=0.5, dynamic=True))
+    assert conversion.config.precision == Precision(compute="fp16", reduce="fp16", loss_scale=LossScale(
+        init_scale=256.0, growth_interval=100, hysteresis=3, consecutive_hysteresis=True, min_scale=0.5, dynamic=True))
     assert set(conversion.mapped) == {"zero_optimization.stage", "fp16.enabled", "fp16.loss_scale", "fp16.initial_scale_power",
-                                      "fp16.loss_scale_window", "fp16.hysteresis", "fp16.min_loss_scale"}
-    assert set(conversion.no_ops) == {"fp16.consecutive_hysteresis", "fp16.auto_cast"}
+                                      "fp16.loss_scale_window", "fp16.hysteresis", "fp16.min_loss_scale",
+                                      "fp16.consecutive_hysteresis"}
+    assert set(conversion.no_ops) == {"fp16.auto_cast"}
     assert conversion.unmapped == {}
-    # DeepSpeed's default refills the hysteresis only when the scale grows; zero always refills it: reported
-    assert "refills" in convert(fp16={"enabled": True, "consecutive_hysteresis": False}).unmapped["fp16.consecutive_hysteresis"]
-    assert convert(fp16={"enabled": True}).config.precision.loss_scale == LossScale()  # absent keys: zero's defaults
+    assert convert(fp16={"enabled": True, "consecutive_hysteresis": False}).config.precision.loss_scale == \
+        LossScale(growth_interval=1000, consecutive_hysteresis=False)
+    # absent keys: DeepSpeed's defaults (window 1000, hysteresis refilled on growth only), each listed
+    absent = convert(fp16={"enabled": True})
+    assert absent.config.precision.loss_scale == LossScale(growth_interval=1000, consecutive_hysteresis=False)
+    assert set(absent.defaults) == {"fp16.loss_scale_window", "fp16.consecutive_hysteresis", "communication_data_type"}
 
 
 def test_fp16_static_loss_scale():
@@ -189,7 +195,8 @@ def test_auto_values_are_reported_and_left_at_zeros_defaults():
     for key in ("zero_optimization.reduce_bucket_size", "bf16.enabled", "gradient_clipping", "communication_data_type"):
         assert "'auto' is a placeholder" in conversion.unmapped[key], key
     assert set(conversion.unmapped) == {"zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-                                        "bf16.enabled", "gradient_clipping", "communication_data_type", "train_batch_size"}
+                                        "bf16.enabled", "gradient_clipping", "communication_data_type"}
+    assert set(conversion.quiet) == {"train_batch_size"}  # the data loader's business, filled or not
 
 
 # Every key a ZeRO-3 offload config of DeepSpeed's documentation and the HF templates uses, and some more.
@@ -229,26 +236,31 @@ def _leaves(config, prefix=""):
 
 def test_every_key_lands_in_exactly_one_report():
     conversion = convert_deepspeed_config(FULL)
-    reports = [conversion.mapped, conversion.no_ops, conversion.unmapped]
+    reports = [conversion.mapped, conversion.no_ops, conversion.unmapped, conversion.quiet]
     assert sum(len(r) for r in reports) == len(set().union(*reports))  # disjoint
     assert set().union(*reports) == set(_leaves(FULL))
     assert all(text.strip() for r in reports for text in r.values())  # each with a reason
     assert conversion.config == ZeroConfig(
         stage=3, precision=Precision(compute="fp16", reduce="fp32", gradient_predivide_factor=1.0,
-                                     loss_scale=LossScale(init_scale=2.0**16, growth_interval=1000, hysteresis=2, min_scale=1.0)),
+                                     loss_scale=LossScale(init_scale=2.0**16, growth_interval=1000, hysteresis=2,
+                                                          consecutive_hysteresis=False, min_scale=1.0)),
         reduce_bucket_mb=5e8 * 4 / 2**20, placement="static",
         placement_options={"offload_optim_frac": 1.0, "offload_param_frac": 1.0}, reshard_after_forward=8)
-    for key in ("my_own_key", "zero_optimization.some_future_knob", "optimizer", "tensorboard",
+    for key in ("my_own_key", "zero_optimization.some_future_knob", "optimizer",
                 "zero_optimization.zero_quantized_gradients", "zero_optimization.offload_param.max_in_cpu"):
         assert key in conversion.unmapped
+    for key in ("tensorboard", "steps_per_print", "wall_clock_breakdown", "train_batch_size",
+                "train_micro_batch_size_per_gpu"):
+        assert key in conversion.quiet
     for key in ("zero_optimization.zero_quantized_weights", "zero_optimization.mics_shard_size", "zero_allow_untested_optimizer"):
         assert key in conversion.no_ops
     report = conversion.report()
     assert report.startswith("DeepSpeed config -> zero_core.ZeroConfig\n")
-    for title, entries in [("mapped", conversion.mapped), ("accepted, nothing to set", conversion.no_ops),
-                           ("not mapped: do this instead", conversion.unmapped)]:
+    for title, entries in [("mapped", conversion.mapped), ("no effect: zero does this anyway, or it is off", conversion.no_ops),
+                           ("changes training: zero cannot hold these, do this instead", conversion.unmapped)]:
         assert f"\n{title} ({len(entries)}):\n" in report
-    assert all(f"  {key}: " in report for r in reports for key in r)
+    assert all(f"  {key}: " in report for r in reports[:3] for key in r)
+    assert all(key in report.split("quiet (")[1] for key in conversion.quiet)  # the quiet keys: named once, last
 
 
 def test_from_deepspeed_warns_once_listing_every_unmapped_key():
@@ -256,7 +268,7 @@ def test_from_deepspeed_warns_once_listing_every_unmapped_key():
         config = config_from_deepspeed(FULL)
     assert len(record) == 1 and record[0].filename == __file__  # points at the caller's line
     unmapped = convert_deepspeed_config(FULL).unmapped
-    assert f"{len(unmapped)} DeepSpeed config key(s) were not mapped" in str(record[0].message)
+    assert f"{len(unmapped)} DeepSpeed config key(s) change training unless you act on them" in str(record[0].message)
     assert all(f"  {key}: {reason}" in str(record[0].message) for key, reason in unmapped.items())
     assert config == convert_deepspeed_config(FULL).config
 
@@ -277,5 +289,8 @@ def test_a_ds_config_json_path(tmp_path):
     assert config_from_deepspeed(path).precision.compute is torch.bfloat16
     bad = tmp_path / "broken.json"
     bad.write_text('{"zero_optimization": ')
-    with pytest.raises(ConfigError, match=rf"^DeepSpeed config {bad} is not valid JSON: .*line 1"):
+    with pytest.raises(ConfigError, match=rf"^DeepSpeed config {bad} is neither JSON nor hjson .*line 1"):
         convert_deepspeed_config(bad)
+    commas = tmp_path / "trailing.json"  # DeepSpeed parses with hjson: trailing commas and comments load
+    commas.write_text('{\n  // a comment\n  "zero_optimization": {"stage": 2,},\n  "bf16": {"enabled": true,},\n}\n')
+    assert convert_deepspeed_config(commas).config.stage == 2

@@ -5,29 +5,80 @@ returns. What plugins (strategies, comm backends, placement policies) need lives
 :mod:`zero_core.plugin`.
 """
 
-from zero_core import plugin  # noqa: F401 - `zero_core.plugin` is reachable as an attribute, as before
-from zero_core._clip import clip_grad_norm_
-from zero_core._deepspeed import DeepSpeedConversion, config_from_deepspeed, convert_deepspeed_config
-from zero_core._estimate import Estimate, estimate
-from zero_core._lazy import lazy_init
-from zero_core._module import ZeroModule
-from zero_core._persist import load_checkpoint, save_checkpoint, save_full_state_dict
-from zero_core._shard import Sharded, shard
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from zero_core._version import __version__
-from zero_core.api import ChunkPolicy, LossScale, Precision, ZeroConfig
-from zero_core.comm import CommStats
-from zero_core.errors import (
-    CheckpointError,
-    CollectiveTimeoutError,
-    ConfigError,
-    DeepSpeedConfigWarning,
-    GradientLostError,
-    PluginNotFoundError,
-    RanksDisagreeError,
-    RanksOutOfStepError,
-    ZeroError,
-    ZeroSetupError,
-)
+
+# [Note: a lazy package]
+# ``import zero_core`` imports no torch: each public name is imported from its module on first use (PEP 562), so
+# ``zero --help`` and ``zero --version`` answer in a fraction of a second while ``from zero_core import shard``
+# and ``zero_core.ZeroConfig`` work exactly as eager imports did (tests/test_cli.py checks the first by
+# sys.modules, packages/core/tests check the names).
+_HOME = {
+    "plugin": None,  # the submodule itself: zero_core.plugin is reachable as an attribute, as before
+    "clip_grad_norm_": "zero_core._clip",
+    "DeepSpeedConversion": "zero_core._deepspeed",
+    "config_from_deepspeed": "zero_core._deepspeed",
+    "convert_deepspeed_config": "zero_core._deepspeed",
+    "Estimate": "zero_core._estimate",
+    "estimate": "zero_core._estimate",
+    "lazy_init": "zero_core._lazy",
+    "ZeroModule": "zero_core._module",
+    "load_checkpoint": "zero_core._persist",
+    "save_checkpoint": "zero_core._persist",
+    "save_full_state_dict": "zero_core._persist",
+    "Sharded": "zero_core._shard",
+    "shard": "zero_core._shard",
+    "ChunkPolicy": "zero_core.api",
+    "LossScale": "zero_core.api",
+    "Precision": "zero_core.api",
+    "ZeroConfig": "zero_core.api",
+    "CommStats": "zero_core.comm",
+    **{name: "zero_core.errors" for name in (
+        "CheckpointError", "CollectiveTimeoutError", "ConfigError", "DeepSpeedConfigWarning", "GradientLostError",
+        "PluginNotFoundError", "RanksDisagreeError", "RanksOutOfStepError", "ZeroError", "ZeroSetupError")},
+}
+
+if TYPE_CHECKING:  # what the names are, for type checkers and editors
+    from zero_core import plugin
+    from zero_core._clip import clip_grad_norm_
+    from zero_core._deepspeed import DeepSpeedConversion, config_from_deepspeed, convert_deepspeed_config
+    from zero_core._estimate import Estimate, estimate
+    from zero_core._lazy import lazy_init
+    from zero_core._module import ZeroModule
+    from zero_core._persist import load_checkpoint, save_checkpoint, save_full_state_dict
+    from zero_core._shard import Sharded, shard
+    from zero_core.api import ChunkPolicy, LossScale, Precision, ZeroConfig
+    from zero_core.comm import CommStats
+    from zero_core.errors import (
+        CheckpointError,
+        CollectiveTimeoutError,
+        ConfigError,
+        DeepSpeedConfigWarning,
+        GradientLostError,
+        PluginNotFoundError,
+        RanksDisagreeError,
+        RanksOutOfStepError,
+        ZeroError,
+        ZeroSetupError,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'zero_core' has no attribute {name!r}")
+    home = _HOME[name]
+    value = importlib.import_module(f"zero_core.{name}") if home is None else getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))
+
 
 __all__ = [
     "CheckpointError",

@@ -328,6 +328,11 @@ def read_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
                 f"{', ...' if len(ours) > 3 else ''}) but no {METADATA}, which a save writes last. The save was "
                 "interrupted; load an earlier checkpoint"
             )
+        inside = checkpoint_inside(directory)
+        if inside is not None:
+            raise CheckpointError(
+                f"{directory} is not a zero checkpoint, but {inside} inside it is (an HF Trainer checkpoint-N "
+                f"folder keeps zero's shards in its zero/ subfolder): pass {inside}")
         present = sorted(p.name for p in directory.iterdir())[:5]
         raise CheckpointError(
             f"{directory} is not a zero checkpoint: it has no {METADATA} (it holds {present or 'nothing'}); "
@@ -342,6 +347,12 @@ def read_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if metadata.get("version") != VERSION:
         raise CheckpointError(f"{path} has checkpoint format version {metadata.get('version')}; this zero reads {VERSION}")
     return metadata
+
+
+def checkpoint_inside(directory: str | os.PathLike[str]) -> Path | None:
+    """The one subfolder of ``directory`` that holds a zero checkpoint (an HF Trainer ``checkpoint-N/zero``), if any."""
+    found = [p for p in sorted(Path(directory).iterdir()) if (p / METADATA).is_file()]
+    return found[0] if len(found) == 1 else None
 
 
 def _verify(directory: Path, entry: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 __all__ = ["add_parser", "run"]
 
@@ -49,10 +50,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from zero_core._checkpoint import METADATA, checkpoint_inside
     from zero_core._consolidate import consolidate  # here, not at import: `zero --help` should not pay for torch
 
+    checkpoint = Path(args.checkpoint)
+    if checkpoint.is_dir() and not (checkpoint / METADATA).is_file() and (inside := checkpoint_inside(checkpoint)):
+        print(f"{checkpoint} holds its zero checkpoint in {inside.name}/ (an HF Trainer checkpoint folder); "
+              f"consolidating {inside}")
+        checkpoint = inside
     # a CheckpointError (a ZeroError) is reported by the dispatcher in zero_core._cli
-    report = consolidate(args.checkpoint, args.output, max_shard_size=args.max_shard_size, dtype=args.dtype,
+    report = consolidate(checkpoint, args.output, max_shard_size=args.max_shard_size, dtype=args.dtype,
                          single_file=args.single_file, overwrite=args.overwrite)
     mib = report.total_bytes / 2**20
     print(f"wrote {report.tensors} tensors ({mib:.1f} MiB) to {report.output}: {', '.join(report.files)}"

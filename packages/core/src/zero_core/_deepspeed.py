@@ -11,17 +11,32 @@ Every key of the DeepSpeed config ends up in exactly one of three reports:
   build the torch optimizer yourself). ``"auto"`` values, which only the HuggingFace
   integrations fill in, land here too.
 
-Keys the DeepSpeed config leaves out take zero's defaults, not DeepSpeed's: a bf16 run
-reduces gradients in fp32 unless ``communication_data_type`` says otherwise (DeepSpeed
-reduces in bf16), and fp16's ``loss_scale_window`` defaults to zero's 2000 (DeepSpeed: 1000).
-Offload maps to zero-offload's ``static`` placement policy, whose fractions express
-DeepSpeed's all-or-``ratio`` offload exactly. The mapping table with every key is on the
-"Config files" page of the documentation.
+Two more reports sort what remains for the reader: ``quiet`` takes the keys whose values
+change nothing a run trains (logging, profiling, timers, an accumulation of 1, the batch
+sizes the data loader sets), so that ``unmapped`` (printed first, as "changes training")
+holds only what the user must act on; ``defaults`` lists the DeepSpeed defaults applied for
+keys the config leaves out.
+
+[Note: DeepSpeed's defaults]
+The config describes a DeepSpeed run, so a key it leaves out means DeepSpeed's default, not
+zero's: an fp16 run gets DeepSpeed's loss-scale window (1000 clean steps, zero's own default
+is 2000) and hysteresis refilled only when the scale grows (``consecutive_hysteresis``
+false); a 16-bit run reduces gradients in its compute dtype, as DeepSpeed does when
+``communication_data_type`` is absent (zero's own default reduces in fp32). Each is listed in
+``defaults``. DeepSpeed's 5e8-element ``reduce_bucket_size`` is not applied: it sizes a
+bucketing backend's buffers, not the result. Files are parsed with hjson, as DeepSpeed does,
+so trailing commas and comments load. ``"auto"`` values are filled from a given
+``TrainingArguments`` with the HF integration's rules, else reported. Offload maps to
+zero-offload's ``static`` placement policy, whose fractions express DeepSpeed's
+all-or-``ratio`` offload exactly. The mapping table with every key is on the "Config files"
+page of the documentation.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -67,6 +82,10 @@ _TOP_UNMAPPED = {
     "bfloat16": "DeepSpeed's old name of the bf16 section, which is also present and wins",
 }
 _MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "monitor_config")
+# Top-level keys that change nothing a run trains whatever their value: logging, profiling, timers, and the batch
+# sizes a zero run's data loader sets (see the quiet report in [Note: the DeepSpeed mapping]).
+_QUIET_ALWAYS = frozenset({"steps_per_print", "wall_clock_breakdown", "comms_logger", "memory_breakdown", "dump_state",
+                           "timers", "train_batch_size", "train_micro_batch_size_per_gpu"})
 _TOP_NO_OPS = {
     "zero_allow_untested_optimizer": "zero accepts any torch optimizer",
 }
@@ -140,6 +159,33 @@ _OFFLOAD_UNMAPPED = {
     "cpuadam_cores_perc": _CPU_ADAM,
 }
 _OFFLOAD_DEVICES = ("cpu", "nvme", "none")
+# DeepSpeed features zero does not have, each with what the run loses.
+_NOT_DATA_PARALLEL = "zero shards data-parallel training only; "
+_TOP_OTHER = {
+    "tensor_parallel": _NOT_DATA_PARALLEL + "DeepSpeed's AutoTP (tensor parallelism) has no equivalent, so this run "
+                       "would hold whole layers on every rank: drop it and fit the model with zero's stage 3 or offload",
+    "pipeline": _NOT_DATA_PARALLEL + "pipeline parallelism has no equivalent",
+    "sequence_parallel_size": _NOT_DATA_PARALLEL + "sequence parallelism (Ulysses) has no equivalent",
+    "moe": _NOT_DATA_PARALLEL + "expert parallelism has no equivalent; shard experts over their own mesh with "
+           "zero_core.shard(module_meshes={'experts': mesh})",
+    "compression_training": "DeepSpeed's compression (quantisation-aware training, pruning) has no zero equivalent",
+    "sparse_attention": "DeepSpeed's sparse attention kernels have no zero equivalent",
+    "curriculum_learning": "DeepSpeed's curriculum learning belongs to the data pipeline; zero has none",
+    "data_efficiency": "DeepSpeed's data efficiency library belongs to the data pipeline; zero has none",
+    "progressive_layer_drop": "DeepSpeed's progressive layer drop has no zero equivalent",
+    "elasticity": "DeepSpeed's elastic batch sizes have no zero equivalent; zero's checkpoints load at any world size",
+    "autotuning": "DeepSpeed's autotuner has no zero equivalent; compare configurations with `zero bench`",
+    "compile": "call torch.compile on the model's blocks after zero_core.shard (see the torch.compile page)",
+    "hybrid_engine": "DeepSpeed-Chat's hybrid engine has no zero equivalent",
+    "sparse_gradients": "zero reduces dense gradients",
+    "nebula": "DeepSpeed's Nebula checkpoint service has no zero equivalent; use zero_core.save_checkpoint",
+    "torch_autocast": "zero casts to precision.compute; use bf16 or fp16 compute instead of autocast",
+    "disable_allgather": "zero always all-gathers the updated shards",
+}
+_FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")
+_BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+              "bf16_optimizer_states")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,20 +229,29 @@ class DeepSpeedConversion:
     mapped: dict[str, str]
     no_ops: dict[str, str]
     unmapped: dict[str, str]
+    quiet: dict[str, str] = dataclasses.field(default_factory=dict)
+    defaults: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def report(self) -> str:
-        """The three lists as text, one key per line, for a log or a terminal."""
-        sections = [("mapped", self.mapped), ("accepted, nothing to set", self.no_ops),
-                    ("not mapped: do this instead", self.unmapped)]
+        """The reports as text, one key per line, for a log or a terminal: what changes training first, the quiet
+        keys last, on one line."""
+        sections = [("changes training: zero cannot hold these, do this instead", self.unmapped),
+                    ("DeepSpeed defaults applied (keys the config leaves out)", self.defaults),
+                    ("mapped", self.mapped), ("no effect: zero does this anyway, or it is off", self.no_ops)]
         lines = ["DeepSpeed config -> zero_core.ZeroConfig"]
         for title, entries in sections:
             lines.append(f"{title} ({len(entries)}):")
             lines += [textwrap.fill(f"{key}: {text}", width=100, initial_indent="  ", subsequent_indent="      ",
                                     break_on_hyphens=False, break_long_words=False) for key, text in entries.items()]
+        if self.quiet:
+            lines.append(textwrap.fill(f"quiet ({len(self.quiet)}, logging, profiling and the training loop's own "
+                                       f"settings: nothing to do): {', '.join(self.quiet)}", width=100,
+                                       subsequent_indent="  ", break_on_hyphens=False, break_long_words=False))
         return "\n".join(lines)
 
 
-def convert_deepspeed_config(ds_config: Mapping[str, Any] | str | os.PathLike[str]) -> DeepSpeedConversion:
+def convert_deepspeed_config(ds_config: Mapping[str, Any] | str | os.PathLike[str], *, training_args: Any = None,
+                             hidden_size: int | None = None) -> DeepSpeedConversion:
     """Map a DeepSpeed config to a :class:`~zero_core.ZeroConfig` and report what could not be mapped.
 
     ``zero_optimization`` gives the stage, the offload placement (zero-offload's ``static``
@@ -206,22 +261,29 @@ def convert_deepspeed_config(ds_config: Mapping[str, Any] | str | os.PathLike[st
     defaults. The "Config files" page of the documentation has the table of every key.
 
     Args:
-        ds_config: The DeepSpeed config, as a dict or the path of its JSON file.
+        ds_config: The DeepSpeed config, as a dict or the path of its file (JSON, or hjson as
+            DeepSpeed reads it: trailing commas and comments are fine).
+        training_args: A HuggingFace ``TrainingArguments`` (or any object with its attribute
+            names): ``"auto"`` values are filled from it as HF's DeepSpeed integration fills
+            them (``bf16``, ``fp16``, ``max_grad_norm``, batch sizes, optimizer settings).
+        hidden_size: The model's hidden size, for the ``"auto"`` bucket sizes HF derives from it.
 
     Returns:
-        The config, the gradient clipping norm, and every key sorted into ``mapped``,
-            ``no_ops`` and ``unmapped``; ``report()`` prints them.
+        The config, the gradient clipping norm, and every key sorted into exactly one of
+            ``unmapped`` (changes training: what to do instead), ``mapped``, ``no_ops`` and
+            ``quiet``, with the DeepSpeed defaults applied in ``defaults``; ``report()`` prints them.
 
     Raises:
         ConfigError: No ``zero_optimization`` section or stage 0 (plain data parallelism: use
             ``torch.nn.parallel.DistributedDataParallel``), both ``bf16`` and ``fp16`` enabled,
             or an invalid value; the message names the DeepSpeed key path.
     """
-    return _Converter(_load(ds_config)).convert()
+    ds, filled = _fill_auto(_load(ds_config), training_args, hidden_size)
+    return _Converter(ds, filled).convert()
 
 
 def config_from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike[str], *, strict: bool = False,
-                          stacklevel: int = 2) -> ZeroConfig:
+                          stacklevel: int = 2, training_args: Any = None, hidden_size: int | None = None) -> ZeroConfig:
     """Convert a DeepSpeed config (a dict, or the path of a ``ds_config.json``) to a :class:`~zero_core.ZeroConfig`.
 
     Maps ``zero_optimization`` (stage, offload, hpZ, bucket size), ``bf16``/``fp16``
@@ -234,6 +296,8 @@ def config_from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike[str],
         ds_config: The DeepSpeed config.
         strict: Raise instead of warning when a key cannot be mapped.
         stacklevel: Where the warning points, as for :func:`warnings.warn`.
+        training_args: Fills ``"auto"`` values, see :func:`zero_core.convert_deepspeed_config`.
+        hidden_size: The model's hidden size, for ``"auto"`` bucket sizes.
 
     Returns:
         The equivalent config. Every key that could not be mapped is listed, with what
@@ -244,7 +308,7 @@ def config_from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike[str],
             use DDP), an invalid value (named by its DeepSpeed key path), or, with
             ``strict=True``, any key that could not be mapped.
     """
-    conversion = convert_deepspeed_config(ds_config)
+    conversion = convert_deepspeed_config(ds_config, training_args=training_args, hidden_size=hidden_size)
     if conversion.unmapped:
         listing = "\n".join(f"  {key}: {reason}" for key, reason in conversion.unmapped.items())
         if strict:
@@ -253,7 +317,7 @@ def config_from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike[str],
                 f"{listing}\nRemove them from the DeepSpeed config, or pass strict=False to get a warning instead."
             )
         warnings.warn(
-            f"{len(conversion.unmapped)} DeepSpeed config key(s) were not mapped to ZeroConfig:\n{listing}\n"
+            f"{len(conversion.unmapped)} DeepSpeed config key(s) change training unless you act on them:\n{listing}\n"
             "zero_core.convert_deepspeed_config(ds_config).report() shows the whole mapping "
             "(and carries gradient_clipping); strict=True makes this an error.",
             DeepSpeedConfigWarning, stacklevel=stacklevel,
@@ -263,11 +327,17 @@ def config_from_deepspeed(ds_config: Mapping[str, Any] | str | os.PathLike[str],
 
 def _load(ds_config: Any) -> Mapping[str, Any]:
     if isinstance(ds_config, (str, os.PathLike)):
+        import hjson  # DeepSpeed's own parser: JSON plus trailing commas, comments and unquoted keys
+
         path = Path(ds_config)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from err
+            text = path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(f"DeepSpeed config {path} cannot be read: {err}") from err
+        try:
+            data = json.loads(json.dumps(hjson.loads(text)))  # plain dicts, in the document's order
+        except hjson.HjsonDecodeError as err:
+            raise ConfigError(f"DeepSpeed config {path} is neither JSON nor hjson (what DeepSpeed reads): {err}") from err
         ds_config = data
     if not isinstance(ds_config, Mapping):
         raise ConfigError(
@@ -275,6 +345,61 @@ def _load(ds_config: Any) -> Mapping[str, Any]:
             f"got {type(ds_config).__name__}."
         )
     return ds_config
+
+
+# HF's rules for "auto" (transformers' HfTrainerDeepSpeedConfig): key path -> (what it reads, how).
+def _hf_auto_rules(args: Any, hidden_size: int | None) -> dict[str, tuple[str, Any]]:
+    def arg(name: str, default: Any = None) -> Any:
+        return getattr(args, name, default)
+
+    rules: dict[str, tuple[str, Any]] = {}
+    if args is not None:
+        micro, accum = arg("per_device_train_batch_size"), arg("gradient_accumulation_steps")
+        world = arg("world_size", 1) or 1
+        rules.update({
+            "train_micro_batch_size_per_gpu": ("TrainingArguments.per_device_train_batch_size", micro),
+            "gradient_accumulation_steps": ("TrainingArguments.gradient_accumulation_steps", accum),
+            "train_batch_size": ("world_size x per_device_train_batch_size x gradient_accumulation_steps",
+                                 None if micro is None or accum is None else world * micro * accum),
+            "gradient_clipping": ("TrainingArguments.max_grad_norm", arg("max_grad_norm")),
+            "fp16.enabled": ("TrainingArguments.fp16 or fp16_full_eval", bool(arg("fp16") or arg("fp16_full_eval"))),
+            "bf16.enabled": ("TrainingArguments.bf16 or bf16_full_eval", bool(arg("bf16") or arg("bf16_full_eval"))),
+            "bfloat16.enabled": ("TrainingArguments.bf16 or bf16_full_eval",
+                                 bool(arg("bf16") or arg("bf16_full_eval"))),
+            "optimizer.params.lr": ("TrainingArguments.learning_rate", arg("learning_rate")),
+            "optimizer.params.betas": ("TrainingArguments.adam_beta1, adam_beta2",
+                                       None if arg("adam_beta1") is None else [arg("adam_beta1"), arg("adam_beta2")]),
+            "optimizer.params.eps": ("TrainingArguments.adam_epsilon", arg("adam_epsilon")),
+            "optimizer.params.weight_decay": ("TrainingArguments.weight_decay", arg("weight_decay")),
+            "scheduler.params.warmup_min_lr": ("0, as HF sets it", 0),
+            "scheduler.params.warmup_max_lr": ("TrainingArguments.learning_rate", arg("learning_rate")),
+        })
+    if hidden_size is not None:
+        rules.update({
+            "zero_optimization.reduce_bucket_size": ("hidden_size x hidden_size", hidden_size * hidden_size),
+            "zero_optimization.stage3_prefetch_bucket_size": ("0.9 x hidden_size x hidden_size",
+                                                              int(0.9 * hidden_size * hidden_size)),
+            "zero_optimization.stage3_param_persistence_threshold": ("10 x hidden_size", 10 * hidden_size),
+        })
+    return {path: rule for path, rule in rules.items() if rule[1] is not None}
+
+
+def _fill_auto(ds: Mapping[str, Any], args: Any, hidden_size: int | None) -> tuple[Mapping[str, Any], dict[str, str]]:
+    """``ds`` with the ``"auto"`` values HF's rules fill from ``args``, and where each came from (by key path)."""
+    rules = _hf_auto_rules(args, hidden_size)
+    if not rules:
+        return ds, {}
+    filled: dict[str, str] = {}
+    out = copy.deepcopy(dict(ds))
+    for path, (source, value) in rules.items():
+        *parents, name = path.split(".")
+        section: Any = out
+        for parent in parents:
+            section = section.get(parent) if isinstance(section, Mapping) else None
+        if isinstance(section, dict) and _is_auto(section.get(name)):
+            section[name] = value
+            filled[path] = source
+    return out, filled
 
 
 def _source_order(ds: Mapping[str, Any]) -> dict[str, int]:
@@ -315,11 +440,20 @@ def _int(path: str, value: object, *, minimum: int = 0) -> int:
     return int(value)
 
 
+_ZERO_KEYS = ("stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param", "cpu_offload_params",
+              "reduce_bucket_size", "zero_hpz_partition_size", *_ZERO_NO_OPS, *_ZERO_UNMAPPED)
+_TOP_KEYS = ("zero_optimization", "bf16", "bfloat16", "fp16", "communication_data_type", "gradient_clipping",
+             "gradient_predivide_factor", "prescale_gradients", *_TOP_NO_OPS, *_TOP_UNMAPPED, *_MONITORS, *_TOP_OTHER,
+             *_QUIET_ALWAYS)
+
+
 class _Converter:
     """One conversion: walks the DeepSpeed dict once, filling the three reports and the config's fields."""
 
-    def __init__(self, ds: Mapping[str, Any]) -> None:
+    def __init__(self, ds: Mapping[str, Any], filled: dict[str, str] | None = None) -> None:
         self.ds = ds
+        self.filled = filled or {}  # "auto" key paths filled from TrainingArguments -> what from
+        self.defaults: dict[str, str] = {}  # see [Note: DeepSpeed's defaults]
         self.mapped: dict[str, str] = {}
         self.no_ops: dict[str, str] = {}
         self.unmapped: dict[str, str] = {}
@@ -358,11 +492,33 @@ class _Converter:
                 self.top_level(key, value)
         if self.bucket_elements is not None:  # last: its MiB are counted in the reduce dtype
             self.bucket_size()
+        quiet = {path: self.unmapped.pop(path) for path in list(self.unmapped) if self.harmless(path)}
+        for report in (self.mapped, self.no_ops, self.unmapped, quiet):
+            for path, source in self.filled.items():
+                if path in report:
+                    report[path] += f" [auto: {source}]"
         order = _source_order(ds)  # the reports list keys in the order the DeepSpeed config has them
-        mapped, no_ops, unmapped = (dict(sorted(d.items(), key=lambda item: order.get(item[0], len(order))))
-                                    for d in (self.mapped, self.no_ops, self.unmapped))
+        mapped, no_ops, unmapped, quiet = (dict(sorted(d.items(), key=lambda item: order.get(item[0], len(order))))
+                                           for d in (self.mapped, self.no_ops, self.unmapped, quiet))
         return DeepSpeedConversion(config=self.build(), gradient_clipping=self.gradient_clipping,
-                                   mapped=mapped, no_ops=no_ops, unmapped=unmapped)
+                                   mapped=mapped, no_ops=no_ops, unmapped=unmapped, quiet=quiet,
+                                   defaults=dict(self.defaults))
+
+    def value(self, path: str) -> Any:
+        section: Any = self.ds
+        for name in path.split("."):
+            section = section.get(name) if isinstance(section, Mapping) else None
+        return section
+
+    def harmless(self, path: str) -> bool:
+        """A key whose value changes nothing a run trains: logging, profiling, the loop's own batch settings."""
+        top = path.split(".")[0]
+        value = self.value(path)
+        if _is_auto(value):
+            return top in _QUIET_ALWAYS
+        if top in _QUIET_ALWAYS or top in _MONITORS:
+            return True
+        return top == "gradient_accumulation_steps" and value == 1
 
     # ------------------------------------------------------------------ precision
 
@@ -379,6 +535,12 @@ class _Converter:
             self.bf16_section(bf16_key, bf16, bf16_on)
         if fp16 is not None:
             self.fp16_section(fp16, fp16_on)
+        compute = self.precision.get("compute")
+        if compute in ("bf16", "fp16") and ds.get("communication_data_type") is None:  # see [Note: DeepSpeed's defaults]
+            self.precision["reduce"] = compute
+            self.defaults["communication_data_type"] = (
+                f"precision.reduce={compute!r} (DeepSpeed reduces 16-bit gradients in their own dtype when the key is "
+                "absent; zero's own default reduces in fp32: write communication_data_type 'fp32' for that)")
         if "communication_data_type" in ds:
             value, path = ds["communication_data_type"], "communication_data_type"
             if value is None:
@@ -387,6 +549,8 @@ class _Converter:
                 self.unmapped[path] = _AUTO
             elif isinstance(value, str) and value.lower() in _DTYPES:
                 self.set("precision.reduce", _DTYPE_NAMES[_DTYPES[value.lower()]], path)
+            elif isinstance(value, str) and value.lower() == "bfp16":  # DeepSpeed's (and Megatron-DeepSpeed's) alias
+                self.set("precision.reduce", "bf16", path, "precision.reduce='bf16' ('bfp16' is DeepSpeed's alias)")
             else:
                 raise ConfigError(f"DeepSpeed key communication_data_type must be one of 'fp32', 'bf16', 'fp16', got {value!r}.")
 
@@ -410,11 +574,13 @@ class _Converter:
                     self.unmapped[path] = _AUTO + " (fp32 compute)"
                 elif on:
                     self.set("precision.compute", "bf16", path, "precision.compute='bf16' (gradients are reduced in "
-                             "precision.reduce: fp32 unless communication_data_type says otherwise)")
+                             "precision.reduce, which communication_data_type sets: bf16 when it is absent)")
                 else:
                     self.no_ops[path] = "false: fp32 compute, zero's default"
-            elif not on:
+            elif not on and name in _BF16_KEYS:
                 self.no_ops[path] = f"{key} is not enabled"
+            elif not on:
+                self.unmapped[path] = self.unknown(key, name, _BF16_KEYS)
             elif name in ("bf16_master_weights_and_grads", "bf16_optimizer_states") and value:
                 self.unmapped[path] = ("zero keeps master shards and optimizer states in the parameters' own dtype: "
                                        "build the model in bf16 to get bf16 masters")
@@ -425,17 +591,25 @@ class _Converter:
                           "check_grad_overflow"):
                 self.no_ops[path] = "false: zero's behaviour"
             else:
-                self.unmapped[path] = "no zero equivalent"
+                self.unmapped[path] = self.unknown(key, name, _BF16_KEYS)
 
     def fp16_section(self, section: Mapping[str, Any], on: bool) -> None:
-        if "enabled" in section and _is_auto(section["enabled"]):
-            self.unmapped["fp16.enabled"] = _AUTO + " (fp32 compute)"
+        auto = "enabled" in section and _is_auto(section["enabled"])
+        if auto:
+            self.unmapped["fp16.enabled"] = (_AUTO + " (fp32 compute); or pass training_args= to fill it as HF does")
         elif "enabled" in section and not on:
             self.no_ops["fp16.enabled"] = "false: fp32 compute, zero's default"
         if not on:
             for name in section:
-                if name != "enabled":
+                if name == "enabled":
+                    continue
+                if auto:  # they apply if the placeholder turns fp16 on
+                    self.unmapped[f"fp16.{name}"] = ("applies only if fp16.enabled, which is 'auto' here, is true: "
+                                                     "write true or false, or pass training_args=")
+                elif name in _FP16_KEYS:
                     self.no_ops[f"fp16.{name}"] = "fp16 is not enabled"
+                else:
+                    self.unmapped[f"fp16.{name}"] = self.unknown("fp16", name, _FP16_KEYS)
             return
         self.loss_scale = {}
         self.set("precision.compute", "fp16", "fp16.enabled",
@@ -472,11 +646,10 @@ class _Converter:
             elif name == "min_loss_scale":
                 self.set("precision.loss_scale.min_scale", float(_number(path, value)), path)
             elif name == "consecutive_hysteresis":
-                if _bool(path, value):
-                    self.no_ops[path] = "zero refills the hysteresis after every clean step, as this asks"
-                else:
-                    self.unmapped[path] = ("zero refills the hysteresis after every clean step (DeepSpeed's "
-                                           "consecutive_hysteresis: true); false refills it only when the scale grows")
+                refill = _bool(path, value)
+                self.set("precision.loss_scale.consecutive_hysteresis", refill, path,
+                         f"precision.loss_scale.consecutive_hysteresis={refill} (the hysteresis is refilled "
+                         + ("after every clean step)" if refill else "only when the scale grows)"))
             elif name == "auto_cast":
                 self.no_ops[path] = "zero always casts floating inputs to precision.compute"
             elif name == "fp16_master_weights_and_grads" and value:
@@ -484,7 +657,26 @@ class _Converter:
             elif name == "fp16_master_weights_and_grads":
                 self.no_ops[path] = "false: zero's behaviour"
             else:
-                self.unmapped[path] = "no zero equivalent"
+                self.unmapped[path] = self.unknown("fp16", name, _FP16_KEYS)
+        if static == 0:  # see [Note: DeepSpeed's defaults]
+            scale = self.loss_scale
+            if "growth_interval" not in scale:
+                scale["growth_interval"] = 1000
+                self.defaults["fp16.loss_scale_window"] = ("precision.loss_scale.growth_interval=1000 (DeepSpeed's "
+                                                           "default; zero's own is 2000)")
+            if "consecutive_hysteresis" not in scale:
+                scale["consecutive_hysteresis"] = False
+                self.defaults["fp16.consecutive_hysteresis"] = (
+                    "precision.loss_scale.consecutive_hysteresis=False (DeepSpeed's default: the hysteresis is "
+                    "refilled only when the scale grows; zero's own refills it after every clean step)")
+
+    def unknown(self, where: str, name: str, known: Any) -> str:
+        """The report of a key DeepSpeed does not have at this level: a misspelling, with the likely intent."""
+        close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+        at = f" in {where}" if where else ""
+        if close:
+            return f"not a DeepSpeed key{at}; did you mean {close[0]!r}? As written it sets nothing"
+        return f"not a DeepSpeed key{at} zero knows; it sets nothing (check the spelling against DeepSpeed's docs)"
 
     # ------------------------------------------------------------------ zero_optimization
 
@@ -504,7 +696,8 @@ class _Converter:
         self.offload(zero, stage)
         for name, value in zero.items():
             path = f"zero_optimization.{name}"
-            if name in ("stage", "offload_optimizer", "offload_param") or self.reported(path):
+            if name in ("stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param",
+                        "cpu_offload_params") or self.reported(path):
                 continue
             if name == "reduce_bucket_size":
                 if _is_auto(value):
@@ -522,7 +715,7 @@ class _Converter:
             elif name in _ZERO_UNMAPPED:
                 self.unmapped[path] = _ZERO_UNMAPPED[name]
             else:
-                self.unmapped[path] = "no zero equivalent"
+                self.unmapped[path] = self.unknown("zero_optimization", name, _ZERO_KEYS)
 
     def reported(self, path: str) -> bool:
         return path in self.mapped or path in self.no_ops or path in self.unmapped
@@ -540,6 +733,7 @@ class _Converter:
     def offload(self, zero: Mapping[str, Any], stage: int) -> None:
         optim = self.deprecated_flag(zero, "cpu_offload", self.offload_section(zero, "offload_optimizer"))
         param = self.deprecated_flag(zero, "cpu_offload_param", self.offload_section(zero, "offload_param"))
+        param = self.deprecated_flag(zero, "cpu_offload_params", param)  # gpt-neox's spelling
         if param is not None and stage < 3:
             self.unmapped[param.path] = "DeepSpeed offloads parameters only at stage 3; set zero_optimization.stage to 3"
             param = None
@@ -630,8 +824,11 @@ class _Converter:
                 self.no_ops[path] = "zero pins host-resident shards whenever CUDA is present"
             elif key == "nvme_path":
                 self.no_ops[path] = "device is 'cpu': no disk tier"
+            elif key in _OFFLOAD_UNMAPPED:
+                self.unmapped[path] = _OFFLOAD_UNMAPPED[key]
             else:
-                self.unmapped[path] = _OFFLOAD_UNMAPPED.get(key, "no zero equivalent")
+                self.unmapped[path] = self.unknown(prefix, key, ("device", "nvme_path", "pin_memory", "ratio",
+                                                                 *_OFFLOAD_UNMAPPED))
         return _Offload(device=device, path=f"{prefix}.device", nvme_path=nvme_path if device == "nvme" else None,
                         ratio=None if ratio is None else float(ratio))
 
@@ -673,8 +870,12 @@ class _Converter:
             self.unmapped[key] = _TOP_UNMAPPED[key]
         elif key in _MONITORS:
             self.unmapped[key] = _LOOP + "log from the training loop; model.comm_stats has the communication"
+        elif key in _TOP_OTHER:
+            self.unmapped[key] = _TOP_OTHER[key]
+        elif key in _QUIET_ALWAYS:
+            self.unmapped[key] = _LOOP + "nothing in zero's config changes with it"
         else:
-            self.unmapped[key] = "not a setting zero has; configure it in the training loop, or drop it"
+            self.unmapped[key] = self.unknown("", key, _TOP_KEYS)
 
     def build(self) -> ZeroConfig:
         """The ZeroConfig, each dataclass's own check naming the DeepSpeed key that set the refused value."""

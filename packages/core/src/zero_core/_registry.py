@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
+from zero_core._install import install_command
 from zero_core.errors import PluginNotFoundError, ZeroSetupError
 
 __all__ = ["Registry"]
@@ -39,7 +40,7 @@ class Registry(Generic[T]):
         except KeyError:
             available = ", ".join(sorted(self._items)) or "none"
             hint = self._install_hint.get(name)
-            extra = f" It is provided by {hint}: pip install {hint}." if hint else ""
+            extra = f" It is provided by {hint}: {install_command(hint)}." if hint else ""
             raise PluginNotFoundError(
                 f"no {self.kind} named {name!r} is registered (available: {available}).{extra}"
             ) from None

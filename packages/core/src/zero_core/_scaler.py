@@ -45,16 +45,20 @@ class LossScaler:
         if found_inf:
             self.overflows += 1
             self.clean_steps = 0
-            self.hysteresis_left -= 1
-            if self.hysteresis_left <= 0:
+            # DeepSpeed's and Megatron's rule: the last tolerated overflow is spent, so every further overflow
+            # backs off until the hysteresis is refilled (by a clean step, or only by growth: see LossScale)
+            if self.hysteresis_left > 1:
+                self.hysteresis_left -= 1
+            else:
                 self.scale = max(self.scale * self.config.backoff_factor, self.config.min_scale)
-                self.hysteresis_left = self.config.hysteresis
             return
-        self.hysteresis_left = self.config.hysteresis
+        if self.config.consecutive_hysteresis:
+            self.hysteresis_left = self.config.hysteresis
         self.clean_steps += 1
         if self.clean_steps >= self.config.growth_interval:
             self.scale *= self.config.growth_factor
             self.clean_steps = 0
+            self.hysteresis_left = self.config.hysteresis
 
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale, "clean_steps": self.clean_steps, "hysteresis_left": self.hysteresis_left,

@@ -119,8 +119,9 @@ class LossScale:
     Dynamic scaling multiplies the loss by ``scale`` before backward and divides the
     gradients by it after the reduction. A step whose gradients hold an inf or NaN on any
     rank is skipped on every rank (no parameter or optimizer state changes) and counts
-    as an overflow; ``hysteresis`` overflows in a row back the scale off by
-    ``backoff_factor``; after ``growth_interval`` clean steps it grows by ``growth_factor``.
+    as an overflow; the ``hysteresis``-th overflow backs the scale off by ``backoff_factor``, and
+    so does every further one until the hysteresis is refilled; after ``growth_interval`` clean
+    steps the scale grows by ``growth_factor`` (DeepSpeed's dynamic loss scaler, rule for rule).
 
     Attributes:
         init_scale: The first step's scale.
@@ -128,7 +129,10 @@ class LossScale:
         backoff_factor: Multiplier on overflow (between 0 and 1).
         growth_interval: Clean steps before the scale grows.
         hysteresis: Overflows tolerated before backing off (1 backs off on every overflow);
-            every skipped step still counts. Reset by a clean step.
+            every skipped step still counts.
+        consecutive_hysteresis: ``True`` refills the hysteresis after every clean step (the
+            tolerated overflows must come in a row); ``False`` only when the scale grows
+            (DeepSpeed's default, which :func:`~zero_core.config_from_deepspeed` keeps).
         min_scale: The scale never drops below this.
         dynamic: ``False`` keeps ``init_scale`` fixed (overflowing steps are still skipped).
     """
@@ -138,6 +142,7 @@ class LossScale:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     hysteresis: int = 2
+    consecutive_hysteresis: bool = True
     min_scale: float = 1.0
     dynamic: bool = True
 
@@ -150,8 +155,9 @@ class LossScale:
             raise ConfigError(f"LossScale.backoff_factor must be below 1, got {self.backoff_factor!r}.")
         _check_positive_int("LossScale", "growth_interval", self.growth_interval)
         _check_positive_int("LossScale", "hysteresis", self.hysteresis)
-        if not isinstance(self.dynamic, bool):
-            raise ConfigError(f"LossScale.dynamic must be True or False, got {self.dynamic!r}.")
+        for flag in ("dynamic", "consecutive_hysteresis"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"LossScale.{flag} must be True or False, got {getattr(self, flag)!r}.")
         if self.min_scale > self.init_scale:
             raise ConfigError(f"LossScale.min_scale {self.min_scale} is above init_scale {self.init_scale}.")
 

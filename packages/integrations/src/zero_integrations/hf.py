@@ -33,7 +33,10 @@ from zero_core.errors import ConfigError
 try:
     from transformers import Trainer
 except ImportError as exc:  # pragma: no cover - the [hf] extra installs it
-    raise ImportError("zero_integrations.hf needs transformers: pip install 'zero-integrations[hf]'") from exc
+    from zero_core._install import install_command
+
+    raise ImportError(f"zero_integrations.hf needs transformers: {install_command('zero-integrations', extra='[hf]')}"
+                      ) from exc
 
 __all__ = ["ZERO_CHECKPOINT_DIR", "ZeroTrainer"]
 
