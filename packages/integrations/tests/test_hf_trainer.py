@@ -187,32 +187,88 @@ def test_torch_compile_argument_compiles_each_block_to_parity(runs, tmp_path):
 
 
 def precision_rank(output_dir: str) -> dict:
-    """zero's mixed precision under the Trainer: bf16, and fp16 whose loss the Trainer's backward must scale."""
+    """zero's mixed precision under the Trainer, set in zero_config and, the same, by TrainingArguments(bf16/fp16=True)
+    (see [Note: HF arguments under zero]); fp16's loss must be scaled by zero's scaler through the Trainer's backward."""
     from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig
     from zero_integrations.hf import ZeroTrainer
 
     out = {}
-    for name, precision in (("bf16", Precision(compute="bf16")),
-                            ("fp16", Precision(compute="fp16", loss_scale=LossScale()))):
-        trainer = ZeroTrainer(model=build_model(), args=arguments(output_dir, PER_RANK, save_strategy="no"),
-                              train_dataset=dataset(), eval_dataset=dataset(8, seed=8),
-                              zero_config=ZeroConfig(stage=3, precision=precision, chunk=ChunkPolicy(chunk_size=8192)))
+    runs = [("bf16", Precision(compute="bf16"), {}), ("fp16", Precision(compute="fp16", loss_scale=LossScale()), {}),
+            ("bf16 args", None, {"bf16": True}), ("fp16 args", None, {"fp16": True})]
+    for name, precision, overrides in runs:
+        config = ZeroConfig(stage=3, chunk=ChunkPolicy(chunk_size=8192))
+        args = arguments(output_dir, PER_RANK, save_strategy="no", **overrides)
+        trainer = ZeroTrainer(model=build_model(), args=args, train_dataset=dataset(), eval_dataset=dataset(8, seed=8),
+                              zero_config=config if precision is None else config.replace(precision=precision))
         trainer.train()
         scaler = trainer.model.loss_scaler
-        out[name] = {"history": _history(trainer), "scale": None if scaler is None else scaler.scale}
+        out[name] = {"history": _history(trainer), "scale": None if scaler is None else scaler.scale,
+                     "autocast": trainer.accelerator.mixed_precision, "args": (args.bf16, args.fp16)}
         trainer.model.close()
     return out
 
 
+def bf16_reference_rank(output_dir: str) -> dict:
+    """The plain Trainer with TrainingArguments(bf16=True) in one process: Accelerate's autocast over fp32 weights."""
+    from transformers import Trainer
+
+    trainer = Trainer(model=build_model(), args=arguments(output_dir, PER_RANK * 2, save_strategy="no", bf16=True),
+                      train_dataset=dataset(), eval_dataset=dataset(8, seed=8))
+    trainer.train()
+    return _history(trainer)
+
+
 def test_zero_mixed_precision_trains_under_the_trainer(runs, tmp_path):
-    # 16-bit compute has no one-process twin here: the check is that the Trainer's loop drives zero's casting and
-    # (fp16) loss scaling, landing close to the fp32 run; an unscaled fp16 backward would raise at optimizer.step()
     result = run_distributed(precision_rank, 2, str(tmp_path), timeout=300, env=ENV)[0]
     ref = runs["reference"]["history"]
     assert result["bf16"]["scale"] is None and result["fp16"]["scale"] == 2.0 ** 16
     for name in ("bf16", "fp16"):
+        # the TrainingArguments flag is zero's precision, bit for bit, with Accelerate's autocast off; the user's
+        # arguments object is left as it was
+        assert result[f"{name} args"]["history"] == result[name]["history"], name
+        assert result[f"{name} args"]["autocast"] == "no" and result[f"{name} args"]["args"] == \
+            (name == "bf16", name == "fp16")
         for key in ("loss", "eval_loss"):
             assert result[name]["history"][key] == pytest.approx(ref[key], abs=5e-3), (name, key)
+    # against the plain Trainer's bf16 (autocast of fp32 weights, not zero's bf16 copies): within bf16's rounding
+    plain = run_distributed(bf16_reference_rank, 1, str(tmp_path / "plain"), timeout=240, env=ENV)[0]
+    for key in ("loss", "eval_loss"):
+        assert result["bf16 args"]["history"][key] == pytest.approx(plain[key], abs=2e-2), key
+
+
+def arguments_rank(output_dir: str) -> dict:
+    """gradient_checkpointing=True and a DeepSpeed dict with "auto" values, as HF users pass them."""
+    from zero_integrations.hf import ZeroTrainer
+
+    out = {}
+    args = arguments(output_dir, PER_RANK, save_strategy="no", gradient_checkpointing=True)
+    trainer = ZeroTrainer(model=build_model(), args=args, train_dataset=dataset(), eval_dataset=dataset(8, seed=8))
+    trainer.train()
+    out["checkpointing"] = {"history": _history(trainer), "params": trainer.model.full_state_dict(),
+                            "kwargs": args.gradient_checkpointing_kwargs}
+    trainer.model.close()
+    ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}, "bf16": {"enabled": "auto"},
+          "fp16": {"enabled": "auto"}, "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto",
+          "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
+    trainer = ZeroTrainer(model=build_model(), args=arguments(output_dir, PER_RANK, save_strategy="no"),
+                          train_dataset=dataset(), eval_dataset=dataset(8, seed=8), deepspeed=ds)
+    trainer.train()
+    out["deepspeed"] = {"history": _history(trainer), "params": trainer.model.full_state_dict(),
+                        "stage": trainer.zero_config.stage, "bucket_mb": trainer.zero_config.reduce_bucket_mb}
+    trainer.model.close()
+    return out
+
+
+def test_gradient_checkpointing_and_a_deepspeed_config_as_hf_users_pass_them(runs, tmp_path):
+    result = run_distributed(arguments_rank, 2, str(tmp_path), timeout=300, env=ENV)[0]
+    ref = runs["reference"]
+    assert result["checkpointing"]["kwargs"] is None  # the user's arguments: untouched
+    assert result["deepspeed"]["stage"] == 2
+    assert result["deepspeed"]["bucket_mb"] == pytest.approx(32 * 32 * 4 / 2**20)  # "auto": hidden_size**2 elements
+    for name in ("checkpointing", "deepspeed"):
+        for key in ("loss", "grad_norm", "eval_loss"):
+            assert result[name]["history"][key] == pytest.approx(ref["history"][key], abs=TOL, rel=TOL), (name, key)
+        _assert_close(result[name]["params"], ref["params"], TOL)
 
 
 def best_rank(output_dir: str) -> dict:
@@ -242,13 +298,23 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
 
 
 def refusals_rank(output_dir: str) -> list[str]:
-    from zero_core import ConfigError
+    from zero_core import ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig
     from zero_integrations.hf import ZeroTrainer
 
     messages = []
-    for overrides in ({"bf16": True}, {"fp16": True}):
+    attempts = [
+        dict(args=arguments(output_dir, PER_RANK, eval_strategy="no", bf16=True),
+             zero_config=ZeroConfig(precision=Precision(compute="fp16", loss_scale=LossScale()), chunk=ChunkPolicy())),
+        dict(args=arguments(output_dir, PER_RANK, eval_strategy="no"), deepspeed={"zero_optimization": {"stage": 2}},
+             zero_config=ZeroConfig()),
+        dict(args=arguments(output_dir, PER_RANK, eval_strategy="no", max_grad_norm=1.0),
+             deepspeed={"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}),
+        dict(args=arguments(output_dir, PER_RANK, eval_strategy="no", gradient_checkpointing=True,
+                            gradient_checkpointing_kwargs={"use_reentrant": True})),
+    ]
+    for attempt in attempts:
         try:
-            ZeroTrainer(model=build_model(), args=arguments(output_dir, PER_RANK, eval_strategy="no", **overrides), train_dataset=dataset())
+            ZeroTrainer(model=build_model(), train_dataset=dataset(), **attempt)
         except ConfigError as exc:
             messages.append(str(exc))
     trainer = ZeroTrainer(model=build_model(), args=arguments(output_dir, PER_RANK, eval_strategy="no"), train_dataset=dataset())
@@ -265,8 +331,10 @@ def refusals_rank(output_dir: str) -> list[str]:
 
 def test_conflicting_settings_are_refused_with_the_fix(tmp_path):
     messages = run_distributed(refusals_rank, 1, str(tmp_path), timeout=120, env=ENV)[0]
-    assert len(messages) == 4, messages
-    assert "Precision(compute='bf16')" in messages[0] and "bf16=True" in messages[0]
-    assert "loss_scale=LossScale()" in messages[1]
-    assert "call train() first" in messages[2]
-    assert "zero_core.ZeroConfig" in messages[3]
+    assert len(messages) == 6, messages
+    assert "TrainingArguments(bf16=True) but the zero config computes in fp16" in messages[0]
+    assert "both zero_config and a DeepSpeed config" in messages[1]
+    assert "gradient_clipping is 0.5 and TrainingArguments.max_grad_norm is 1.0" in messages[2]
+    assert "use_reentrant" in messages[3]
+    assert "call train() first" in messages[4]
+    assert "zero_core.ZeroConfig" in messages[5]

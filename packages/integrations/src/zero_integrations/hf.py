@@ -21,13 +21,16 @@ transformers versions the tests ran (the ``[hf]`` extra's range).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
+import warnings
 from typing import Any
 
 import torch
 
 import zero_core
-from zero_core import ZeroConfig, ZeroModule
+from zero_core import LossScale, ZeroConfig, ZeroModule
 from zero_core.errors import ConfigError
 
 try:
@@ -59,23 +62,40 @@ class ZeroTrainer(Trainer):
         save_dtype: Write the exported weights in this dtype (e.g. ``torch.bfloat16``);
             default: the master dtype. Checkpoints for resuming always keep fp32 masters.
 
-    ``TrainingArguments(torch_compile=True)`` compiles each transformer block (the classes in
-    the model's ``_no_split_modules``) instead of the whole model, which zero refuses.
+        deepspeed: A DeepSpeed config (a dict or the path of its file) to train by instead of
+            ``zero_config``, imported by :func:`zero_core.convert_deepspeed_config` with its
+            ``"auto"`` values filled from the training arguments as HF's DeepSpeed integration
+            fills them. ``TrainingArguments(deepspeed=...)`` works the same where DeepSpeed is
+            installed (HF's own check needs it).
 
-    Mixed precision is zero's: set it in ``zero_config.precision``, not with
-    ``TrainingArguments(bf16=True / fp16=True)``, which would add Accelerate's autocast
-    and scaler on top of zero's (refused with an error naming the fix).
+    The HF arguments map to zero's config (see [Note: HF arguments under zero]):
+
+    * ``bf16=True``: ``Precision(compute="bf16")``; ``fp16=True``: ``Precision(compute="fp16",
+      loss_scale=LossScale())``, the loss scaled by zero's scaler. Accelerate's own autocast
+      and scaler stay off: zero casts the gathered parameters itself.
+    * ``gradient_checkpointing=True``: non-reentrant checkpointing (``use_reentrant=False``),
+      the kind zero's gathers follow; an explicit ``use_reentrant=True`` is refused.
+    * ``torch_compile=True`` compiles each transformer block (the classes in the model's
+      ``_no_split_modules``) instead of the whole model, which zero refuses.
+
+    A setting given twice with different values (``bf16=True`` with a fp32 ``zero_config``, a
+    DeepSpeed config whose ``fp16`` differs from the arguments') is refused naming both.
     """
 
     def __init__(self, *args: Any, zero_config: ZeroConfig | None = None, max_shard_size: int | str = "5GB",
-                 save_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
-        zero_config = ZeroConfig() if zero_config is None else zero_config
-        if not isinstance(zero_config, ZeroConfig):
+                 save_dtype: torch.dtype | None = None, deepspeed: Any = None, **kwargs: Any) -> None:
+        if zero_config is not None and not isinstance(zero_config, ZeroConfig):
             raise ConfigError(f"zero_config must be a zero_core.ZeroConfig, got {type(zero_config).__name__}")
-        self.zero_config = zero_config
+        positional = len(args) > 1
+        training_args = args[1] if positional else kwargs.get("args")
+        model = args[0] if args else kwargs.get("model")
+        self.zero_config, training_args = _map_arguments(training_args, zero_config, deepspeed, model)
+        if positional:
+            args = (args[0], training_args, *args[2:])
+        elif training_args is not None:
+            kwargs["args"] = training_args
         self.zero_max_shard_size = max_shard_size
         self.zero_save_dtype = save_dtype
-        _check_args(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
 
     # -- sharding ------------------------------------------------------------------------
@@ -197,14 +217,78 @@ def _zero_dir(checkpoint: str) -> str | None:
     return directory if os.path.isdir(directory) else None
 
 
-def _check_args(args: Any) -> None:
-    for name, precision in (("bf16", "bf16"), ("fp16", "fp16")):
-        if getattr(args, name, False):
-            hint = ("ZeroConfig(precision=Precision(compute='fp16', loss_scale=LossScale()))" if precision == "fp16"
-                    else "ZeroConfig(precision=Precision(compute='bf16'))")
-            raise ConfigError(
-                f"TrainingArguments({name}=True) adds Accelerate's autocast on top of zero's precision; leave it "
-                f"False and pass zero_config={hint} to ZeroTrainer"
-            )
-    if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
-        raise ConfigError("ZeroTrainer shards the model itself; remove fsdp/deepspeed from TrainingArguments")
+# [Note: HF arguments under zero]
+# TrainingArguments describe what a plain Trainer does; under zero the same intent is zero's config. bf16/fp16 become
+# zero's precision, and the Trainer is handed a copy of the arguments with them off: Accelerate's autocast would cast
+# again what zero already computes in 16 bits, and its GradScaler would scale a loss zero's scaler must scale (the
+# optimizer zero re-points is not Accelerate's). The user's TrainingArguments object is never changed. A DeepSpeed
+# config (ZeroTrainer(deepspeed=...) or TrainingArguments(deepspeed=...)) is imported with its "auto" values filled
+# from the arguments; the keys the Trainer itself acts on (optimizer, scheduler, batch sizes, accumulation,
+# clipping) are the Trainer's, from the arguments, as in HF's own integration.
+_TRAINER_KEYS = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
+                 "gradient_accumulation_steps", "gradient_clipping")
+
+
+def _map_arguments(args: Any, zero_config: ZeroConfig | None, deepspeed: Any, model: Any) -> tuple[ZeroConfig, Any]:
+    """The ZeroConfig the arguments ask for, and the arguments to hand the Trainer (see the Note above)."""
+    if getattr(args, "fsdp", None):
+        raise ConfigError("ZeroTrainer shards the model itself; remove fsdp from TrainingArguments")
+    given_ds = getattr(args, "deepspeed", None)
+    if deepspeed is not None and given_ds is not None:
+        raise ConfigError("a DeepSpeed config was given twice (ZeroTrainer(deepspeed=...) and "
+                          "TrainingArguments(deepspeed=...)); pass one")
+    deepspeed = deepspeed if deepspeed is not None else given_ds
+    if deepspeed is not None and zero_config is not None:
+        raise ConfigError("ZeroTrainer got both zero_config and a DeepSpeed config; pass one (zero_core."
+                          "convert_deepspeed_config(ds).config is the zero_config the DeepSpeed config maps to)")
+    config = ZeroConfig() if zero_config is None else zero_config
+    if deepspeed is not None:
+        config = _from_deepspeed(deepspeed, args, model)
+    bf16, fp16 = bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))
+    wanted = "bf16" if bf16 else "fp16" if fp16 else None
+    compute = config.precision.compute
+    have = None if compute is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute, str(compute))
+    if wanted is not None and have is None:  # a config that left the compute dtype unset takes the arguments'
+        precision = config.precision
+        loss_scale = precision.loss_scale if precision.loss_scale is not None or wanted == "bf16" else LossScale()
+        config = config.replace(precision=dataclasses.replace(precision, compute=wanted, loss_scale=loss_scale))
+    elif wanted is not None and have != wanted:
+        raise ConfigError(f"TrainingArguments({wanted}=True) but the zero config computes in {have}; set one of them "
+                          "to match the other")
+    kwargs = dict(getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    if getattr(args, "gradient_checkpointing", False) and kwargs.get("use_reentrant", False):
+        raise ConfigError("gradient_checkpointing_kwargs={'use_reentrant': True}: zero gathers parameters for the "
+                          "recomputation only with non-reentrant checkpointing; drop the key (ZeroTrainer sets False)")
+    if args is None:
+        return config, args
+    handed = copy.copy(args)  # the user's object stays as it was
+    handed.bf16 = handed.fp16 = False
+    handed.mixed_precision = "no"  # what the Trainer hands Accelerate (TrainingArguments derives it from bf16/fp16)
+    if given_ds is not None:
+        handed.deepspeed = None
+        handed.hf_deepspeed_config = None
+    if getattr(args, "gradient_checkpointing", False):
+        handed.gradient_checkpointing_kwargs = {**kwargs, "use_reentrant": False}
+    return config, handed
+
+
+def _from_deepspeed(deepspeed: Any, args: Any, model: Any) -> ZeroConfig:
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    conversion = zero_core.convert_deepspeed_config(deepspeed, training_args=args,
+                                                    hidden_size=hidden if isinstance(hidden, int) else None)
+    clipping, max_norm = conversion.gradient_clipping, getattr(args, "max_grad_norm", None)
+    if clipping is not None and max_norm is not None and abs(clipping - max_norm) > 1e-12:
+        raise ConfigError(f"the DeepSpeed config's gradient_clipping is {clipping} and TrainingArguments.max_grad_norm "
+                          f"is {max_norm}; the Trainer clips by the arguments: make them equal")
+    for flag in ("bf16", "fp16"):
+        enabled = conversion.config.precision.compute == {"bf16": torch.bfloat16, "fp16": torch.float16}[flag]
+        if args is not None and enabled != bool(getattr(args, flag, False)) and \
+                f"{flag}.enabled" in conversion.mapped and "[auto" not in conversion.mapped[f"{flag}.enabled"]:
+            raise ConfigError(f"the DeepSpeed config sets {flag}.enabled={enabled} and TrainingArguments({flag}="
+                              f"{getattr(args, flag, False)}); make them agree (or write \"auto\" in the config)")
+    left = {k: v for k, v in conversion.unmapped.items() if k.split(".")[0] not in _TRAINER_KEYS}
+    if left:
+        listing = "\n".join(f"  {key}: {reason}" for key, reason in left.items())
+        warnings.warn(f"{len(left)} DeepSpeed config key(s) change training under zero unless you act on them:\n"
+                      f"{listing}", zero_core.DeepSpeedConfigWarning, stacklevel=4)
+    return conversion.config
