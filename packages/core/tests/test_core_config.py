@@ -90,3 +90,13 @@ def test_bad_loss_scale(field, bad, message):
 def test_precision_must_be_a_precision():
     with pytest.raises(ConfigError, match="ZeroConfig.precision must be a Precision"):
         ZeroConfig(precision="bf16")
+
+
+def test_the_gpu_follows_local_rank_unless_the_script_chose_one():
+    from zero_core._setup import cuda_index
+
+    assert cuda_index("3", 0, 8) == 3  # torchrun's 4th process of a node, no set_device: its own GPU
+    assert cuda_index("3", 5, 8) == 5  # the script chose one: kept
+    assert cuda_index("3", 0, 1) == 0  # one visible GPU per process (CUDA_VISIBLE_DEVICES)
+    assert cuda_index(None, 0, 8) == 0  # not launched by torchrun
+    assert cuda_index("9", 0, 8) == 1  # more processes than GPUs: shared round-robin

@@ -43,17 +43,35 @@ def resolve_group(process_group: Any) -> Any:
     return None
 
 
+def cuda_index(local_rank: str | None, current: int, count: int) -> int:
+    """The GPU of this process: the current device, or ``LOCAL_RANK``'s when the current one is still the default 0.
+
+    torchrun numbers the processes of each node with ``LOCAL_RANK`` (``RANK`` counts over all
+    nodes); a script that never calls ``torch.cuda.set_device`` would put every process of a node
+    on GPU 0. With one visible GPU per process (``CUDA_VISIBLE_DEVICES``) this is 0 again."""
+    if current != 0 or local_rank is None or count < 1:
+        return current
+    return int(local_rank) % count
+
+
 def resolve_device(config: ZeroConfig) -> torch.device:
     if config.device is not None:
         device = torch.device(config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ZeroSetupError("ZeroConfig.device asks for CUDA but torch.cuda.is_available() is False; use device='cpu'")
         if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = torch.device("cuda", _local_cuda())
         return device
     if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", _local_cuda())
     return torch.device("cpu")
+
+
+def _local_cuda() -> int:
+    index = cuda_index(os.environ.get("LOCAL_RANK"), torch.cuda.current_device(), torch.cuda.device_count())
+    if index != torch.cuda.current_device():
+        torch.cuda.set_device(index)  # NCCL's own calls (barriers, object collectives) use the current device
+    return index
 
 
 # torch's optimizers whose update of an element reads only that element's gradient and state (and scalars).
