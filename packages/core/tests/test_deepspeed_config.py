@@ -153,7 +153,7 @@ def test_offload_keys_that_need_nothing_or_cannot_map():
     assert conversion.config.placement_options == {"offload_optim_frac": 1.0}
     assert set(conversion.no_ops) == {"zero_optimization.offload_optimizer.pin_memory", "zero_optimization.offload_param.device",
                                       "zero_optimization.offload_param.pin_memory"}
-    assert set(conversion.unmapped) == {"zero_optimization.offload_optimizer.fast_init"}
+    assert set(conversion.tuning) == {"zero_optimization.offload_optimizer.fast_init"}  # memory and speed only
     stage2 = convert_deepspeed_config({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
     assert stage2.config.placement == "device"
     assert "only at stage 3" in stage2.unmapped["zero_optimization.offload_param.device"]
@@ -194,8 +194,9 @@ def test_auto_values_are_reported_and_left_at_zeros_defaults():
     assert conversion.config == ZeroConfig() and conversion.gradient_clipping is None
     for key in ("zero_optimization.reduce_bucket_size", "bf16.enabled", "gradient_clipping", "communication_data_type"):
         assert "'auto' is a placeholder" in conversion.unmapped[key], key
-    assert set(conversion.unmapped) == {"zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-                                        "bf16.enabled", "gradient_clipping", "communication_data_type"}
+    assert set(conversion.unmapped) == {"zero_optimization.reduce_bucket_size", "bf16.enabled", "gradient_clipping",
+                                        "communication_data_type"}
+    assert set(conversion.tuning) == {"zero_optimization.stage3_prefetch_bucket_size"}  # zero sizes gathers itself
     assert set(conversion.quiet) == {"train_batch_size"}  # the data loader's business, filled or not
 
 
@@ -236,7 +237,7 @@ def _leaves(config, prefix=""):
 
 def test_every_key_lands_in_exactly_one_report():
     conversion = convert_deepspeed_config(FULL)
-    reports = [conversion.mapped, conversion.no_ops, conversion.unmapped, conversion.quiet]
+    reports = [conversion.mapped, conversion.no_ops, conversion.unmapped, conversion.quiet, conversion.tuning]
     assert sum(len(r) for r in reports) == len(set().union(*reports))  # disjoint
     assert set().union(*reports) == set(_leaves(FULL))
     assert all(text.strip() for r in reports for text in r.values())  # each with a reason
@@ -247,8 +248,11 @@ def test_every_key_lands_in_exactly_one_report():
         reduce_bucket_mb=5e8 * 4 / 2**20, placement="static",
         placement_options={"offload_optim_frac": 1.0, "offload_param_frac": 1.0}, reshard_after_forward=8)
     for key in ("my_own_key", "zero_optimization.some_future_knob", "optimizer",
-                "zero_optimization.zero_quantized_gradients", "zero_optimization.offload_param.max_in_cpu"):
+                "zero_optimization.zero_quantized_gradients"):
         assert key in conversion.unmapped
+    for key in ("zero_optimization.offload_param.max_in_cpu", "zero_optimization.sub_group_size",
+                "zero_optimization.stage3_max_live_parameters", "activation_checkpointing"):
+        assert key in conversion.tuning
     for key in ("tensorboard", "steps_per_print", "wall_clock_breakdown", "train_batch_size",
                 "train_micro_batch_size_per_gpu"):
         assert key in conversion.quiet

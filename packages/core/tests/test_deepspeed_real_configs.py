@@ -80,7 +80,7 @@ def test_a_real_config_maps_field_by_field(name):
     assert dict(config.placement_options) == options
     assert conversion.gradient_clipping == clipping
     # every key of the file lands in exactly one report
-    reports = [conversion.mapped, conversion.no_ops, conversion.unmapped, conversion.quiet]
+    reports = [conversion.mapped, conversion.no_ops, conversion.unmapped, conversion.quiet, conversion.tuning]
     keys = [k for r in reports for k in r]
     assert len(keys) == len(set(keys))
 

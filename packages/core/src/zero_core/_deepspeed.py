@@ -11,11 +11,12 @@ Every key of the DeepSpeed config ends up in exactly one of three reports:
   build the torch optimizer yourself). ``"auto"`` values, which only the HuggingFace
   integrations fill in, land here too.
 
-Two more reports sort what remains for the reader: ``quiet`` takes the keys whose values
+More reports sort what remains for the reader: ``quiet`` takes the keys whose values
 change nothing a run trains (logging, profiling, timers, an accumulation of 1, the batch
-sizes the data loader sets), so that ``unmapped`` (printed first, as "changes training")
-holds only what the user must act on; ``defaults`` lists the DeepSpeed defaults applied for
-keys the config leaves out.
+sizes the data loader sets) and ``tuning`` the memory and speed knobs zero sizes its own way
+(bucket and prefetch sizes, NVMe buffers), so that ``unmapped`` (printed first, as "changes
+training") holds only what the user must act on; ``defaults`` lists the DeepSpeed defaults
+applied for keys the config leaves out.
 
 [Note: DeepSpeed's defaults]
 The config describes a DeepSpeed run, so a key it leaves out means DeepSpeed's default, not
@@ -159,6 +160,10 @@ _OFFLOAD_UNMAPPED = {
     "cpuadam_cores_perc": _CPU_ADAM,
 }
 _OFFLOAD_DEVICES = ("cpu", "nvme", "none")
+# Reasons of keys that size memory and speed, never what is trained: reported apart from what changes training.
+_TUNING = frozenset({_GATHER_SIZE, _PERSIST, _LIVE, _OFFLOAD_TUNING, _CPU_ADAM, _ZERO_UNMAPPED["sub_group_size"],
+                     _ZERO_UNMAPPED["memory_efficient_linear"], _ZERO_UNMAPPED["stage3_module_granularity_threshold"],
+                     _TOP_UNMAPPED["aio"], _TOP_UNMAPPED["activation_checkpointing"]})
 # DeepSpeed features zero does not have, each with what the run loses.
 _NOT_DATA_PARALLEL = "zero shards data-parallel training only; "
 _TOP_OTHER = {
@@ -221,7 +226,14 @@ class DeepSpeedConversion:
             backward, before ``optimizer.step()``.
         mapped: Key path to the ZeroConfig field and value it set.
         no_ops: Key path to why zero needs no setting for it.
-        unmapped: Key path to why zero's config cannot hold it and what to do instead.
+        unmapped: Key path to why zero's config cannot hold it and what to do instead: each changes
+            what is trained unless the user acts (the first section of ``report()``).
+        quiet: Keys whose values change nothing zero trains (logging, profiling, the batch
+            sizes the data loader sets, an accumulation of 1).
+        tuning: Memory and speed knobs zero sizes its own way (bucket and prefetch sizes,
+            NVMe buffers): the results do not depend on them.
+        defaults: The DeepSpeed defaults applied for keys the config leaves out (see
+            [Note: DeepSpeed's defaults]).
     """
 
     config: ZeroConfig
@@ -230,6 +242,7 @@ class DeepSpeedConversion:
     no_ops: dict[str, str]
     unmapped: dict[str, str]
     quiet: dict[str, str] = dataclasses.field(default_factory=dict)
+    tuning: dict[str, str] = dataclasses.field(default_factory=dict)
     defaults: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def report(self) -> str:
@@ -237,7 +250,9 @@ class DeepSpeedConversion:
         keys last, on one line."""
         sections = [("changes training: zero cannot hold these, do this instead", self.unmapped),
                     ("DeepSpeed defaults applied (keys the config leaves out)", self.defaults),
-                    ("mapped", self.mapped), ("no effect: zero does this anyway, or it is off", self.no_ops)]
+                    ("mapped", self.mapped),
+                    ("memory and speed: zero sizes these its own way (results unchanged)", self.tuning),
+                    ("no effect: zero does this anyway, or it is off", self.no_ops)]
         lines = ["DeepSpeed config -> zero_core.ZeroConfig"]
         for title, entries in sections:
             lines.append(f"{title} ({len(entries)}):")
@@ -493,15 +508,17 @@ class _Converter:
         if self.bucket_elements is not None:  # last: its MiB are counted in the reduce dtype
             self.bucket_size()
         quiet = {path: self.unmapped.pop(path) for path in list(self.unmapped) if self.harmless(path)}
-        for report in (self.mapped, self.no_ops, self.unmapped, quiet):
+        tuning = {path: self.unmapped.pop(path) for path in list(self.unmapped) if self.unmapped[path] in _TUNING}
+        for report in (self.mapped, self.no_ops, self.unmapped, quiet, tuning):
             for path, source in self.filled.items():
                 if path in report:
                     report[path] += f" [auto: {source}]"
         order = _source_order(ds)  # the reports list keys in the order the DeepSpeed config has them
-        mapped, no_ops, unmapped, quiet = (dict(sorted(d.items(), key=lambda item: order.get(item[0], len(order))))
-                                           for d in (self.mapped, self.no_ops, self.unmapped, quiet))
+        mapped, no_ops, unmapped, quiet, tuning = (
+            dict(sorted(d.items(), key=lambda item: order.get(item[0], len(order))))
+            for d in (self.mapped, self.no_ops, self.unmapped, quiet, tuning))
         return DeepSpeedConversion(config=self.build(), gradient_clipping=self.gradient_clipping,
-                                   mapped=mapped, no_ops=no_ops, unmapped=unmapped, quiet=quiet,
+                                   mapped=mapped, no_ops=no_ops, unmapped=unmapped, quiet=quiet, tuning=tuning,
                                    defaults=dict(self.defaults))
 
     def value(self, path: str) -> Any:
@@ -642,7 +659,7 @@ class _Converter:
             elif name == "hysteresis":
                 hysteresis = _int(path, value, minimum=1)
                 self.set("precision.loss_scale.hysteresis", hysteresis, path,
-                         f"precision.loss_scale.hysteresis={hysteresis} (refilled by every clean step)")
+                         f"precision.loss_scale.hysteresis={hysteresis} (refilled as consecutive_hysteresis says)")
             elif name == "min_loss_scale":
                 self.set("precision.loss_scale.min_scale", float(_number(path, value)), path)
             elif name == "consecutive_hysteresis":
