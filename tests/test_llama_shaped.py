@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _small_loop import step_on
 from zero_core import ChunkPolicy, ZeroConfig, shard
 from zero_core.testing import run_distributed
 from zero_core.testing.gpt import SyntheticTokens, lm_loss
@@ -32,14 +33,7 @@ def _train(world: int, rank: int, zero: ZeroConfig | None) -> tuple[list[float],
     losses = []
     for step in range(STEPS):
         tokens = data.batch(step, BATCH)[rank * local:(rank + 1) * local]
-        loss = lm_loss(model(tokens), tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        reported = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(reported)
-        losses.append(reported.item() / world)
+        losses.append(step_on(lm_loss(model(tokens), tokens), opt, world=world))
     params = model.full_parameters() if zero is not None else {n: p.detach() for n, p in model.named_parameters()}
     return losses, params
 

@@ -90,10 +90,12 @@ def test_module_meshes_put_experts_on_their_own_mesh():
 
 def test_clip_grad_norm_over_module_meshes():
     """zero_core.clip_grad_norm_ sums each mesh's part once, and torch's own clip over model.parameters() gives the
-    same (see [Note: torch's clip over several meshes]), at stage 3 and with the tensor strategy at stage 2."""
+    same (see [Note: torch's clip over several meshes]), at every stage, and with the tensor strategy."""
     meshes = {"module_meshes": {"experts": (2, 2)}, "clip": 0.05}
     runs = [("unused", _config("unused"), meshes),
             ("unused", _config("unused"), {**meshes, "clip_with": "torch"}),
+            ("unused", _config("unused", stage=1), {**meshes, "clip_with": "torch"}),
+            ("unused", _config("unused", stage=2), {**meshes, "clip_with": "torch"}),
             ("unused", _config("unused", strategy="tensor", stage=2), {**meshes, "clip_with": "torch"})]
     results = run_distributed(_train_many, 4, runs)
     expected = train_reference("unused", clip=0.05)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from _small_loop import full_params, train_step
 from zero_core import ConfigError, ZeroConfig, shard
 from zero_core.testing import RunResult, assert_parity, run_distributed
 
@@ -74,22 +74,8 @@ def _train_lion(sharded: bool, steps: int = 4) -> RunResult:
     opt = Lion(model.parameters())
     if sharded:
         model, opt = shard(model, opt, config=ZeroConfig(stage=3, optimizer_updates="elementwise"))
-    losses = []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
-        n = 8 // world
-        loss = F.cross_entropy(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        value = loss.detach().clone()
-        if sharded:
-            dist.all_reduce(value)
-        losses.append(value.item() / world)
-    params = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-              for name, p in model.named_parameters()}
-    return RunResult(losses, params)
+    losses = [train_step(model, opt, step, features=6, world=world, rank=rank) for step in range(steps)]
+    return RunResult(losses, full_params(model))
 
 
 def test_a_declared_elementwise_optimizer_trains_as_in_one_process():

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from _small_loop import full_params, train_step
 from zero_core import CheckpointError, ChunkPolicy, ConfigError, Precision, ZeroConfig, load_checkpoint, save_checkpoint, shard
 from zero_core._whole_step import assign_owners
 from zero_core.testing import RunResult, assert_parity, run_distributed, train_reference, train_sharded
@@ -45,22 +45,9 @@ def _train(name: str, layout: tuple[str, int] | None, *, steps: range = range(ST
         model, opt = shard(model, opt, config=ZeroConfig(stage=stage, strategy=strategy))
     if load is not None:
         load_checkpoint(model, opt, load)
-    losses, counts = [], {}
-    for step in steps:
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 7, generator=g), torch.randint(0, 3, (8,), generator=g)
-        n = 8 // world
-        loss = F.cross_entropy(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        value = loss.detach().clone()
-        if sharded:
-            dist.all_reduce(value)
-            counts = model.comm_stats.summary()
-        losses.append(value.item() / world)
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-              for n, p in model.named_parameters()}
+    losses = [train_step(model, opt, step, features=7, world=world, rank=rank) for step in steps]
+    counts = model.comm_stats.summary() if sharded else {}
+    params = full_params(model)
     if save is not None:
         save_checkpoint(model, opt, save)
     if sharded:
