@@ -18,7 +18,8 @@ from zero_core._version import __version__
 # and ``zero_core.ZeroConfig`` work exactly as eager imports did (tests/test_cli.py checks the first by
 # sys.modules, packages/core/tests check the names).
 _HOME = {
-    "plugin": None,  # the submodule itself: zero_core.plugin is reachable as an attribute, as before
+    # the public submodules themselves: reachable as attributes after `import zero_core`, as before
+    **{name: None for name in ("api", "chunk", "comm", "errors", "hookspecs", "mesh", "placement", "plugin", "strategy")},
     "clip_grad_norm_": "zero_core._clip",
     "DeepSpeedConversion": "zero_core._deepspeed",
     "config_from_deepspeed": "zero_core._deepspeed",
