@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from _small_loop import full_params, train_step
-from zero_core import CheckpointError, ChunkPolicy, ConfigError, Precision, ZeroConfig, load_checkpoint, save_checkpoint, shard
+from zero_core import CheckpointError, ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, load_checkpoint, save_checkpoint, shard
 from zero_core._whole_step import assign_owners
 from zero_core.testing import RunResult, assert_parity, run_distributed, train_reference, train_sharded
 
@@ -134,10 +134,16 @@ def test_whole_tensor_optimizers_are_refused_where_their_layout_does_not_hold():
         shard(model, torch.optim.Muon(model.parameters()), config=ZeroConfig(placement="host"))
 
 
-def test_bf16_compute_with_a_whole_tensor_optimizer_matches_the_16bit_reference():
-    compute = Precision(compute="bf16")
+@pytest.mark.parametrize("compute", [
+    Precision(compute="bf16"),
+    # a first scale so large that the first step overflows: skipped on every rank with nothing to step whole
+    Precision(compute="fp16", loss_scale=LossScale(init_scale=2.0**40, hysteresis=1)),
+], ids=["bf16", "fp16-overflow"])
+def test_16bit_compute_with_a_whole_tensor_optimizer_matches_the_16bit_reference(compute):
     config = ZeroConfig(stage=3, precision=compute, chunk=ChunkPolicy(chunk_size=300))
     results = run_distributed(train_sharded, 2, "gpt", config=config, optimizer="adafactor")
     reference = train_reference("gpt", precision=compute, world=2, optimizer="adafactor")
+    if compute.loss_scale is not None:
+        assert min(reference.scales) < 2.0**40 and results[0].scales == reference.scales  # the overflow happened
     for rank, result in enumerate(results):
         assert_parity(reference, result, rtol=1e-3, label=f"rank {rank}:")

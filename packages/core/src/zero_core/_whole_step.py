@@ -113,6 +113,9 @@ class WholeTensorSteps:
         assert self._saved_groups is None, "a whole-tensor step is already open"
         live = self._agree_live()
         self._live = live
+        if not live:  # nothing to step whole (an fp16 overflow dropped every gradient): agreed on every rank
+            self._saved_groups = [group["params"] for group in self.optimizer.param_groups]
+            return
         splits = self._splits(live)
         dtype = self._dtype = self._wire_dtype(live)
         values = self._to_owners(live, splits, dtype, lambda e: to_local(e.param))
@@ -150,6 +153,8 @@ class WholeTensorSteps:
         stand_ins = self._stand_ins
         self._restore()
         live, self._live = self._live, []
+        if not live:
+            return
         splits = self._splits(live)
         width = splits[self.rank]
         dtype = self._dtype
