@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from _small_loop import full_params, train_step
-from zero_core import CheckpointError, ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, load_checkpoint, save_checkpoint, shard
+from zero_core import CheckpointError, ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, ZeroError, load_checkpoint, save_checkpoint, shard
 from zero_core._whole_step import assign_owners
 from zero_core.testing import RunResult, assert_parity, run_distributed, train_reference, train_sharded
 
@@ -147,3 +147,27 @@ def test_16bit_compute_with_a_whole_tensor_optimizer_matches_the_16bit_reference
         assert min(reference.scales) < 2.0**40 and results[0].scales == reference.scales  # the overflow happened
     for rank, result in enumerate(results):
         assert_parity(reference, result, rtol=1e-3, label=f"rank {rank}:")
+
+
+def _unregistered(recipe: str) -> str:
+    model = _model(biases=False)
+    model, _ = shard(model, torch.optim.Muon(model.parameters(), lr=0.02))
+    # FSDP2's recipe (an optimizer built after sharding), or a second optimizer over some of the parameters
+    other = torch.optim.Muon(model.parameters(), lr=0.02) if recipe == "rebuilt" else \
+        torch.optim.Adafactor([next(model.parameters())])
+    x = torch.randn(4, 7)
+    model(x).sum().backward()
+    try:
+        other.step()
+    except ZeroError as exc:
+        return str(exc)
+    finally:
+        model.close()
+    return "stepped"
+
+
+@pytest.mark.parametrize("recipe", ["rebuilt", "second"])
+def test_a_whole_tensor_optimizer_not_given_to_shard_is_refused_at_its_step(recipe):
+    message = run_distributed(_unregistered, 2, recipe, timeout=120)[0]
+    assert "without having been passed to zero_core.shard" in message, message
+    assert ("Muon orthogonalises" if recipe == "rebuilt" else "Adafactor factors") in message

@@ -21,9 +21,12 @@ from zero_core.errors import ConfigError, RanksDisagreeError, ZeroSetupError
 __all__ = [
     "check_ranks_agree",
     "collect_params",
+    "cuda_index",
     "first_use_order",
+    "optimizer_updates",
     "resolve_device",
     "resolve_group",
+    "whole_reads",
 ]
 
 
@@ -90,6 +93,11 @@ _WHOLE = {"Muon": "orthogonalises each matrix's update (Newton-Schulz)",
 _GLOBAL = {"LBFGS": "searches along the whole parameter vector with a closure"}
 
 
+def whole_reads(optimizer: torch.optim.Optimizer) -> str | None:
+    """What a known whole-tensor optimizer class reads (``None`` for any other class)."""
+    return next((_WHOLE[c.__name__] for c in type(optimizer).__mro__ if c.__name__ in _WHOLE), None)
+
+
 def optimizer_updates(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> str:
     """How zero steps this optimizer: ``"elementwise"`` (each rank its pieces) or ``"whole"`` (each parameter whole,
     on its owner rank); raises for one it cannot step or cannot classify.
@@ -102,7 +110,7 @@ def optimizer_updates(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> s
         raise ConfigError(
             f"{name} {global_}, which no sharded layout gives it: zero cannot run it. Use an element-wise optimizer "
             "(torch.optim.AdamW, SGD, ...) or a whole-tensor one (torch.optim.Muon, Adafactor)")
-    whole = next((_WHOLE[c] for c in mro if c in _WHOLE), None)
+    whole = whole_reads(optimizer)
     if whole is not None and config.optimizer_updates == "elementwise":
         raise ConfigError(
             f"ZeroConfig(optimizer_updates='elementwise') declares {name} element-wise, but it {whole}: stepped on "

@@ -33,9 +33,10 @@ from zero_core._setup import (
     first_use_order,
     resolve_device,
     resolve_group,
+    whole_reads,
 )
 from zero_core._sources import open_source
-from zero_core._whole_step import WholeTensorSteps
+from zero_core._whole_step import WholeTensorSteps, guard_unregistered_optimizers
 from zero_core._host_memory import return_freed_host_memory
 from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk
@@ -212,6 +213,8 @@ def shard(
     reducer = GradientReducer(gather_groups, reduce_comm=reduce_comm, mesh_comms=mesh_comms, agree=not config.static_graph)
     loss_scale = config.precision.loss_scale
     whole = _whole_steps(optimizer, chunks, comm, device, config, mesh_comms) if updates == "whole" else None
+    # see [Note: a whole-tensor optimizer zero was not given]
+    guard_unregistered_optimizers(optimizer, [seg.param for c in chunks for seg in c.segments], whole_reads)
     bridge = OptimizerBridge(optimizer, reducer=reducer, comm=comm, device=device,
                              scaler=LossScaler(loss_scale) if loss_scale is not None else None, whole=whole)
     placement.setup(PlacementContext(

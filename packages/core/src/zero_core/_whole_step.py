@@ -35,8 +35,10 @@ replicas or module meshes, are refused at ``shard()`` with this mode (see ``chec
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,9 +48,20 @@ from zero_core._collectives import exchange_pieces
 from zero_core._slots import ParamSlot, to_local
 from zero_core.chunk import Chunk
 from zero_core.comm import CommBackend
-from zero_core.errors import RanksOutOfStepError
+from zero_core.errors import RanksOutOfStepError, ZeroError
 
-__all__ = ["WholeTensorSteps", "assign_owners"]
+__all__ = ["WholeTensorSteps", "assign_owners", "guard_unregistered_optimizers"]
+
+# [Note: a whole-tensor optimizer zero was not given]
+# zero steps a whole-tensor optimizer whole only when it is the one passed to shard(): only that one's step is
+# hooked. Another one over the sharded parameters (built after shard(), FSDP2's recipe, or a second optimizer)
+# would step each rank's pieces and train another model, silently. A process-wide step pre-hook, registered once
+# by the first shard(), refuses that at the call: it costs a class check per optimizer step, and a scan of the
+# parameters only for a whole-tensor class.
+# every engine's sharded parameters, by id (a tensor's == is elementwise, so no weak set can hold them)
+_SHARDED: dict[int, weakref.ref[torch.Tensor]] = {}
+_REGISTERED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # the optimizers passed to shard()
+_guard: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +72,36 @@ class _Entry:
     param: nn.Parameter  # the sharded parameter: the optimizer's key and the model's entry
     slot: ParamSlot
     owner: int
+
+
+def guard_unregistered_optimizers(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                                  is_whole: Callable[[torch.optim.Optimizer], str | None]) -> None:
+    """Remember ``optimizer`` (the one shard() hooks) and ``params`` (its engine's sharded parameters), and install the
+    process-wide guard of [Note: a whole-tensor optimizer zero was not given] once. ``is_whole`` names what a
+    whole-tensor optimizer reads (``None`` for any other)."""
+    global _guard
+    _REGISTERED.add(optimizer)
+    for dead in [key for key, ref in _SHARDED.items() if ref() is None]:
+        del _SHARDED[dead]
+    _SHARDED.update({id(p): weakref.ref(p) for p in params})
+    if _guard is not None:
+        return
+
+    def refuse(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if opt in _REGISTERED:
+            return
+        reads = is_whole(opt)
+        if reads is None or not any((ref := _SHARDED.get(id(p))) is not None and ref() is p
+                                    for group in opt.param_groups for p in group["params"]):
+            return
+        raise ZeroError(
+            f"{type(opt).__name__} {reads}, and it steps parameters sharded by zero without having been passed to "
+            "zero_core.shard: each rank would step its pieces and train another model. Build the optimizer before "
+            "shard() and pass it there (zero then steps each parameter whole on one rank), and step that one")
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    _guard = register_optimizer_step_pre_hook(refuse)
 
 
 def assign_owners(numels: Sequence[int], world_size: int) -> list[int]:
