@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from _small_loop import step_on
+
 from zero_core import ChunkPolicy, ZeroConfig, shard
 from zero_core.testing import run_distributed
 from zero_core.testing.gpt import SyntheticTokens, lm_loss

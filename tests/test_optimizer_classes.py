@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _small_loop import full_params, train_step
 from torch import nn
 
-from _small_loop import full_params, train_step
 from zero_core import ConfigError, ZeroConfig, shard
 from zero_core.testing import RunResult, assert_parity, run_distributed
 

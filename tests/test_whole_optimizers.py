@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _small_loop import full_params, train_step
 from torch import nn
 
-from _small_loop import full_params, train_step
 from zero_core import CheckpointError, ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, ZeroError, load_checkpoint, save_checkpoint, shard
 from zero_core._whole_step import assign_owners
 from zero_core.testing import RunResult, assert_parity, run_distributed, train_reference, train_sharded

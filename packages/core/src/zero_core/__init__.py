@@ -44,7 +44,7 @@ _HOME = {
 }
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
-    from zero_core import plugin
+    from zero_core import plugin  # noqa: F401 - the submodule, as an attribute
     from zero_core._clip import clip_grad_norm_
     from zero_core._deepspeed import DeepSpeedConversion, config_from_deepspeed, convert_deepspeed_config
     from zero_core._estimate import Estimate, estimate

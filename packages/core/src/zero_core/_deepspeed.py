@@ -833,7 +833,7 @@ class _Converter:
         ratio = section.get("ratio")
         if ratio is not None and not 0 <= _number(f"{prefix}.ratio", ratio) <= 1:
             raise ConfigError(f"DeepSpeed key {prefix}.ratio must be a fraction in [0, 1], got {ratio!r}.")
-        for key, value in section.items():
+        for key in section:
             path = f"{prefix}.{key}"
             if key in ("device", "ratio") or (key == "nvme_path" and device == "nvme"):
                 continue

@@ -27,10 +27,10 @@ from zero_core._group import build_groups
 from zero_core._reducer import GradientReducer
 from zero_core._scaler import LossScaler
 from zero_core._setup import (
-    optimizer_updates,
     check_ranks_agree,
     collect_params,
     first_use_order,
+    optimizer_updates,
     resolve_device,
     resolve_group,
     whole_reads,
