@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig
-from zero_core.testing import run_distributed
+from zero_core.testing import device_under_test, run_distributed
 from zero_core.testing.checkpointing import phase
 
 K, J = 2, 2
@@ -146,7 +146,9 @@ def test_resume_across_placement_policies(before, after, tmp_path):
 
     ckpt = tmp_path / "ckpt"
     reference = _run(2, "gpt", config(before), ckpt, "save")
-    _assert_close(_run(2, "gpt", config(after), ckpt, "load"), reference, bitwise=True)
+    # On CUDA the steps after the resume run where the other policy puts the optimizer states (the host's
+    # Adam against the GPU's), which round differently; on the CPU host and device are one.
+    _assert_close(_run(2, "gpt", config(after), ckpt, "load"), reference, bitwise=device_under_test() == "cpu")
 
 
 def _rng_worker(directory, mode):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core import ChunkPolicy, ZeroConfig, shard
-from zero_core.testing import assert_parity, run_distributed, train_reference, train_sharded
+from zero_core.testing import assert_parity, rank_device, run_distributed, train_reference, train_sharded
 from zero_core.testing.gpt import GPT, GPTConfig
 from zero_offload import DeviceBudgetError, DiskTierError, TierBudgetError
 
@@ -128,7 +128,7 @@ def _budget_worker(device_budget_mb):
     except DeviceBudgetError as e:
         return str(e), None
     before = model.full_parameters()
-    model(torch.randn(512, 64)).square().mean().backward()
+    model(torch.randn(512, 64, device=rank_device())).square().mean().backward()
     try:
         opt.step()
     except DeviceBudgetError as e:
@@ -180,7 +180,7 @@ def _full_disk_worker(disk_dir):
     model, opt = shard(model, make_optimizer(case, model), config=config)
     rank = dist.get_rank()
     for step in range(3):
-        inputs, targets = case.batch(step, 8)
+        inputs, targets = (t.to(rank_device()) for t in case.batch(step, 8))
         opt.zero_grad()
         case.loss(model(inputs[rank * 4:(rank + 1) * 4]), targets[rank * 4:(rank + 1) * 4]).backward()
         if step == 2:  # the disk fills up before the third step
@@ -226,7 +226,7 @@ def _rss_worker(disk_dir, host_budget_mb):
     g = torch.Generator().manual_seed(rank)
     losses = []
     for _ in range(3):
-        tokens = torch.randint(0, 8192, (4, 65), generator=g)
+        tokens = torch.randint(0, 8192, (4, 65), generator=g).to(rank_device())
         opt.zero_grad()
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
@@ -265,7 +265,7 @@ def _eval_between_steps_worker():
     rank = dist.get_rank()
     evaluated = []
     for step in range(4):
-        inputs, targets = case.batch(step, 8)
+        inputs, targets = (t.to(rank_device()) for t in case.batch(step, 8))
         opt.zero_grad()
         case.loss(model(inputs[rank * 4:(rank + 1) * 4]), targets[rank * 4:(rank + 1) * 4]).backward()
         opt.step()

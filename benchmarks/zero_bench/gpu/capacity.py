@@ -21,7 +21,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,9 +250,11 @@ def _attempt(system: System, env: Env, depth: int) -> Attempt:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, env.budget_gib * 2**30 / total), device)
         torch.cuda.reset_peak_memory_stats(device)
+        # what earlier attempts left allocated counts against this one's budget: say so in the row
+        measured_before = {"left_allocated_MiB": round(torch.cuda.memory_allocated(device) / 2**20, 1)}
     data = SyntheticTokens(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
     start = time.perf_counter()
-    measured: dict[str, Any] = {}
+    measured: dict[str, Any] = dict(measured_before) if device.type == "cuda" else {}
     trainer: Trainer | None = None
     phase = "build"
     try:
@@ -378,9 +380,10 @@ def _search(system: System, env: Env, until: float, log: Callable[[str], None]) 
 
 
 def run_capacity(*, device: torch.device, dry_run: bool, budget_gib: float, deadline_s: float,
-                 log: Callable[[str], None]) -> dict[str, Any]:
+                 log: Callable[[str], None], systems: Sequence[str] | None = None) -> dict[str, Any]:
     """Search each system's largest depth within an equal share of ``deadline_s`` (time a system leaves unused
-    goes to the ones after it). Never raises: a system that fails says so in its row."""
+    goes to the ones after it). ``systems``: the names to run (default: all of :data:`SYSTEMS`). Never raises: a
+    system that fails says so in its row."""
     start = time.perf_counter()
     shape, batch = (DRY_SHAPE, DRY_BATCH) if dry_run else (FULL_SHAPE, FULL_BATCH)
     result: dict[str, Any] = {"budget_gib": budget_gib, "dry_run": dry_run, "device": str(device),
@@ -396,9 +399,13 @@ def run_capacity(*, device: torch.device, dry_run: bool, budget_gib: float, dead
                   disk_dir=disk_dir, disk_budget=int(DISK_SHARE * shutil.disk_usage(disk_dir).free))
         result.update({"host_cap_GiB": round(env.host_cap / 2**30, 1), "disk_budget_GiB": round(env.disk_budget / 2**30, 1),
                        "gemini_device_budget_MiB": round(budget_gib * 1024 * (1 - GEMINI_MARGIN), 1)})
-        for index, system in enumerate(SYSTEMS):
+        chosen = [s for s in SYSTEMS if systems is None or s.name in systems]
+        unknown = set(systems or ()) - {s.name for s in SYSTEMS}
+        if unknown:
+            raise ValueError(f"unknown capacity systems {sorted(unknown)}; choose from {[s.name for s in SYSTEMS]}")
+        for index, system in enumerate(chosen):
             left = deadline_s - (time.perf_counter() - start)
-            until = time.perf_counter() + left / (len(SYSTEMS) - index)
+            until = time.perf_counter() + left / (len(chosen) - index)
             try:
                 result["systems"].append(_search(system, env, until, log))
             except Exception as err:  # noqa: BLE001 - fail soft: the other systems still run

@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps in the training section")
     p.add_argument("--skip", default="", help="comma-separated sections to leave out: "
                    "bandwidth, gloo, training, tests, capacity")
+    p.add_argument("--capacity-systems", default="", help="comma-separated systems of the largest-model section "
+                   "(default: all): torch, fsdp2-offload, zero-gemini, zero-gemini-disk")
     p.add_argument("--root", default=os.getcwd(), help="the zero checkout whose tests run (default: here)")
     return p.parse_args(argv)
 
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             from zero_bench.gpu import capacity
 
             result = capacity.run_capacity(device=device, dry_run=args.dry_run, budget_gib=args.device_budget_gib,
-                                           deadline_s=max(30.0, args.budget_s - report.elapsed() - 15), log=report.log)
+                                           deadline_s=max(30.0, args.budget_s - report.elapsed() - 15), log=report.log,
+                                           systems=[s for s in args.capacity_systems.split(",") if s] or None)
             pinned = next((r["GB/s median"] for r in rows if r["direction"] == "H2D"), None)
             result["pinned_H2D_GBps"] = pinned
             report.results["sections"]["capacity"] = result

@@ -93,3 +93,37 @@ def test_a_mesh_counts_ranks_under_names_that_say_so() -> None:
         assert mesh.shard_size == 4  # the old name, which clashed with Chunk.shard_size (elements), still answers
     with pytest.warns(DeprecationWarning, match="replicate_ranks"):
         assert mesh.replicate_size == 2
+
+
+
+def _move_a_parameter_and_back(strategy: str) -> bool:
+    import weakref
+
+    from zero_core import ZeroConfig, shard
+    from zero_core._chunk_layout import repoint
+    from zero_core.testing import rank_device
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    zmodel, opt = shard(model, torch.optim.Adam(model.parameters()), config=ZeroConfig(strategy=strategy, stage=3))
+    params = list(zmodel.parameters())
+    assert all(weakref.getweakrefcount(p) == 0 for p in params)
+    first = params[0]
+    local = first.to_local()
+    repoint(first, local.to("meta"))  # the CPU's stand-in for another device: the path the host tier takes on CUDA
+    assert first is params[0] and first.to_local().device.type == "meta"
+    repoint(first, local)
+    assert first.to_local().data_ptr() == local.data_ptr()
+    zmodel(torch.ones(3, 4, device=rank_device())).sum().backward()
+    opt.step()  # the optimizer still steps the same objects
+    zmodel.close()
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["chunk", "tensor"])
+def test_a_sharded_parameter_moves_to_another_device_as_the_same_object(strategy) -> None:
+    """A host tier on CUDA moves a DTensor parameter's shard to the host: a new wrapper is swapped into the same
+    object, which torch.utils.swap_tensors refuses while anything holds a weak reference to the parameter."""
+    from zero_core.testing import run_distributed
+
+    assert run_distributed(_move_a_parameter_and_back, 2, strategy, timeout=60) == [True, True]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zero_core._devices import to_host
 from zero_core._state import ChunkState
 from zero_core.chunk import Chunk
 from zero_core.comm import CommBackend, Pending
@@ -320,7 +321,7 @@ class Reduction:
             replicate.all_reduce(self._reduced)
         if self._reduced is not None:
             # moved to where the master shard lives (the host, when offloaded), never copied and kept twice
-            grad = self._reduced.to(chunk.grads.device, chunk.master_dtype)
+            grad = to_host(self._reduced, chunk.grads.device, chunk.master_dtype)
             if self._divisor != 1.0:
                 grad.div_(self._divisor)
             chunk.grads.land(grad)

@@ -214,7 +214,7 @@ def shard(
     loss_scale = config.precision.loss_scale
     whole = _whole_steps(optimizer, chunks, comm, device, config, mesh_comms) if updates == "whole" else None
     # see [Note: a whole-tensor optimizer zero was not given]
-    guard_unregistered_optimizers(optimizer, [seg.param for c in chunks for seg in c.segments], whole_reads)
+    guard_unregistered_optimizers(optimizer, chunks, whole_reads)
     bridge = OptimizerBridge(optimizer, reducer=reducer, comm=comm, device=device,
                              scaler=LossScaler(loss_scale) if loss_scale is not None else None, whole=whole)
     placement.setup(PlacementContext(

@@ -58,8 +58,10 @@ __all__ = ["WholeTensorSteps", "assign_owners", "guard_unregistered_optimizers"]
 # would step each rank's pieces and train another model, silently. A process-wide step pre-hook, registered once
 # by the first shard(), refuses that at the call: it costs a class check per optimizer step, and a scan of the
 # parameters only for a whole-tensor class.
-# every engine's sharded parameters, by id (a tensor's == is elementwise, so no weak set can hold them)
-_SHARDED: dict[int, weakref.ref[torch.Tensor]] = {}
+# every engine's sharded parameters, by id, each to the chunk that holds it (a tensor's == is elementwise, so no
+# weak set can hold them; and a weak reference to a parameter would make torch.utils.swap_tensors refuse it, which
+# moving a DTensor parameter's shard to another device does)
+_SHARDED: dict[int, weakref.ref[Chunk]] = {}
 _REGISTERED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # the optimizers passed to shard()
 _guard: Any = None
 
@@ -74,16 +76,16 @@ class _Entry:
     owner: int
 
 
-def guard_unregistered_optimizers(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+def guard_unregistered_optimizers(optimizer: torch.optim.Optimizer, chunks: Sequence[Chunk],
                                   is_whole: Callable[[torch.optim.Optimizer], str | None]) -> None:
-    """Remember ``optimizer`` (the one shard() hooks) and ``params`` (its engine's sharded parameters), and install the
-    process-wide guard of [Note: a whole-tensor optimizer zero was not given] once. ``is_whole`` names what a
-    whole-tensor optimizer reads (``None`` for any other)."""
+    """Remember ``optimizer`` (the one shard() hooks) and the sharded parameters of ``chunks`` (its engine's), and
+    install the process-wide guard of [Note: a whole-tensor optimizer zero was not given] once. ``is_whole`` names
+    what a whole-tensor optimizer reads (``None`` for any other)."""
     global _guard
     _REGISTERED.add(optimizer)
     for dead in [key for key, ref in _SHARDED.items() if ref() is None]:
         del _SHARDED[dead]
-    _SHARDED.update({id(p): weakref.ref(p) for p in params})
+    _SHARDED.update({id(seg.param): weakref.ref(chunk) for chunk in chunks for seg in chunk.segments})
     if _guard is not None:
         return
 
@@ -91,8 +93,7 @@ def guard_unregistered_optimizers(optimizer: torch.optim.Optimizer, params: Sequ
         if opt in _REGISTERED:
             return
         reads = is_whole(opt)
-        if reads is None or not any((ref := _SHARDED.get(id(p))) is not None and ref() is p
-                                    for group in opt.param_groups for p in group["params"]):
+        if reads is None or not any(_is_sharded(p) for group in opt.param_groups for p in group["params"]):
             return
         raise ZeroError(
             f"{type(opt).__name__} {reads}, and it steps parameters sharded by zero without having been passed to "
@@ -102,6 +103,12 @@ def guard_unregistered_optimizers(optimizer: torch.optim.Optimizer, params: Sequ
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     _guard = register_optimizer_step_pre_hook(refuse)
+
+
+def _is_sharded(param: torch.Tensor) -> bool:
+    ref = _SHARDED.get(id(param))
+    chunk = ref() if ref is not None else None
+    return chunk is not None and any(seg.param is param for seg in chunk.segments)
 
 
 def assign_owners(numels: Sequence[int], world_size: int) -> list[int]:

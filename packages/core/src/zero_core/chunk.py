@@ -71,12 +71,12 @@ from typing import Any
 
 import torch
 from torch import nn
-
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from zero_core._buffers import BufferPool
 from zero_core._chunk_grads import ChunkGradients
 from zero_core._chunk_layout import ChunkLayout, dtensor, repoint
+from zero_core._devices import to_compute_device
 from zero_core._ownership import in_policy_call
 from zero_core._slots import (
     ChunkSpec,
@@ -425,7 +425,7 @@ class Chunk:
         """This rank's shard in the compute dtype, on the compute device: what an all-gather sends."""
         if self._shard is None:
             return self._pack(self.layout.own_pieces(self.full), self.dtype)
-        return self._shard.to(self.device, self.dtype, non_blocking=True)
+        return to_compute_device(self._shard, self.device, self.dtype)
 
     def refresh_own_slice(self) -> torch.Tensor:
         """Copy the updated master shard into this rank's pieces of a kept full buffer; return them packed
@@ -434,7 +434,8 @@ class Chunk:
         # a shard out of memory (on disk) was copied here by its placement policy before it left
         if self._shard is not None and self.shard_in_memory:
             with torch.no_grad():
-                torch.split_with_sizes_copy(self._shard.to(self.device, self.dtype), self.split_sizes, out=own + self.layout.tail(self.full))
+                master = to_compute_device(self._shard, self.device, self.dtype)
+                torch.split_with_sizes_copy(master, self.split_sizes, out=own + self.layout.tail(self.full))
         return self._pack(own, self.dtype)
 
     def replace_shard(self, shard: torch.Tensor) -> None:

@@ -37,9 +37,12 @@ class TierConfig:
 
     Attributes:
         device_budget_mb: MiB the policy may fill on the compute device (model data plus
-            the non-model data it measured). ``None``: on CUDA, what the allocator reports
-            free at setup minus ``device_margin``; on a CPU-only machine it must be set
-            for ``gemini`` (the CPU is both device and host there, accounted apart).
+            the non-model data it measured). On CUDA, what was already allocated when the
+            warm-up step began (other tensors, the CUDA libraries' workspaces) and what the
+            allocator caches without handing out are not part of it. ``None``: on CUDA,
+            what the allocator reports free at setup minus ``device_margin``; on a CPU-only
+            machine it must be set for ``gemini`` (the CPU is both device and host there,
+            accounted apart).
         device_margin: Share of the device's total memory left out of the default budget,
             for fragmentation, other processes and the collectives' transient copies.
         host_budget_mb: MiB of host memory for shards, gradients and optimizer states.

@@ -401,6 +401,7 @@ class PlacementPolicyConformance:
         import torch
 
         from zero_core.testing.checkpointing import phase
+        from zero_core.testing.distributed import device_under_test
 
         plugins = [_Registers(self.policy_class)]
         ours = ZeroConfig(chunk=ChunkPolicy(chunk_size=300), placement=self.policy_class.name,
@@ -413,6 +414,15 @@ class PlacementPolicyConformance:
                                         plugins=plugins, timeout=300)[0]
             resumed = run_distributed(phase, 2, "gpt", ours, directory, mode="load", k=2, j=2, plugins=plugins,
                                       timeout=300)[0]
+            if name == "device" and device_under_test() == "cuda":
+                # saved stepping on the GPU, resumed stepping where the policy puts the states (the host's Adam
+                # rounds otherwise than the GPU's): close, not bitwise; on the CPU host and device are one
+                for got, want in zip(resumed["losses"], reference["losses"][2:], strict=True):
+                    assert abs(got - want) <= 1e-5 * abs(want), (name, resumed["losses"], reference["losses"])
+                for param, value in reference["params"].items():
+                    err = ((resumed["params"][param] - value).abs().max() / value.abs().max().clamp_min(1e-12)).item()
+                    assert err <= 1e-5, (name, param, err)
+                continue
             assert resumed["losses"] == reference["losses"][2:], (name, resumed["losses"], reference["losses"])
             for param, value in reference["params"].items():
                 assert torch.equal(resumed["params"][param], value), (name, param)

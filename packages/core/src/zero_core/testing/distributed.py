@@ -19,7 +19,11 @@ many GPUs as ranks, else gloo, which moves CUDA tensors through host memory for 
 collectives it supports on them (see :func:`backend_for`). Tests put their inputs on
 :func:`rank_device` and compare values on the CPU. CUDA ranks run with
 ``torch.use_deterministic_algorithms``: the tests that resume a checkpoint compare bits, and
-CUDA's default embedding backward adds with atomics in any order.
+CUDA's default embedding backward adds with atomics in any order. Before the test runs, a CUDA
+rank makes cuBLAS's workspaces (a linear layer's forward and backward in each dtype): they
+are made at a thread's first matrix product and then stay, so a test's first step would
+otherwise count tens of MiB that no CPU run has (a device budget sized for the model does
+not hold them; see ``zero_offload.MemoryTracer``).
 """
 
 from __future__ import annotations
@@ -83,6 +87,17 @@ def _context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
+def _make_cuda_workspaces() -> None:
+    """A linear layer's forward and backward in each floating dtype: cuBLAS and cuBLASLt make their workspaces
+    for this thread and autograd's (see [Note: the device under test])."""
+    import torch
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.ones(8, 8, device="cuda", dtype=dtype, requires_grad=True)
+        torch.nn.functional.linear(x, x, x[0]).sum().backward()
+    torch.cuda.synchronize()
+
+
 def _rank_main(
     fn: Callable[..., Any], rank: int, world_size: int, init_file: str, backend: str | None, device: str,
     timeout: float, threads: int, env: dict[str, str], results: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -101,6 +116,7 @@ def _rank_main(
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
             torch.use_deterministic_algorithms(True, warn_only=True)
+            _make_cuda_workspaces()
         if backend is None:
             backend = backend_for(device, world_size, torch.cuda.device_count() if device == "cuda" else 0)
         dist.init_process_group(
