@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from zero_core._group import GatherGroup
 
 __all__ = ["Reduction", "broadcast_from_rank0", "gather_chunk", "gather_for_peers", "gather_group", "gather_master",
-           "exchange_pieces", "publish_chunk", "publish_group", "reduce_gradients", "sum_over_ranks"]
+           "gather_master_shards", "exchange_pieces", "publish_chunk", "publish_group", "reduce_gradients", "sum_over_ranks"]
 
 
 # -- parameters: all-gathers ----------------------------------------------------------------------------
@@ -344,13 +344,20 @@ def sum_over_ranks(tensor: torch.Tensor, comm: CommBackend, *, op: str = "sum") 
         comm.all_reduce(tensor, op=op)
 
 
+def gather_master_shards(chunk: Chunk, comm: CommBackend) -> torch.Tensor:
+    """Every rank's master shard of the chunk, side by side (``(world_size, shard_size)``, master dtype, on the
+    compute device), in a fresh buffer; the chunk's own state is untouched."""
+    received = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
+    chunk.comm_for(comm).all_gather(received, chunk.shard.to(chunk.device))
+    return received.view(chunk.world_size, chunk.shard_size)
+
+
 def gather_master(chunk: Chunk, comm: CommBackend) -> torch.Tensor:
     """The chunk's full master values (parameter-major, master dtype, on the compute device), gathered from every
     rank's shard into a fresh buffer; the chunk's own state is untouched."""
-    received = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-    chunk.comm_for(comm).all_gather(received, chunk.shard.to(chunk.device))
+    received = gather_master_shards(chunk, comm)
     full = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-    chunk.layout.copy_out(received.view(chunk.world_size, chunk.shard_size), full)
+    chunk.layout.copy_out(received, full)
     return full
 
 

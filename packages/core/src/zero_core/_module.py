@@ -16,7 +16,7 @@ from zero_core._full_state import full_state_dict, load_full_state_dict
 from zero_core._inspection import full_parameters, memory_by_kind, model_state_bytes
 from zero_core._scaler import LossScaler
 from zero_core.comm import CommStats
-from zero_core.errors import ZeroError
+from zero_core.errors import ConfigError, ZeroError
 
 __all__ = ["ZeroModule", "adopt"]
 
@@ -137,6 +137,32 @@ class ZeroModule:
 
         with gathered_parameters(self._zero_engine, writable=writable):
             yield
+
+    def stream_full_parameters(self, *, bucket_mb: float = 512, dtype: torch.dtype | None = None,
+                               device: str | torch.device = "cpu",
+                               rank: int | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Every parameter, whole, in buckets of ``(name, tensor)`` of at most ``bucket_mb`` MiB. Collective.
+
+        For weight syncs (to an inference engine, an evaluator, a second copy of the model)
+        between steps: at most one bucket of finished tensors and one gathered chunk exist at a
+        time, where ``gathered_parameters()`` holds the whole model. A parameter larger than
+        the bucket comes alone. Every rank iterates to the end (each chunk is gathered
+        collectively); with ``rank=r`` only rank r gets the tensors and the others get as many
+        empty buckets. The tensors are fresh copies the caller may keep, in ``dtype``
+        (``None``: the master dtype, the parameters' own) on ``device`` (``"cpu"``,
+        ``"device"`` for the compute device, or a ``torch.device``). A tied parameter comes
+        once, under its first name; buffers are not included. Do not run the model until the
+        loop ends. See [Note: streaming full weights].
+        """
+        import math
+
+        from zero_core._streaming import stream_full_parameters
+
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not math.isfinite(bucket_mb) \
+                or bucket_mb <= 0:
+            raise ConfigError(f"stream_full_parameters(bucket_mb=...) must be a positive number of MiB, got {bucket_mb!r}")
+        return stream_full_parameters(self._zero_engine, bucket_bytes=max(1, int(bucket_mb * 2**20)), dtype=dtype,
+                                      device=device, rank=rank)
 
     def close(self) -> None:
         """Detach zero from the model: remove its hooks and stop its helper thread.

@@ -25,9 +25,9 @@ unscale, a master rounded to 16 bits) is off by far more.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import copy
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,7 +193,8 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
                   optimizer: str = "adamw", lr: float = 1e-3, micro_batches: int = 1, clip: float | None = None,
                   norm_type: float = 2.0, no_sync: bool = True, reduce_process_group: Any = None,
                   plugins: Sequence[object] = (), mesh_shape: tuple[int, ...] | None = None,
-                  module_meshes: dict[str, tuple[int, ...]] | None = None, clip_with: str = "zero") -> RunResult:
+                  module_meshes: dict[str, tuple[int, ...]] | None = None, clip_with: str = "zero",
+                  after_step: Callable[[torch.nn.Module, int], None] | None = None) -> RunResult:
     """Run on every rank: shard the zoo model, train on this rank's slice of each global batch.
 
     With ``micro_batches > 1`` the slice is split and all but the last micro-batch run
@@ -203,7 +204,8 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
     by ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``).
     ``reduce_process_group`` and ``plugins`` are passed to :func:`zero_core.shard`;
     ``mesh_shape`` (and each shape of ``module_meshes``) becomes a CPU device mesh,
-    ``(replicate, shard)`` for two dimensions.
+    ``(replicate, shard)`` for two dimensions. ``after_step(model, step)`` runs after each optimizer step (work
+    between steps: an evaluation, a weight sync); it must be a module-level function.
     """
     case = get_case(case_name)
     config = config or ZeroConfig(chunk=ChunkPolicy(chunk_size=case.chunk_size))
@@ -246,6 +248,8 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         if model.loss_scaler is not None:
             scales.append(model.loss_scaler.scale)
         opt.step()
+        if after_step is not None:
+            after_step(model, step)
         reported = loss.detach().clone()
         if world > 1:  # reporting only: not part of the engine's counted traffic
             dist.all_reduce(reported)
