@@ -93,7 +93,9 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
 
 def train_rank(stage: int, directory: str) -> dict:
     """On every rank: train under ZeroStrategy with a checkpoint per epoch, then resume a fresh run from epoch 0's."""
-    strategy = zl.ZeroStrategy(config=zero_core.ZeroConfig(stage=stage, chunk=zero_core.ChunkPolicy(chunk_size=CHUNK_SIZE)))
+    # stage 2 writes its checkpoints in the background: the resume below must not tell the difference
+    strategy = zl.ZeroStrategy(config=zero_core.ZeroConfig(stage=stage, chunk=zero_core.ChunkPolicy(chunk_size=CHUNK_SIZE)),
+                               async_checkpoints=stage == 2)
     # Saved after the step (on_train_batch_end). Lightning 2.6's epoch-end checkpoints (every_n_epochs, or
     # Trainer.save_checkpoint after fit) resume one micro-batch off with accumulation, in one process too.
     checkpoint = ModelCheckpoint(dirpath=directory, every_n_train_steps=MAX_STEPS // 2, save_top_k=-1)

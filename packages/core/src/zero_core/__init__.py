@@ -20,6 +20,7 @@ from zero_core._version import __version__
 _HOME = {
     # the public submodules themselves: reachable as attributes after `import zero_core`, as before
     **{name: None for name in ("api", "chunk", "comm", "errors", "hookspecs", "mesh", "placement", "plugin", "strategy")},
+    "AsyncSave": "zero_core._async_save",
     "clip_grad_norm_": "zero_core._clip",
     "DeepSpeedConversion": "zero_core._deepspeed",
     "config_from_deepspeed": "zero_core._deepspeed",
@@ -45,6 +46,7 @@ _HOME = {
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from zero_core import plugin  # noqa: F401 - the submodule, as an attribute
+    from zero_core._async_save import AsyncSave
     from zero_core._clip import clip_grad_norm_
     from zero_core._deepspeed import DeepSpeedConversion, config_from_deepspeed, convert_deepspeed_config
     from zero_core._estimate import Estimate, estimate
@@ -82,6 +84,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AsyncSave",
     "CheckpointError",
     "ChunkPolicy",
     "CollectiveTimeoutError",

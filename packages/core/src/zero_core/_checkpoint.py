@@ -27,6 +27,7 @@ checkpoint in a directory always loads.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import re
@@ -110,19 +111,14 @@ def _jsonable(value: Any) -> Any:
 
 
 # -- save -----------------------------------------------------------------------------------------
-def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra: Any = None,
-                    with_optimizer: bool = True) -> None:
-    """Write a sharded checkpoint of the model, optimizer, loss scaler and step. Collective.
-
-    See [Note: sharded checkpoint layout]. Needs no gather: each rank writes what it holds.
-    """
+def begin_save(engine: Engine, directory: str | os.PathLike[str]) -> tuple[Path, str]:
+    """A save's first collective part: the engine settled, the directory made (rank 0) and the save id agreed."""
     engine.settle("save_checkpoint", collective=True)
     directory = Path(directory)
     comm = engine.comm
-    rank, world = comm.rank, comm.world_size
     error = None
     save_id = None
-    if rank == 0:
+    if comm.rank == 0:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             if not os.access(directory, os.W_OK):
@@ -133,6 +129,18 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra:
     raise_if_any_failed(engine.comm, error, f"saving a checkpoint to {directory} failed")
     save_id = rank0_value(comm, save_id)
     assert save_id is not None
+    return directory, save_id
+
+
+def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra: Any = None,
+                    with_optimizer: bool = True) -> None:
+    """Write a sharded checkpoint of the model, optimizer, loss scaler and step. Collective.
+
+    See [Note: sharded checkpoint layout]. Needs no gather: each rank writes what it holds.
+    """
+    directory, save_id = begin_save(engine, directory)
+    comm = engine.comm
+    rank, world = comm.rank, comm.world_size
     description: dict[str, Any] | None = None
     try:
         description = _write_rank_file(engine, directory, save_id, rank, world, with_optimizer)
@@ -158,18 +166,49 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra:
             error = f"writing the metadata failed ({type(exc).__name__}: {exc}); the previous checkpoint there is intact"
         else:
             try:  # the new checkpoint is complete; what is left is housekeeping
-                _remove_stale(directory, save_id)
+                remove_stale(directory, save_id)
             except OSError as exc:
                 warnings.warn(f"the checkpoint in {directory} is complete, but files of earlier saves could not be "
                               f"removed ({exc}); the next save tries again", stacklevel=2)
     raise_if_any_failed(engine.comm, error, f"saving a checkpoint to {directory} failed")
 
 
+class RankFilePlan:
+    """One rank's file of a save: its safetensors entries (name, dtype, shape) in write order, the description
+    rank 0 merges into the metadata, and :meth:`tensors`, which yields each entry's values in that order (a
+    disk-resident shard read in for its chunk and dropped after it)."""
+
+    def __init__(self, name: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], save_id: str,
+                 description: dict[str, Any], tensors: Any) -> None:
+        self.name, self.entries, self.save_id, self.description = name, entries, save_id, description
+        self.tensors = tensors
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the values (the file adds its header)."""
+        return sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in self.entries)
+
+    def write(self, stream: Any, values: Any) -> None:
+        """The file, from ``values`` (``(name, tensor)`` in entry order) into ``stream``."""
+        writer = SafetensorsWriter(stream, self.entries, {"format": "pt", "producer": "zero", "save_id": self.save_id})
+        for key, value in values:
+            writer.write(key, value)
+        writer.close()
+
+
 def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, world: int,
                      with_optimizer: bool) -> dict[str, Any]:
+    plan = plan_rank_file(engine, save_id, rank, world, with_optimizer)
+    directory.mkdir(parents=True, exist_ok=True)  # rank 0 made it; on a slow shared file system it may not show yet
+    with torch.no_grad():
+        size, digest = atomic_write(directory / plan.name, lambda stream: plan.write(stream, plan.tensors()))
+    return {**plan.description, "file": {"name": plan.name, "bytes": size, "sha256": digest}}
+
+
+def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_optimizer: bool) -> RankFilePlan:
+    """What this rank's file of save ``save_id`` holds; see :class:`RankFilePlan`."""
     states, groups = _segment_states(engine) if with_optimizer else ({}, None)
     layout = ModelLayout.of(engine.module, engine.chunks)
-    directory.mkdir(parents=True, exist_ok=True)  # rank 0 made it; on a slow shared file system it may not show yet
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     pieces: list[list[Any]] = []
     scalars: dict[str, dict[str, Any]] = {}
@@ -225,8 +264,7 @@ def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, w
     if cuda_rng is not None:
         entries.append(("rng/cuda", cuda_rng.dtype, tuple(cuda_rng.shape)))
 
-    def write(stream: Any) -> None:
-        writer = SafetensorsWriter(stream, entries, {"format": "pt", "producer": "zero", "save_id": save_id})
+    def tensors() -> Any:
         placement = engine.placement
         for chunk in engine.chunks:
             chunk_pieces = _pieces(chunk)
@@ -237,38 +275,54 @@ def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, w
                 # states kept out of memory are read back one chunk at a time, and dropped after it
                 readable = placement.optimizer_states(chunk) if with_optimizer else {}
                 for slot, name, lo, hi in chunk_pieces:
-                    writer.write(f"p/{name}", chunk.shard_range(slot, lo, hi))
+                    yield f"p/{name}", chunk.shard_range(slot, lo, hi)
                     seg = segment_of.get((chunk.index, slot))
                     state = readable.get(id(seg.param), {}) if seg is not None and id(seg.param) in states else {}
                     for key, value in state.items():
                         if isinstance(value, torch.Tensor) and (value.dim() > 0 or isinstance(value, DTensor)):
-                            writer.write(f"o/{name}/{key}", to_local(value).reshape(-1))
+                            yield f"o/{name}/{key}", to_local(value).reshape(-1)
                 del readable
             finally:
                 placement.after_release([chunk])
         for key, value in whole_states:
-            writer.write(key, value.reshape(-1))
+            yield key, value.reshape(-1)
         if rank == 0:
             for key, buf in layout.buffers.items():
-                writer.write(f"b/{key}", buf)
-        writer.write("rng/cpu", rng)
+                yield f"b/{key}", buf
+        yield "rng/cpu", rng
         if cuda_rng is not None:
-            writer.write("rng/cuda", cuda_rng)
-        writer.close()
+            yield "rng/cuda", cuda_rng
 
-    name = _rank_file(save_id, rank, world)
-    with torch.no_grad():
-        size, digest = atomic_write(directory / name, write)
-    return {"file": {"name": name, "bytes": size, "sha256": digest}, "pieces": pieces, "scalars": scalars,
-            "state_keys": state_keys, "whole_keys": whole_keys, "groups": groups,
-            "params": {s.name: {"shape": list(s.shape), "dtype": _dtype_name(c.master_dtype), "group": c.param_group,
-                                "requires_grad": c.requires_grad}
-                       for c in engine.chunks for s in c.slots},
-            "buffers": {k: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)} for k, b in layout.buffers.items()},
-            "tied": {names[0]: names[1:] for names in layout.names.values() if len(names) > 1}}
+    description = {
+        "pieces": pieces, "scalars": scalars, "state_keys": state_keys, "whole_keys": whole_keys, "groups": groups,
+        "params": {s.name: {"shape": list(s.shape), "dtype": _dtype_name(c.master_dtype), "group": c.param_group,
+                            "requires_grad": c.requires_grad}
+                   for c in engine.chunks for s in c.slots},
+        "buffers": {k: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)} for k, b in layout.buffers.items()},
+        "tied": {names[0]: names[1:] for names in layout.names.values() if len(names) > 1}}
+    return RankFilePlan(_rank_file(save_id, rank, world), entries, save_id, description, tensors)
 
 
 def _metadata(engine: Engine, save_id: str, descriptions: list[dict[str, Any]]) -> dict[str, Any]:
+    return assemble_metadata(engine_metadata(engine), save_id, descriptions)
+
+
+def engine_metadata(engine: Engine) -> dict[str, Any]:
+    """What the metadata says of the engine (its step, layout, loss scaler, the model's configs), read now: an
+    asynchronous save reads it when it stages, not when it commits."""
+    scaler = engine.bridge.scaler.state_dict() if engine.bridge.scaler is not None else None
+    return {
+        "step": engine.step_count, "strategy": engine.config.strategy, "stage": engine.config.stage,
+        "placement": engine.config.placement, "zero_version": __version__, "torch_version": torch.__version__,
+        "host": platform.node(), "loss_scaler": scaler,
+        # an HF-style model's config.json (and generation_config.json), so that `zero consolidate` can write a
+        # directory from_pretrained loads without the model's code; {} for other models
+        "model_configs": model_config_texts(engine.module),
+    }
+
+
+def assemble_metadata(base: dict[str, Any], save_id: str, descriptions: list[dict[str, Any]]) -> dict[str, Any]:
+    """The metadata of save ``save_id``: ``base`` (:func:`engine_metadata`) and every rank's file description."""
     first = descriptions[0]
     params = {name: {**info, "pieces": []} for name, info in first["params"].items()}
     scalars: dict[str, dict[str, Any]] = {}
@@ -283,26 +337,22 @@ def _metadata(engine: Engine, save_id: str, descriptions: list[dict[str, Any]]) 
             state_keys.setdefault(name, keys)
         for name, keys in description.get("whole_keys", {}).items():
             whole[name] = {"rank": rank, "keys": keys}
-    scaler = engine.bridge.scaler.state_dict() if engine.bridge.scaler is not None else None
     return {
         "format": FORMAT, "version": VERSION, "save_id": save_id, "world_size": len(descriptions),
-        "step": engine.step_count, "strategy": engine.config.strategy, "stage": engine.config.stage,
-        "placement": engine.config.placement, "zero_version": __version__, "torch_version": torch.__version__,
-        "host": platform.node(),
+        "step": base["step"], "strategy": base["strategy"], "stage": base["stage"], "placement": base["placement"],
+        "zero_version": base["zero_version"], "torch_version": base["torch_version"], "host": base["host"],
         "files": [d["file"] for d in descriptions], "extra": first.get("extra"),
         "params": params, "buffers": first["buffers"], "tied": first["tied"],
         "optimizer": None if first["groups"] is None else
         {"param_groups": first["groups"], "state_keys": state_keys, "scalars": scalars,
          # states of a whole-tensor optimizer: the rank whose file holds each parameter's, and their keys
          "whole": whole},
-        "loss_scaler": scaler,
-        # an HF-style model's config.json (and generation_config.json), so that `zero consolidate` can write a
-        # directory from_pretrained loads without the model's code; {} for other models
-        "model_configs": model_config_texts(engine.module),
+        "loss_scaler": base["loss_scaler"],
+        "model_configs": base["model_configs"],
     }
 
 
-def _remove_stale(directory: Path, save_id: str) -> None:
+def remove_stale(directory: Path, save_id: str) -> None:
     """Files of earlier saves (and interrupted ones) in this directory, now that the metadata names the new ones."""
     for path in directory.iterdir():
         if (_OURS.match(path.name) and not path.name.startswith(save_id + ".")) or _METADATA_TMP.match(path.name):

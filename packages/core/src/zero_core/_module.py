@@ -168,9 +168,15 @@ class ZeroModule:
         """Detach zero from the model: remove its hooks and stop its helper thread.
 
         Call it before ``torch.distributed.destroy_process_group()``; the model cannot
-        train afterwards.
+        train afterwards. A checkpoint still being written in the background
+        (``save_checkpoint(..., async_=True)``) completes first, and its failure is raised.
         """
-        self._zero_engine.close()
+        from zero_core._async_save import finish_pending_save
+
+        try:
+            finish_pending_save(self._zero_engine)
+        finally:
+            self._zero_engine.close()
 
     @property
     def comm_stats(self) -> CommStats:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from zero_core._async_save import AsyncSave, finish_pending_save, save_async
 from zero_core._checkpoint import load_checkpoint as _load
 from zero_core._checkpoint import save_checkpoint as _save
 from zero_core._full_state import save_full_state_dict as _save_full
@@ -21,7 +22,7 @@ from zero_core._hf_layout import (
     with_dtype,
 )
 from zero_core._module import ZeroModule
-from zero_core.errors import CheckpointError
+from zero_core.errors import CheckpointError, ConfigError
 
 __all__ = ["load_checkpoint", "save_checkpoint", "save_full_state_dict"]
 
@@ -36,7 +37,7 @@ def _engine(model: Any, optimizer: Any, verb: str) -> Any:
 
 
 def save_checkpoint(model: ZeroModule, optimizer: torch.optim.Optimizer | None, directory: str | os.PathLike[str],
-                    *, extra: Any = None) -> None:
+                    *, extra: Any = None, async_: bool = False) -> AsyncSave | None:
     """Save a sharded checkpoint into ``directory``. Collective: call on every rank.
 
     Each rank writes its own shards of the master parameters and optimizer states, with
@@ -46,9 +47,23 @@ def save_checkpoint(model: ZeroModule, optimizer: torch.optim.Optimizer | None, 
     rank 0. Saving again into the same directory replaces the checkpoint atomically: until
     the new one is complete, the previous one stays loadable. ``optimizer=None`` saves the
     parameters only.
+
+    With ``async_=True`` it blocks only while this rank's values are copied into a reused host
+    staging buffer, and returns an :class:`~zero_core.AsyncSave`: the files, their checksums and
+    the commit are written in the background, byte for byte as a synchronous save writes them.
+    The next save, :func:`load_checkpoint` and ``model.close()`` wait for it, and a failure in
+    the background is raised there (or by ``handle.wait()``) as a
+    :class:`~zero_core.CheckpointError`; an incomplete save never looks complete. See
+    [Note: asynchronous checkpoints].
     """
+    if not isinstance(async_, bool):
+        raise ConfigError(f"save_checkpoint(async_=...) must be True or False, got {async_!r}")
     engine = _engine(model, optimizer, "save_checkpoint")
+    if async_:
+        return save_async(engine, directory, extra=extra, with_optimizer=optimizer is not None)
+    finish_pending_save(engine)  # a save still being written completes (or fails) first
     _save(engine, directory, extra=extra, with_optimizer=optimizer is not None)
+    return None
 
 
 def load_checkpoint(model: ZeroModule, optimizer: torch.optim.Optimizer | None, directory: str | os.PathLike[str],
@@ -62,6 +77,7 @@ def load_checkpoint(model: ZeroModule, optimizer: torch.optim.Optimizer | None, 
     ``extra`` object, or ``None``.
     """
     engine = _engine(model, optimizer, "load_checkpoint")
+    finish_pending_save(engine)  # a save of this model still being written completes (or fails) first
     return _load(engine, directory, load_optimizer=optimizer is not None, strict=strict, load_rng=load_rng)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Generator, Mapping
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
@@ -42,6 +42,10 @@ class ZeroStrategy(DDPStrategy):
             ``"bf16-mixed"`` or ``"16-mixed"`` (fp16 with zero's loss scaler).
         shard_kwargs: Further keyword arguments for :func:`zero_core.shard` (``plugins``,
             ``process_group``, ``example_inputs``...).
+        async_checkpoints: Write checkpoints in the background
+            (``zero_core.save_checkpoint(..., async_=True)``): a save blocks training only while
+            each rank copies its shards into host memory. The next save, a checkpoint's
+            removal and the end of ``fit`` wait for it, and a failure is raised there.
         **kwargs: What :class:`~lightning.pytorch.strategies.DDPStrategy` takes (``timeout``,
             ``process_group_backend``, ``start_method``, ``cluster_environment``...), except
             the DDP-wrapper options, which have no meaning here.
@@ -50,7 +54,11 @@ class ZeroStrategy(DDPStrategy):
     strategy_name = "zero"
 
     def __init__(self, *, config: zero_core.ZeroConfig | None = None,
-                 shard_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+                 shard_kwargs: Mapping[str, Any] | None = None, async_checkpoints: bool = False, **kwargs: Any) -> None:
+        if not isinstance(async_checkpoints, bool):
+            raise ConfigError(f"ZeroStrategy(async_checkpoints=...) must be True or False, got {async_checkpoints!r}")
+        self._async_checkpoints = async_checkpoints
+        self._pending_save: zero_core.AsyncSave | None = None
         if config is not None and not isinstance(config, zero_core.ZeroConfig):
             raise ConfigError(f"ZeroStrategy(config=...) takes a zero_core.ZeroConfig, got {type(config).__name__}")
         wrapper_options = sorted(set(kwargs) - _DDP_STRATEGY_OPTIONS)
@@ -71,7 +79,7 @@ class ZeroStrategy(DDPStrategy):
         return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision("32-true")
 
     @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[LightningPrecision]) -> None:
+    def precision_plugin(self, plugin: LightningPrecision | None) -> None:
         # The Trainer sets the plugin its precision flag selects (MixedPrecision, HalfPrecision...): keep the
         # flag, replace the plugin (zero does the casting and the loss scaling), refuse what zero cannot do.
         if plugin is not None and not isinstance(plugin, ZeroPrecision):
@@ -143,6 +151,7 @@ class ZeroStrategy(DDPStrategy):
         # Not Strategy.teardown: it moves the module to the CPU, which would replace the sharded parameters.
         # The module stays sharded and usable (trainer.validate, model.full_state_dict()).
         assert self.cluster_environment is not None and self.accelerator is not None
+        self._finish_pending_save()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -186,7 +195,7 @@ class ZeroStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return {}  # in zero's shard files, as the weights
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write ``filepath`` as a zero checkpoint directory. Collective: every rank writes its own shards.
 
         Rank 0 adds the rest of Lightning's checkpoint (loops, callbacks, schedulers, hyper-parameters)."""
@@ -196,9 +205,17 @@ class ZeroStrategy(DDPStrategy):
         extra = {k: v for k, v in checkpoint.items() if k != "state_dict"}
         extra[_MARK] = {"optimizer": "optimizer_states" in checkpoint}
         optimizer = module.engine.optimizer if "optimizer_states" in checkpoint else None
-        zero_core.save_checkpoint(module, optimizer, filepath, extra=extra)
+        self._finish_pending_save()
+        self._pending_save = zero_core.save_checkpoint(module, optimizer, filepath, extra=extra,
+                                                       async_=self._async_checkpoints)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def _finish_pending_save(self) -> None:
+        """Wait for a checkpoint still being written in the background; raise its failure."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.wait()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a directory :meth:`save_checkpoint` wrote into the sharded module (and optimizer, when fitting)."""
         module = self._sharded_module("load a checkpoint")
         trainer = module._trainer  # the property raises when no Trainer is attached
@@ -214,6 +231,7 @@ class ZeroStrategy(DDPStrategy):
         return extra
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        self._finish_pending_save()  # never remove a directory a background write may still be using
         self.barrier("ZeroStrategy.remove_checkpoint")  # rank 0 removes the directory the others wrote into too
         super().remove_checkpoint(filepath)
 
