@@ -267,3 +267,26 @@ class TestStaticConformance(PlacementPolicyConformance):
 class TestGeminiConformance(PlacementPolicyConformance):
     policy_class = GeminiPolicy
     options = {"device_budget_mb": 1.0, "margin_ratio": 0.5}
+
+
+@pytest.mark.parametrize(("placement", "options", "kept"), [
+    ("device", {}, True),
+    ("static", {"offload_optim_frac": 1.0}, True),  # master shards on the device: a single rank keeps the chunks
+    ("static", {"offload_optim_frac": 1.0, "offload_param_frac": 1.0}, False),
+    ("gemini", {"device_budget_mb": 1}, False),
+])
+def test_a_single_rank_keeps_chunks_gathered_only_where_master_shards_stay_on_the_device(placement, options, kept):
+    """One rank's gather is a copy, so chunks stay gathered; but not where the policy keeps master shards off the
+    device: there whole-model full buffers would take back the device memory the offload is for."""
+    model, opt = _sharded(placement, options)
+    assert [c.persistent for c in model.engine.chunks] == [kept] * len(model.engine.chunks)
+    before = [p.detach().clone() for p in model.full_parameters().values()]
+    _step(model, opt)
+    _step(model, opt)
+    after = list(model.full_parameters().values())
+    assert all(not torch.equal(a, b) for a, b in zip(before, after))  # it trained
+    # between steps a released chunk holds no full buffer on the device
+    assert [c.is_gathered for c in model.engine.chunks] == [kept] * len(model.engine.chunks)
+    if not kept:
+        assert model.engine.placement.context.device_bytes() == 0
+    model.close()

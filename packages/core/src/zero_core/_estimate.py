@@ -320,9 +320,10 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: MeshS
                               f"strategy {config.strategy!r} planned chunk {i} on {cp.mesh} with {cp.reduction.value}")
     groups = [list(g) for g in plan.gather_groups] if plan.gather_groups else [[i] for i in range(len(plan.chunks))]
     keep: set[int] = set()
+    policy = plugins.placement_policies.get(config.placement).from_config(config)
+    keep_alone = policy.keep_gathered_alone()
     if config.stage == 3:
-        keep = plugins.placement_policies.get(config.placement).from_config(config).keep_gathered(
-            plan.chunks, [tuple(g) for g in groups])
+        keep = policy.keep_gathered(plan.chunks, [tuple(g) for g in groups])
     chunks = []
     for i, spec in enumerate(plan.chunks):
         first = spec.params[0].param
@@ -330,7 +331,7 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: MeshS
         slots, _ = layout_slots([(p.name, p.param) for p in spec.params], world_size)
         size = world_size * padded_shard_size([p.param.shape for p in spec.params], world_size, spec.size)
         real = tuple(sum(s.local_rows(r) * s.row for s in slots) for r in range(world_size))
-        kept = config.stage < 3 or world_size == 1 or i in keep
+        kept = config.stage < 3 or (world_size == 1 and keep_alone) or i in keep
         _check_reshard(chunk_plans[i].reshard_after_forward, not kept, f" (chunk {i})")
         chunks.append(_Layout(size=size, used=spec.used, requires_grad=first.requires_grad, master_bytes=first.element_size(),
                               kept=kept, real=real))

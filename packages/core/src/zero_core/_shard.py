@@ -166,6 +166,7 @@ def shard(
 
     groups = tuple(tuple(g) for g in plan.gather_groups) if plan.gather_groups else tuple((i,) for i in range(len(plan.chunks)))
     keep = placement.keep_gathered(plan.chunks, groups) if config.stage == 3 else set()
+    keep_alone = placement.keep_gathered_alone()
     chunks = []
     pool = BufferPool()
     default_mesh = mesh if mesh is not None and mesh.ndim == 1 else _data_parallel_mesh(group, device)
@@ -182,6 +183,7 @@ def shard(
                       device=device, pool=pool, stage=config.stage, compute_dtype=config.precision.compute,
                       reduce_dtype=config.precision.reduce,
                       gradient_predivide_factor=config.precision.gradient_predivide_factor, keep_gathered=index in keep,
+                      keep_alone=keep_alone,
                       mesh=chunk_comms.device_mesh, replicas=chunk_plans[index].mesh.replicate_ranks)
         chunk.plan, chunk.comms = chunk_plans[index], chunk_comms
         chunk.owned = True

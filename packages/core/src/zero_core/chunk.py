@@ -106,6 +106,7 @@ class Chunk:
         self, index: int, spec: ChunkSpec, *, rank: int, world_size: int, device: torch.device,
         pool: BufferPool | None = None, stage: int = 3, compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None, gradient_predivide_factor: float = 1.0, keep_gathered: bool = False,
+        keep_alone: bool = True,
         mesh: Any = None, replicas: int = 1,
     ) -> None:
         if spec.size % world_size:
@@ -143,9 +144,10 @@ class Chunk:
         self._initially_trainable = first.param.requires_grad
         self.param_group = first.param_group
         self.used = spec.used
-        # Stages 1 and 2 keep the full buffer for the whole run, and so does a single rank; at stage 3 a
-        # placement policy may keep some chunks gathered too (zero-offload's shard_param_frac).
-        self.persistent = stage < 3 or world_size == 1 or keep_gathered
+        # Stages 1 and 2 keep the full buffer for the whole run, and so does a single rank unless its placement
+        # policy keeps master shards off the device (keep_alone=False); at stage 3 a placement policy may keep some
+        # chunks gathered too (zero-offload's shard_param_frac).
+        self.persistent = stage < 3 or (world_size == 1 and keep_alone) or keep_gathered
         # In one dtype, a kept full buffer holds the master values: the optimizer updates this rank's pieces of it.
         self.shard_is_view = self.persistent and self.dtype == self.master_dtype
         # Runtime state, changed only through the transition methods below (the collectives call them).

@@ -139,6 +139,15 @@ class PlacementPolicy(ABC):
         """
         return set()
 
+    def keep_gathered_alone(self) -> bool:
+        """Whether, on a single rank, every chunk stays gathered between uses at stage 3 (default: yes).
+
+        One rank's gather is a local copy, so by default its chunks keep their full buffers on the
+        device. A policy that keeps master shards off the device answers no: then a chunk takes
+        device memory only while a module computes with it (the ``keep_gathered`` ones excepted).
+        """
+        return True
+
     def setup(self, context: PlacementContext) -> None:
         """Receive the optimizer, device and process group; called once, right before :meth:`attach`."""
         self.context = context

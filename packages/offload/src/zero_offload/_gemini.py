@@ -103,7 +103,10 @@ class GeminiPolicy(TieredPolicy):
         self.group_bytes = [sum(self._gather_cost(chunks[i], backward=True) for i in g) for g in self.context.gather_groups]
         # Reductions in flight hold their gradient buffers until the collective completes, and a backward that
         # outpaces them takes fresh ones: room for two more, whenever they come.
-        self.inflight_reserve = 2 * max((c.full_bytes for c in chunks if c.requires_grad and not c.persistent), default=0)
+        # One rank reduces nothing: its gradient buffer becomes the gradient at once, and no reduction holds it.
+        alone = all(c.world_size == 1 and c.replicas == 1 for c in chunks)
+        self.inflight_reserve = 0 if alone else 2 * max(
+            (c.full_bytes for c in chunks if c.requires_grad and not c.persistent), default=0)
         floor = max(self.group_bytes, default=0)
         if budget < floor:
             raise DeviceBudgetError(
@@ -113,6 +116,11 @@ class GeminiPolicy(TieredPolicy):
             )
         self.place_offloaded(chunks, params=HOST)
         self.tracer = MemoryTracer(self.context.device, on_op=self._audit if self.options.trace_every_step else None)
+
+    def keep_gathered_alone(self) -> bool:
+        """No: on one rank too a chunk takes device memory only while a module computes with it (the budget is
+        for what the trace measured, not for the whole model kept gathered)."""
+        return False
 
     @staticmethod
     def _gather_cost(chunk: Chunk, *, backward: bool) -> int:

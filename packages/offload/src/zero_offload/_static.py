@@ -41,6 +41,11 @@ class StaticPolicy(TieredPolicy):
         kept = _first_share(sizes, 1.0 - self.options.shard_param_frac)
         return {i for group in groups[:kept] for i in group}
 
+    def keep_gathered_alone(self) -> bool:
+        """On one rank, chunks stay gathered only while every master shard stays on the device: offloading them is
+        for device memory, which whole-model full buffers would take back."""
+        return self.options.offload_param_frac == 0
+
     def estimate_tiers(self, parts: Sequence[ChunkParts]) -> list[PartTiers] | None:
         """The split :meth:`place` makes, when no disk tier can take what the host budget refuses."""
         if self.options.disk_dir is not None:
