@@ -25,7 +25,6 @@ descriptions gathered; rank 0 writes the metadata last and removes the previous 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -36,17 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zero_core._agreement import gather_objects, raise_if_any_failed
+from zero_core._agreement import raise_if_any_failed
 from zero_core._atomic import atomic_write
-from zero_core._checkpoint import (
-    METADATA,
-    RankFilePlan,
-    assemble_metadata,
-    begin_save,
-    engine_metadata,
-    plan_rank_file,
-    remove_stale,
-)
+from zero_core._checkpoint import RankFilePlan, begin_save, commit_save, engine_metadata, plan_rank_file
 from zero_core.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -174,7 +165,6 @@ def save_async(engine: Engine, directory: str | os.PathLike[str], *, extra: Any,
     raise_if_any_failed(comm, error, f"saving a checkpoint to {directory} failed while staging; the previous "
                                      "checkpoint there is intact")
     handle = AsyncSave(directory, time.perf_counter() - started, total)
-    what = f"the asynchronous save to {directory} failed; the previous checkpoint there is intact"
 
     def commit() -> None:
         description: dict[str, Any] | None = None
@@ -188,24 +178,7 @@ def save_async(engine: Engine, directory: str | os.PathLike[str], *, extra: Any,
                 description["extra"] = {"name": name, "bytes": size, "sha256": digest}
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             failure = f"{type(exc).__name__}: {exc}"
-        raise_if_any_failed(side, failure, what)
-        try:
-            descriptions = gather_objects(side, description)
-        except RuntimeError as exc:
-            raise CheckpointError(f"{what}: another rank failed or stopped responding ({exc})") from exc
-        failure = None
-        if rank == 0:
-            try:
-                metadata = assemble_metadata(base, save_id, descriptions)
-                atomic_write(directory / METADATA, lambda stream: stream.write(json.dumps(metadata, indent=1).encode()))
-            except Exception as exc:  # noqa: BLE001 - reported to every rank
-                failure = f"writing the metadata failed ({type(exc).__name__}: {exc}); the previous checkpoint there is intact"
-            else:
-                try:
-                    remove_stale(directory, save_id)
-                except OSError:
-                    pass  # the checkpoint is complete; the next save removes what is left
-        raise_if_any_failed(side, failure, f"saving a checkpoint to {directory} failed")
+        commit_save(side, directory, save_id, base, description, failure)
 
     handle._start(commit)
     _PENDING[engine] = handle

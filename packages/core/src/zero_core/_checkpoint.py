@@ -151,16 +151,24 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra:
         error = None
     except Exception as exc:  # noqa: BLE001 - any failure here must reach the other ranks, not leave them waiting
         error = f"{type(exc).__name__}: {exc}"
+    commit_save(comm, directory, save_id, engine_metadata(engine), description, error)
+
+
+def commit_save(comm: Any, directory: Path, save_id: str, base: dict[str, Any], description: dict[str, Any] | None,
+                error: str | None) -> None:
+    """The end of a save, collective over ``comm``: every rank's file is written (or ``error`` says why not); rank 0
+    writes the metadata (``base``, :func:`engine_metadata`, and the descriptions), then removes earlier saves' files.
+    A failure anywhere is raised on every rank, and the previous checkpoint stays."""
     what = f"saving a checkpoint to {directory} failed; the previous checkpoint there is intact"
-    raise_if_any_failed(engine.comm, error, what)
+    raise_if_any_failed(comm, error, what)
     try:
         descriptions = gather_objects(comm, description)
     except RuntimeError as exc:
         raise CheckpointError(f"{what}: another rank failed or stopped responding ({exc})") from exc
     error = None
-    if rank == 0:
+    if comm.rank == 0:
         try:
-            metadata = _metadata(engine, save_id, descriptions)
+            metadata = assemble_metadata(base, save_id, descriptions)
             atomic_write(directory / METADATA, lambda stream: stream.write(json.dumps(metadata, indent=1).encode()))
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = f"writing the metadata failed ({type(exc).__name__}: {exc}); the previous checkpoint there is intact"
@@ -170,7 +178,7 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra:
             except OSError as exc:
                 warnings.warn(f"the checkpoint in {directory} is complete, but files of earlier saves could not be "
                               f"removed ({exc}); the next save tries again", stacklevel=2)
-    raise_if_any_failed(engine.comm, error, f"saving a checkpoint to {directory} failed")
+    raise_if_any_failed(comm, error, f"saving a checkpoint to {directory} failed")
 
 
 class RankFilePlan:
@@ -301,10 +309,6 @@ def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_opt
         "buffers": {k: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)} for k, b in layout.buffers.items()},
         "tied": {names[0]: names[1:] for names in layout.names.values() if len(names) > 1}}
     return RankFilePlan(_rank_file(save_id, rank, world), entries, save_id, description, tensors)
-
-
-def _metadata(engine: Engine, save_id: str, descriptions: list[dict[str, Any]]) -> dict[str, Any]:
-    return assemble_metadata(engine_metadata(engine), save_id, descriptions)
 
 
 def engine_metadata(engine: Engine) -> dict[str, Any]:

@@ -8,14 +8,15 @@ the supported surface for plugin authors and changes only with a changelog entry
 from __future__ import annotations
 
 from zero_core._accounting import in_engine_work
+from zero_core._chunk_grads import ChunkGradients
+from zero_core._chunk_layout import ChunkLayout
+from zero_core._live_bytes import LiveBytes
 from zero_core._log import get_logger
 from zero_core._ownership import in_policy_call, policy_call
 from zero_core._plugins import ENTRY_POINT_GROUP, ZeroPlugins, hookimpl
 from zero_core._registry import Registry
 from zero_core._scaler import LossScaler
 from zero_core._state import ChunkState, MemoryTier, TrainingState
-from zero_core._chunk_grads import ChunkGradients
-from zero_core._chunk_layout import ChunkLayout
 from zero_core._view import EngineView
 from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk, ChunkSpec, ParamInfo, ParamSlot, Segment, rewrap, to_local
@@ -55,6 +56,7 @@ __all__ = [
     "DevicePlacementPolicy",
     "EngineView",
     "HostPlacementPolicy",
+    "LiveBytes",
     "LossScaler",
     "MemoryTier",
     "MeshSpec",

@@ -30,56 +30,20 @@ reports the peak non-model bytes seen in it.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
-from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from zero_core.plugin import in_engine_work
+from zero_core.plugin import LiveBytes, in_engine_work
 
 __all__ = ["MemoryTracer"]
 
 
-class _StorageCounter(TorchDispatchMode):
+class _StorageCounter(LiveBytes):
     """Live bytes of the storages operators created outside the engine's own work."""
 
-    def __init__(self, on_change: Callable[[], None] | None) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._sizes: dict[int, int] = {}
-        self._on_change = on_change
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if in_engine_work():
-            return out
-        inputs = None
-        for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-                continue
-            storage = tensor.untyped_storage()
-            key = storage._cdata
-            if key in self._sizes:
-                continue
-            if inputs is None:
-                inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            if key in inputs:
-                continue  # a view or an in-place result: no new memory
-            nbytes = storage.nbytes()
-            self._sizes[key] = nbytes
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._freed, key)
-        if self._on_change is not None:
-            self._on_change()
-        return out
-
-    def _freed(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
+    def counts(self) -> bool:
+        return not in_engine_work()
 
 
 class MemoryTracer:

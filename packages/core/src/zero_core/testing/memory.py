@@ -1,51 +1,7 @@
-"""Bytes of the tensors operators create, counted exactly while a mode is on: peaks without an allocator."""
+"""Exact bytes of what operators create while a mode is on: for tests and benchmarks that assert a peak."""
 
 from __future__ import annotations
 
-import weakref
-from typing import Any
-
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from zero_core._live_bytes import LiveBytes
 
 __all__ = ["LiveBytes"]
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages operators create while the mode is on (zero's own gathers included), and their peak.
-
-    A storage counts from the operator that made it until it is freed; views and in-place results of an
-    operator's inputs are not new. Storages that existed before the mode began are not counted, so ``peak``
-    is what the code inside added at its worst moment. Exact on any device: it reads storage sizes, not an
-    allocator (whose rounding and caching it leaves out).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._sizes: dict[int, int] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs = None
-        for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-                continue
-            storage = tensor.untyped_storage()
-            key = storage._cdata
-            if key in self._sizes:
-                continue
-            if inputs is None:
-                inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            if key in inputs:
-                continue
-            self._sizes[key] = storage.nbytes()
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._freed, key)
-        return out
-
-    def _freed(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
