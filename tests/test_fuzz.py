@@ -146,16 +146,24 @@ def _raise_in_forward(module, args, output):
     raise Boom("injected in forward")
 
 
-def drive(actions: list[str], *, stage: int, strategy: str, directory: str) -> int:
-    """Apply ``actions`` to the sharded model and to the plain one; check after each. Returns the count applied."""
+def drive(actions: list[str], *, stage: int, strategy: str, directory: str, across_replicas: bool = False) -> int:
+    """Apply ``actions`` to the sharded model and to the plain one; check after each. Returns the count applied.
+
+    ``across_replicas``: on a 2x2 mesh with the optimizer states sharded across the replicas (4 ranks)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(3)
     plain = Fuzzed()
     sharded = copy.deepcopy(plain)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     chunk = ChunkPolicy(chunk_size=64) if strategy == "chunk" else ChunkPolicy()
+    mesh = {}
+    if across_replicas:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model, opt = shard(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9),
-                       config=ZeroConfig(stage=stage, strategy=strategy, chunk=chunk))
+                       config=ZeroConfig(stage=stage, strategy=strategy, chunk=chunk,
+                                         shard_optimizer_across_replicas=across_replicas), **mesh)
     saved: tuple[dict, dict] | None = None
     snapshot: tuple[dict, dict] | None = None
     window = False  # a no_sync() window is open
@@ -293,14 +301,16 @@ def drive(actions: list[str], *, stage: int, strategy: str, directory: str) -> i
     return len(actions)
 
 
-CONFIGS = [pytest.param(stage, strategy, id=f"{strategy}-stage{stage}")
+CONFIGS = [pytest.param(stage, strategy, False, id=f"{strategy}-stage{stage}")
            for strategy, stage in [("chunk", 1), ("chunk", 2), ("chunk", 3), ("tensor", 3)]]
+CONFIGS.append(pytest.param(3, "chunk", True, id="chunk-stage3-2x2-optimizer-across-replicas"))
 
 
-@pytest.mark.parametrize(("stage", "strategy"), CONFIGS)
+@pytest.mark.parametrize(("stage", "strategy", "across_replicas"), CONFIGS)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_random_user_actions_match_plain_pytorch(stage, strategy, seed, tmp_path):
+def test_random_user_actions_match_plain_pytorch(stage, strategy, across_replicas, seed, tmp_path):
     actions = generate(seed, ACTIONS_PER_RUN)
-    applied = run_distributed(drive, WORLD, actions, stage=stage, strategy=strategy, directory=str(tmp_path),
-                              timeout=600 if SOAK else 120)
-    assert applied == [len(actions)] * WORLD
+    world = 4 if across_replicas else WORLD
+    applied = run_distributed(drive, world, actions, stage=stage, strategy=strategy, directory=str(tmp_path),
+                              across_replicas=across_replicas, timeout=600 if SOAK else 120)
+    assert applied == [len(actions)] * world

@@ -133,17 +133,24 @@ def test_reshard_after_forward():
 # -- counting at 2x2 ---------------------------------------------------------------------------------------
 
 
-def _counting_worker():
+def counting_model() -> torch.nn.Module:
+    """A model without padding at 4 ranks in chunks of 272: the formulas hold exactly."""
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+
+
+def counting_worker(**options):
+    """Three AdamW steps on a 2x2 mesh (ZeroConfig ``options``): model-state bytes and collectives per step; then a
+    write to the parameters under ``no_grad`` and how far the next forward is from one on the written values."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import zero_core
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    model = counting_model()
     psi = sum(p.numel() for p in model.parameters())
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    config = ZeroConfig(chunk=ChunkPolicy(chunk_size=272))
+    config = ZeroConfig(chunk=ChunkPolicy(chunk_size=272), **options)
     model, opt = zero_core.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config, mesh=mesh)
     rank = dist.get_rank()
     for step in range(3):
@@ -155,6 +162,12 @@ def _counting_worker():
     chunks = [{"size": c.size, "shard": c.shard_size} for c in engine.chunks]
     result = {"psi": psi, "bytes": model.model_state_bytes(), "chunks": chunks,
               "steps": [engine.comm.stats.summary(s) for s in engine.comm.stats.steps]}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(99))
+        want = torch.func.functional_call(counting_model(), model.full_parameters(), (x,))
+        result["after_write"] = (model(x) - want).abs().max().item()
     model.close()
     return result
 
@@ -162,7 +175,7 @@ def _counting_worker():
 def test_counting_at_2x2():
     """All-gathers and reduce-scatters stay inside the shard group of 2; the only inter-replica traffic is one
     all-reduce of each chunk's shard-sized gradient per step; model states are 16 psi / S bytes per rank."""
-    for result in run_distributed(_counting_worker, 4):
+    for result in run_distributed(counting_worker, 4):
         chunks, psi = result["chunks"], result["psi"]
         payload = sum(c["size"] for c in chunks) * 4
         for step in result["steps"]:
@@ -176,6 +189,7 @@ def test_counting_at_2x2():
         state = result["bytes"]
         assert sum(c["size"] for c in chunks) == psi  # no padding: the formula holds exactly
         assert state["params"] + state["grads"] + state["optimizer_states"] == 16 * psi // 2
+        assert result["after_write"] < 1e-6  # a write under no_grad reaches the next forward
 
 
 # -- checkpoints across mesh shapes ------------------------------------------------------------------------
@@ -193,7 +207,7 @@ def saved_checkpoints(tmp_path_factory):
     return saved
 
 
-def _assert_resumed(resumed, reference):
+def assert_resumed(resumed, reference):
     for got, want in zip(resumed["losses"], reference["losses"][2:], strict=True):
         assert abs(got - want) <= 1e-6 * abs(want), (resumed["losses"], reference["losses"])
     for name, value in reference["params"].items():
@@ -206,20 +220,26 @@ def test_checkpoints_resume_at_another_mesh_shape(saved_checkpoints, saved, worl
     directory, reference = saved_checkpoints[saved]
     resumed = run_distributed(phase, world, "gpt", _config("gpt"), str(directory), mode="load", k=2, j=2,
                               mesh_shape=loaded)[0]
-    _assert_resumed(resumed, reference)
+    assert_resumed(resumed, reference)
 
 
-def test_a_2x2_checkpoint_writes_each_shard_once(saved_checkpoints):
-    directory, _ = saved_checkpoints[(2, 2)]
+def checkpoint_writers(directory) -> set[int]:
+    """The ranks that wrote parameter pieces into the checkpoint in ``directory``, after checking that the pieces
+    cover every element of every parameter exactly once."""
     metadata = json.loads((directory / "zero_checkpoint.json").read_text())
-    writers = {rank for info in metadata["params"].values() for rank, _, _ in info["pieces"]}
-    assert writers == {0, 1}  # the first replica's two ranks; ranks 2 and 3 hold the same shards
-    for info in metadata["params"].values():
+    for name, info in metadata["params"].items():
         covered = sorted((lo, hi) for _, lo, hi in info["pieces"])
         total = 1
         for d in info["shape"]:
             total *= d
-        assert sum(hi - lo for lo, hi in covered) == total  # every element exactly once
+        assert sum(hi - lo for lo, hi in covered) == total, name
+        assert all(a[1] <= b[0] for a, b in zip(covered, covered[1:])), name
+    return {rank for info in metadata["params"].values() for rank, _, _ in info["pieces"]}
+
+
+def test_a_2x2_checkpoint_writes_each_shard_once(saved_checkpoints):
+    directory, _ = saved_checkpoints[(2, 2)]
+    assert checkpoint_writers(directory) == {0, 1}  # the first replica's two ranks; ranks 2 and 3 hold the same shards
 
 
 # -- bad input ---------------------------------------------------------------------------------------------

@@ -73,7 +73,8 @@ LAYOUTS = {
     "chunk-3-offload": ({"stage": 3, "placement": "static",
                          "placement_options": {"offload_param_frac": 1.0, "offload_optim_frac": 1.0}}, None),
 }
-MESH_LAYOUTS = {"hsdp-2x2": ({"stage": 3}, (2, 2))}
+MESH_LAYOUTS = {"hsdp-2x2": ({"stage": 3}, (2, 2)),
+                "hsdp-2x2-across": ({"stage": 3, "shard_optimizer_across_replicas": True}, (2, 2))}
 
 
 def _layouts(names: list[str]) -> dict[str, Any]:

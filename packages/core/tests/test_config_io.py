@@ -24,7 +24,7 @@ CONFIGS = {
     "everything-set": ZeroConfig(
         strategy="tensor", comm="bucketed", reduce_bucket_mb=12.5, device="cuda:1", collective_timeout_s=30,
         sync_module_states=False, check_ranks_agree=False, static_graph=True, reshard_after_forward=4,
-        release_host_memory=False,
+        shard_optimizer_across_replicas=True, release_host_memory=False,
         chunk=ChunkPolicy(chunk_size=300, min_chunk_size=64, search_interval=8, search_range=4096, param_order="first_use")),
     "no-bucketing": ZeroConfig(reduce_bucket_mb=-1, reshard_after_forward=False, device="cpu"),
     "options-mapping": ZeroConfig(placement="static", placement_options={
@@ -57,7 +57,8 @@ def test_to_dict_schema():
         "chunk": {"chunk_size": 64, "min_chunk_size": 1 << 20, "search_interval": 1024, "search_range": 1 << 22,
                   "param_order": "registration"},
         "collective_timeout_s": 300.0, "sync_module_states": True, "check_ranks_agree": True, "static_graph": False,
-        "reshard_after_forward": True, "optimizer_updates": "auto", "release_host_memory": True,
+        "reshard_after_forward": True, "shard_optimizer_across_replicas": False, "optimizer_updates": "auto",
+        "release_host_memory": True,
     }
 
 
@@ -96,7 +97,8 @@ def test_missing_keys_take_their_defaults():
 
 @pytest.mark.parametrize(("data", "message"), [
     ({"precison": {}}, r"^unknown config key 'precison'; did you mean 'precision'\? Valid keys at the top level: stage, "
-                       r"precision, strategy, .*, reshard_after_forward, optimizer_updates, release_host_memory\.$"),
+                       r"precision, strategy, .*, reshard_after_forward, shard_optimizer_across_replicas, optimizer_updates, "
+                       r"release_host_memory\.$"),
     ({"precision": {"compte": "bf16"}}, r"^unknown config key 'precision.compte'; did you mean 'precision.compute'\? "
                                         r"Valid keys in precision: compute, reduce, loss_scale, gradient_predivide_factor\.$"),
     ({"precision": {"loss_scale": {"windw": 3}}}, r"^unknown config key 'precision.loss_scale.windw'\. Valid keys in "

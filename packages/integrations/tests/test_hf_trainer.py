@@ -77,7 +77,8 @@ def reference_rank(output_dir: str) -> dict:
     return {"history": _history(trainer), "params": {n: p.detach().clone() for n, p in model.state_dict().items()}}
 
 
-def zero_rank(output_dir: str, export_dir: str, resume: str | None, stage: int) -> dict:
+def zero_rank(output_dir: str, export_dir: str, resume: str | bool | None, stage: int,
+              async_checkpoints: bool = False) -> dict:
     from zero_core import ChunkPolicy, ZeroConfig
     from zero_integrations.hf import ZeroTrainer
 
@@ -85,7 +86,7 @@ def zero_rank(output_dir: str, export_dir: str, resume: str | None, stage: int) 
     trainer = ZeroTrainer(model=model, args=arguments(output_dir, PER_RANK), train_dataset=dataset(),
                           eval_dataset=dataset(8, seed=8),
                           zero_config=ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=8192)),
-                          max_shard_size=40_000)
+                          max_shard_size=40_000, async_checkpoints=async_checkpoints)
     trainer.train(resume_from_checkpoint=resume)
     identity = {"same_object": trainer.model is model, "config": type(trainer.model.config).__name__}
     if export_dir:
@@ -145,6 +146,47 @@ def test_every_rank_writes_its_shards_and_resume_equals_the_uninterrupted_run(ru
     for name in ("loss", "grad_norm", "eval_loss"):
         assert resumed[0]["history"][name] == pytest.approx(uninterrupted["history"][name], abs=1e-6), name
     _assert_close(resumed[0]["params"], uninterrupted["params"], 1e-6)
+
+
+def _shard_files(checkpoint) -> list[dict[str, torch.Tensor]]:
+    """Each rank's shard file, tensor by tensor (the files differ only by their save id)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    metadata = json.loads((checkpoint / "zero" / "zero_checkpoint.json").read_text())
+    return [load_file(checkpoint / "zero" / f["name"]) for f in metadata["files"]]
+
+
+def test_background_checkpoints_are_the_same_and_a_torn_one_is_skipped(runs):
+    """async_checkpoints=True: the same training and the same shard files, tensor for tensor; a
+    checkpoint whose background write never completed (its metadata missing) is skipped by
+    resume_from_checkpoint=True, which resumes from the last complete one."""
+    out = runs["root"] / "zero-async"
+    background = run_distributed(zero_rank, 2, str(out), "", None, 3, True, timeout=300, env=ENV)
+    for name in ("loss", "grad_norm", "eval_loss"):
+        assert background[0]["history"][name] == runs["zero"][0]["history"][name], name
+    # checkpoint-2 (checkpoint-4 of the shared run is rewritten by the resume test)
+    for got, want in zip(_shard_files(out / "checkpoint-2"), _shard_files(runs["out"] / "checkpoint-2"), strict=True):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    (out / "checkpoint-4" / "zero" / "zero_checkpoint.json").unlink()  # as if the run stopped during the write
+    resumed = run_distributed(zero_rank, 2, str(out), "", True, 3, True, timeout=300, env=ENV)
+    uninterrupted = runs["zero"][0]
+    for name in ("loss", "grad_norm", "eval_loss"):  # steps 3-4 trained again from checkpoint-2
+        assert resumed[0]["history"][name] == pytest.approx(uninterrupted["history"][name], abs=1e-6), name
+    _assert_close(resumed[0]["params"], uninterrupted["params"], 1e-6)
+
+
+def test_the_last_complete_checkpoint_is_found(tmp_path):
+    from zero_integrations.hf import last_complete_checkpoint
+
+    assert last_complete_checkpoint(str(tmp_path / "absent")) is None
+    for name, files in {"checkpoint-2": ["zero/zero_checkpoint.json"], "checkpoint-3": ["trainer_state.json"],
+                        "checkpoint-10": ["zero/x.safetensors", "trainer_state.json"], "runs": []}.items():
+        for f in files:
+            (tmp_path / name / f).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / f).write_text("{}")
+    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-3")  # 10's zero save is torn
 
 
 def test_exported_directory_loads_with_from_pretrained(runs):

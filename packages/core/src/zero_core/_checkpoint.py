@@ -5,7 +5,7 @@ A checkpoint is a directory. Each save writes, under a fresh save id:
 
 - ``<id>.rank<r>-of-<N>.safetensors``, one per rank: for every parameter piece in the
   rank's shards (of the first replica only, on a mesh with replicas: each shard is
-  written once), ``p/<name>`` (the master values of elements ``[lo, hi)`` of the
+  written once; every rank's, when they are cut over the replicas too), ``p/<name>`` (the master values of elements ``[lo, hi)`` of the
   flattened parameter) and ``o/<name>/<key>`` (each per-element optimizer state of the
   same range); rank 0 adds ``b/<name>`` for each buffer; ``rng/cpu`` (and ``rng/cuda``)
   hold the rank's random state;
@@ -91,8 +91,9 @@ def _pieces(chunk: Chunk) -> list[tuple[int, str, int, int]]:
     """``(slot, name, lo, hi)`` for each parameter range in this rank's shard of ``chunk``.
 
     On a mesh with replicas only the first replica writes (its shards are every replica's), so each
-    shard is written once; the loader reads ranges, whichever rank wrote them."""
-    if chunk.comms is not None and chunk.comms.replicate_rank != 0:
+    shard is written once, unless the shards are cut over the replicas too (each rank then holds its own); the
+    loader reads ranges, whichever rank wrote them."""
+    if chunk.comms is not None and chunk.comms.replicate_rank != 0 and chunk.outer == 1:
         return []
     out = []
     for i, slot in enumerate(chunk.slots):

@@ -20,9 +20,12 @@ __all__ = ["ChunkLayout", "dtensor", "repoint"]
 class ChunkLayout:
     """Slots, shard size and the views between the parameter-major and rank-major orders."""
 
-    def __init__(self, spec: ChunkSpec, *, rank: int, world_size: int) -> None:
+    def __init__(self, spec: ChunkSpec, *, rank: int, world_size: int, outer: int = 1) -> None:
         self.rank = rank
         self.world_size = world_size
+        # Groups of ranks whose shards one all-gather of the shard group carries together (see [Note: optimizer
+        # states across replicas] in zero_core.chunk): 1 unless the shards are cut over the replicas too.
+        self.outer = outer
         self.slots: tuple[ParamSlot, ...]
         self.slots, pieces_numel = layout_slots([(p.name, p.param) for p in spec.params], world_size)
         # A chunk of one parameter needs no padding beyond its piece: then its full buffer and the ranks' shards
@@ -72,17 +75,35 @@ class ChunkLayout:
         return self.slots[slot].held_range(self.rank)
 
     def copy_out(self, rank_major: torch.Tensor, full: torch.Tensor) -> None:
-        """Fill ``full`` (parameter-major) from a ``(world_size, shard_size)`` view of the ranks' shards."""
+        """Fill ``full`` (parameter-major) from a ``(world_size, shard_size)`` view of the ranks' shards, or an
+        ``(outer, world_size / outer, shard_size)`` one (:meth:`from_gather_order`)."""
         with torch.no_grad():
+            lead = tuple(rank_major.shape[:-1])
             if self.direct:
-                full.view(self.world_size, self.shard_size).copy_(rank_major)
+                full.view(*lead, self.shard_size).copy_(rank_major)
             else:
-                torch.split_with_sizes_copy(rank_major, self.split_sizes, dim=1, out=self.regions(full))
+                torch.split_with_sizes_copy(rank_major, self.split_sizes, dim=-1,
+                                            out=[r.view(*lead, r.shape[-1]) for r in self.regions(full)])
 
-    def copy_in(self, flat: torch.Tensor, out: torch.Tensor) -> None:
-        """Lay a parameter-major buffer out rank-major into ``out`` (``size`` elements), casting to its dtype."""
+    def copy_in(self, flat: torch.Tensor, out: torch.Tensor, *, gather_order: bool = False) -> None:
+        """Lay a parameter-major buffer out rank-major into ``out`` (``size`` elements), casting to its dtype.
+
+        ``gather_order``: in the order of the shard group's collectives instead, each shard group rank's
+        ``outer`` shards together (see [Note: optimizer states across replicas] in ``zero_core.chunk``)."""
         with torch.no_grad():
-            torch.cat(self.regions(flat), dim=1, out=out.view(self.world_size, self.shard_size))
+            if not gather_order or self.outer == 1:
+                torch.cat(self.regions(flat), dim=1, out=out.view(self.world_size, self.shard_size))
+                return
+            lead = (self.outer, self.world_size // self.outer)
+            torch.cat([r.view(*lead, r.shape[-1]) for r in self.regions(flat)], dim=2,
+                      out=out.view(lead[1], lead[0], self.shard_size).transpose(0, 1))
+
+    def from_gather_order(self, block: torch.Tensor) -> torch.Tensor:
+        """A ``(shard group ranks, outer * shard_size)`` block as the shard group's all-gather leaves it, viewed in
+        rank order for :meth:`copy_out` (no copy)."""
+        if self.outer == 1:
+            return block
+        return block.unflatten(1, (self.outer, self.shard_size)).transpose(0, 1)
 
 
 def dtensor(local: torch.Tensor, spec: object) -> DTensor:

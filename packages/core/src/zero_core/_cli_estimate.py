@@ -115,6 +115,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     cfg.add_argument("--placement", metavar="NAME", help="placement policy plugin: device (default), host, static, gemini")
     cfg.add_argument("--placement-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                      help="an option of the placement policy (repeat it), e.g. offload_optim_frac=1")
+    cfg.add_argument("--shard-optimizer-across-replicas", action="store_true", default=None,
+                     help="with --mesh RxS at stage 3: master values, gradients and optimizer states over all R*S ranks "
+                          "(ZeroConfig.shard_optimizer_across_replicas)")
     cfg.add_argument("--optimizer-bytes-per-element", type=_non_negative, default=8, metavar="B",
                      help="optimizer-state bytes per fp32 parameter: Adam 8 (default), SGD with momentum 4, SGD 0")
     sub.add_argument("--compare-strategies", action="store_true",
@@ -189,8 +192,9 @@ def _config(args: argparse.Namespace) -> ZeroConfig:
         if not path.is_file():
             raise CommandError(f"--config {args.config}: no such file; give a zero config file (JSON, TOML or YAML)")
         config = ZeroConfig.from_file(path)
-    changes: dict[str, Any] = {name: getattr(args, name) for name in ("stage", "strategy", "comm", "placement")
-                               if getattr(args, name) is not None}
+    changes: dict[str, Any] = {name: getattr(args, name) for name in ("stage", "strategy", "comm", "placement",
+                                                                      "shard_optimizer_across_replicas")
+                               if getattr(args, name, None) is not None}
     if args.precision is not None or args.reduce is not None:
         precision = config.precision
         if args.precision is not None:
@@ -238,15 +242,18 @@ def render(e: Estimate, config: ZeroConfig, ddp: Estimate, *, source: str | None
            inter_node: int | None = None, gpus_per_node: int | None = None) -> str:
     """The estimate as plain text: model states, traffic, and the DDP line."""
     replicas, shards = e.mesh_shape
+    across = replicas > 1 and config.shard_optimizer_across_replicas
     layout = (f"{e.world_size} ranks" + (f" as a {replicas}x{shards} mesh: {replicas} replicas, each sharding over {shards}"
-                                         if replicas > 1 else ", all sharding every chunk"))
+                                         if replicas > 1 else ", all sharding every chunk")
+              + (f"; masters, gradients and optimizer states over all {e.world_size}" if across else ""))
     dtypes = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
     compute, reduce = (dtypes.get(str(d), str(d)) for d in (config.precision.compute, config.precision.reduce))
     # the CLI's parameters are fp32 either way: a count has fp32 masters, --model builds them in fp32
     precision = f"compute {compute if config.precision.compute is not None else 'fp32 (the masters)'}, reduce {reduce}"
     padding = 100 * (e.padded_params - e.params) / e.params
     how = (f"from {source}: exact, chunk by chunk ({e.padded_params:,} elements with padding: {padding:.2f}%)" if source else
-           f"from a parameter count: ZeRO's formulas on {e.padded_params:,} (a multiple of {shards})")
+           f"from a parameter count: ZeRO's formulas on {e.padded_params:,} (a multiple of "
+           f"{e.world_size if across else shards})")
     options = config.placement_options
     lines = [f"{e.params:,} parameters on {layout}; stage {e.stage}",
              f"strategy {config.strategy}, placement {config.placement}"
@@ -266,8 +273,10 @@ def render(e: Estimate, config: ZeroConfig, ddp: Estimate, *, source: str | None
     if e.tiers is None:
         lines.append(f"  by tier: placement {config.placement!r} decides at run time (the total is exact)")
 
-    groups = {"shard": f"shard ({shards} ranks)", "replicate": f"replicate ({replicas} ranks)"}
-    group_of = {"all_gather": "shard", "reduce_scatter": "shard", "all_reduce": "replicate"}
+    groups = {"shard": f"shard ({shards} ranks)", "replicate": f"replicate ({replicas} ranks)",
+              "both": f"shard ({shards}) + replicate ({replicas})"}
+    group_of = {"all_gather": "both" if across else "shard", "reduce_scatter": "both" if across else "shard",
+                "all_reduce": "replicate"}
     calls = e.calls or {}
     rows = [["sent per step per rank", "group", "calls", "exact", "formula"],
             *([kind, groups[group_of[kind]], str(calls[kind]) if e.calls else "-", human_bytes(n), ""]

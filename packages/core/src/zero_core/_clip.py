@@ -39,9 +39,10 @@ def clip_grad_norm_(model: ZeroModule, max_norm: float, norm_type: float = 2.0) 
         raise ZeroError("clip_grad_norm_ was called during backward; call it after loss.backward() returns")
     engine.settle()  # a backward that raised earlier is undone first: it contributes nothing
     # each element of a Shard(0) gradient belongs to exactly one rank of its shard group, and counts in the first
-    # replica only (HSDP's other replicas hold the same shard); a replicated (0-dim) one counts on rank 0 only
+    # replica only (HSDP's other replicas hold the same shard, unless the shards are cut over the replicas too);
+    # a replicated (0-dim) one counts on rank 0 only
     def counts(chunk: Any, slot: int) -> bool:
-        first_replica = chunk.comms is None or chunk.comms.replicate_rank == 0
+        first_replica = chunk.comms is None or chunk.comms.replicate_rank == 0 or chunk.outer > 1
         return first_replica and (not chunk.slots[slot].replicated or chunk.rank == 0)
 
     grads = [to_local(seg.param.grad) for chunk in engine.chunks for seg in chunk.segments

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from zero_core._group import GatherGroup
 
 __all__ = ["Reduction", "broadcast_from_rank0", "gather_chunk", "gather_for_peers", "gather_group", "gather_master",
-           "gather_master_shards", "exchange_pieces", "publish_chunk", "publish_group", "reduce_gradients", "sum_over_ranks"]
+           "gather_master_shards", "exchange_pieces", "publish_chunk", "publish_group", "publish_group_shard", "reduce_gradients", "sum_over_ranks"]
 
 
 # -- parameters: all-gathers ----------------------------------------------------------------------------
@@ -45,10 +45,12 @@ def gather_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) -> 
     comm = chunk.comm_for(comm)
     if chunk.state is ChunkState.SHARDED_POST_FORWARD:
         comm, send = chunk.comms.sub, chunk.take_post_forward_copy()
+        done_order = False
     else:
-        send = chunk.compute_shard()
+        send = chunk.gather_send()
+        done_order = True
     received = None if chunk.direct else chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False)
-    done = _CopyOut(chunk, received)
+    done = _CopyOut(chunk, received, gather_order=done_order)
     chunk.begin_gather(done)  # allocates the full buffer: the ranks' shards side by side are it when direct
     done.pending = comm.all_gather(chunk.full if received is None else received, send, async_op=async_op)
     if not async_op:
@@ -58,7 +60,7 @@ def gather_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) -> 
 def gather_for_peers(chunk: Chunk, comm: CommBackend) -> None:
     """Join an all-gather of this chunk that other ranks need, without changing local state."""
     scratch = chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False)
-    chunk.comm_for(comm).all_gather(scratch, chunk.compute_shard())
+    chunk.comm_for(comm).all_gather(scratch, chunk.gather_send())
     chunk.pool.give(scratch)
 
 
@@ -80,8 +82,8 @@ def gather_group(group: GatherGroup, comm: CommBackend, *, async_op: bool = Fals
     offset = 0
     with torch.no_grad():
         for chunk in chunks:
-            send[offset : offset + chunk.shard_size].copy_(chunk.compute_shard())
-            offset += chunk.shard_size
+            send[offset : offset + chunk.gather_numel].copy_(chunk.gather_send())
+            offset += chunk.gather_numel
     received = group.pool.take(group.world_size * group.shard_numel, group.dtype, group.device, zeroed=False)
     unpack = _Unpack(group, send, received, chunks, targets)
     for chunk in targets:
@@ -160,12 +162,24 @@ def publish_group(group: GatherGroup, comm: CommBackend, *, members: Sequence[Ch
     return [unpack]
 
 
+def publish_group_shard(chunk: Chunk) -> None:
+    """After an optimizer step (or a write to the masters), bring the group shard of a chunk cut over the replicas
+    up to date: one all-gather of the updated shards over the replicate group (see [Note: optimizer states across
+    replicas] in ``zero_core.chunk``). Other chunks need nothing."""
+    shard = chunk.group_shard
+    if shard is None or not chunk.shard_in_memory:
+        return
+    chunk.comms.outer.all_gather(shard, chunk.outer_send())
+
+
 class _CopyOut:
     """A chunk's all-gather in flight; ``wait()`` (idempotent) copies the ranks' shards out into its full buffer
-    (nothing to copy when the chunk gathered in place)."""
+    (nothing to copy when the chunk gathered in place). ``gather_order``: the shard group's all-gather of group
+    shards, whose rows are in the shard group's order (:meth:`ChunkLayout.from_gather_order`)."""
 
-    def __init__(self, chunk: Chunk, received: torch.Tensor | None) -> None:
+    def __init__(self, chunk: Chunk, received: torch.Tensor | None, *, gather_order: bool = False) -> None:
         self._chunk, self._received = chunk, received
+        self._gather_order = gather_order
         self.pending: Pending | None = None
 
     def wait(self) -> None:
@@ -175,7 +189,11 @@ class _CopyOut:
         if self._received is None:  # gathered in place (a one-parameter chunk), or already copied out
             return
         chunk, received, self._received = self._chunk, self._received, None
-        chunk.layout.copy_out(received.view(chunk.world_size, chunk.shard_size), chunk.full)
+        if self._gather_order:
+            rows = chunk.layout.from_gather_order(received.view(chunk.gather_world, chunk.gather_numel))
+        else:
+            rows = received.view(chunk.world_size, chunk.shard_size)
+        chunk.layout.copy_out(rows, chunk.full)
         chunk.pool.give(received)
 
 
@@ -205,8 +223,9 @@ class _Unpack:
         with torch.no_grad():
             for chunk in self._packed:
                 if id(chunk) in self._targets:
-                    chunk.layout.copy_out(packed[:, offset : offset + chunk.shard_size], chunk.full)
-                offset += chunk.shard_size
+                    block = packed[:, offset : offset + chunk.gather_numel]
+                    chunk.layout.copy_out(chunk.layout.from_gather_order(block), chunk.full)
+                offset += chunk.gather_numel
         self._group.pool.give(send)
         self._group.pool.give(received)
 
@@ -253,8 +272,9 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
     ``complete()`` leaves the result, in the master dtype and divided by ``loss_scale``, in
     ``chunk.grads``. Parameters that got no gradient on this rank contribute zeros.
     """
+    outer = None
     if chunk.comms is not None:
-        comm, replicate = chunk.comms.reduce, chunk.comms.replicate
+        comm, replicate, outer = chunk.comms.reduce, chunk.comms.replicate, chunk.comms.outer
         all_reduce = chunk.comms.all_reduce
         if all_reduce:
             comm = chunk.comms.reduce_all
@@ -277,7 +297,8 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
         send = flat
     else:
         send = pool.take(chunk.size, chunk.reduce_dtype, chunk.device, zeroed=False)
-        chunk.layout.copy_in(flat, send)  # rank-major, cast to the reduce dtype: the parameter-major buffer is free again
+        # rank-major (in the shard group's order), cast to the reduce dtype: the parameter-major buffer is free again
+        chunk.layout.copy_in(flat, send, gather_order=True)
         if pooled is not None:
             pool.give(pooled)
     pooled_send = None if send is chunk.grads.kept else send  # stage 1's kept buffer is never pooled
@@ -285,13 +306,13 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
         send.div_(chunk.predivide)  # send is consumed by this reduction: dividing in place is safe
         divisor /= chunk.predivide
     if all_reduce:  # the whole gradient is summed on the waiter thread; this rank then keeps its row
-        return Reduction(chunk, None, send, pooled_send, divisor, replicate=replicate, all_reduce=comm)
-    reduced = torch.empty(chunk.shard_size, dtype=chunk.reduce_dtype, device=chunk.device)
+        return Reduction(chunk, None, send, pooled_send, divisor, replicate=replicate, all_reduce=comm, outer=outer)
+    reduced = torch.empty(chunk.gather_numel, dtype=chunk.reduce_dtype, device=chunk.device)
     pending = comm.reduce_scatter(reduced, send, async_op=True)
     if pooled_send is not None and getattr(pending, "input_released", False):
         pool.give(pooled_send)  # a bucketing backend copied it: reuse it for the next gradient now
         pooled_send = None
-    return Reduction(chunk, pending, reduced, pooled_send, divisor, replicate=replicate)
+    return Reduction(chunk, pending, reduced, pooled_send, divisor, replicate=replicate, outer=outer)
 
 
 class Reduction:
@@ -300,10 +321,11 @@ class Reduction:
     def __init__(
         self, chunk: Chunk, pending: Pending | None, reduced: torch.Tensor, pooled: torch.Tensor | None,
         divisor: float, *, replicate: CommBackend | None = None, all_reduce: CommBackend | None = None,
+        outer: CommBackend | None = None,
     ) -> None:
         self._chunk, self._pending, self._reduced, self._pooled = chunk, pending, reduced, pooled
         self._divisor = divisor
-        self._replicate, self._all_reduce = replicate, all_reduce
+        self._replicate, self._all_reduce, self._outer = replicate, all_reduce, outer
 
     def complete(self) -> None:
         chunk = self._chunk
@@ -314,11 +336,18 @@ class Reduction:
             # Reduction.ALL_REDUCE over the shard group: the rank-major sum, of which this rank keeps its row
             comm, self._all_reduce = self._all_reduce, None
             comm.all_reduce(self._reduced)
-            self._reduced = self._reduced.view(chunk.world_size, chunk.shard_size)[chunk.rank].clone()
+            self._reduced = self._reduced.view(chunk.gather_world, chunk.gather_numel)[chunk.gather_rank].clone()
         if self._replicate is not None and self._reduced is not None:
             # HSDP: the shard group's sum of this shard, summed again over the replicas that hold the same shard
             replicate, self._replicate = self._replicate, None
             replicate.all_reduce(self._reduced)
+        if self._outer is not None and self._reduced is not None:
+            # optimizer states across replicas: the shard group's sum of the group shard's shards, reduce-scattered
+            # over the replicas to this rank's one shard
+            outer, self._outer = self._outer, None
+            mine = torch.empty(chunk.shard_size, dtype=self._reduced.dtype, device=self._reduced.device)
+            outer.reduce_scatter(mine, self._reduced)
+            self._reduced = mine
         if self._reduced is not None:
             # moved to where the master shard lives (the host, when offloaded), never copied and kept twice
             grad = to_host(self._reduced, chunk.grads.device, chunk.master_dtype)
@@ -348,7 +377,9 @@ def gather_master_shards(chunk: Chunk, comm: CommBackend) -> torch.Tensor:
     """Every rank's master shard of the chunk, side by side (``(world_size, shard_size)``, master dtype, on the
     compute device), in a fresh buffer; the chunk's own state is untouched."""
     received = torch.empty(chunk.size, dtype=chunk.master_dtype, device=chunk.device)
-    chunk.comm_for(comm).all_gather(received, chunk.shard.to(chunk.device))
+    # shards cut over the replicas too are one per rank of the whole data-parallel group, in its order
+    group = chunk.comms.everyone if chunk.outer > 1 else chunk.comm_for(comm)
+    group.all_gather(received, chunk.shard.to(chunk.device))
     return received.view(chunk.world_size, chunk.shard_size)
 
 

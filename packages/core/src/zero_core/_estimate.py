@@ -28,6 +28,14 @@ of an ``S``-rank world holds: shard index ``rank % S``. The all-gathers and redu
 are those of an ``S``-rank world (none when ``S == 1``); then each reduced chunk's shard-sized
 gradient (the whole chunk when ``S == 1``) is all-reduced over the ``R`` replicas, one call
 per chunk: ``ring_bytes_sent(ALL_REDUCE, shard_size * reduce_bytes, R)``.
+
+With ``shard_optimizer_across_replicas`` (see [Note: optimizer states across replicas] in
+``zero_core.chunk``) the chunks are laid out over all ``N`` ranks, so rank ``n`` holds shard
+index ``n`` of an ``N``-rank layout plus its group shard (``R`` shards, compute dtype); the
+all-reduce becomes a reduce-scatter of the group shard over the ``R`` replicas, and after the
+step one all-gather per trainable chunk of the updated shards into the group shard:
+``ring_bytes_sent(REDUCE_SCATTER, size / S * reduce_bytes, R)`` and
+``ring_bytes_sent(ALL_GATHER, size / S * compute_bytes, R)``.
 """
 
 from __future__ import annotations
@@ -168,6 +176,8 @@ class _Layout:
     kept: bool
     #: Real (not padding) elements of each rank's shard; None: one flat parameter (padding at the end).
     real: tuple[int, ...] | None = None
+    #: Replicas its shards are cut over (each rank keeps a group shard of ``outer`` shards); 1: not cut.
+    outer: int = 1
 
 
 def _bytes(dtype: torch.dtype | None, default: int) -> int:
@@ -211,6 +221,9 @@ def estimate(
     config = config or ZeroConfig()
     mesh = _mesh(world_size, mesh_shape)
     world, replicas, shards = mesh.size, mesh.replicate_ranks, mesh.shard_ranks
+    across = config.shard_optimizer_across_replicas and replicas > 1
+    # the ranks a chunk is laid out over: its shard group, or every rank when cut over the replicas too
+    outer, layout_world = (replicas, world) if across else (1, shards)
     if isinstance(optimizer_bytes_per_element, bool) or not isinstance(optimizer_bytes_per_element, int) \
             or optimizer_bytes_per_element < 0:
         raise ConfigError(f"optimizer_bytes_per_element must be a non-negative int, got {optimizer_bytes_per_element!r}")
@@ -222,7 +235,8 @@ def estimate(
         if model < 1:
             raise ConfigError(f"estimate needs a positive parameter count, got {model}")
         _check_reshard(config.reshard_after_forward, released, "")
-        chunks = [_Layout(size=round_up(model, shards), used=model, requires_grad=True, master_bytes=4, kept=not released)]
+        chunks = [_Layout(size=round_up(model, layout_world), used=model, requires_grad=True, master_bytes=4,
+                          kept=not released, outer=outer)]
         groups: list[list[int]] | None = None
         psi = model
         comm_cls = None
@@ -230,31 +244,33 @@ def estimate(
         if config.chunk.param_order == "first_use":
             raise ConfigError("estimate lays parameters out in registration order; ChunkPolicy(param_order='first_use') "
                               "needs a forward pass, so estimate with param_order='registration' (the bytes differ only by padding)")
-        chunks, groups, psi = _plan(model, optimizer, mesh, config, plugins)
+        chunks, groups, psi = _plan(model, optimizer, mesh, config, plugins, outer=outer)
         strategy = plugins.strategies.get(config.strategy)
         comm_cls = plugins.comm_backends.get(config.comm or strategy.comm)
     else:
         raise ConfigError(f"estimate needs an nn.Module or a parameter count, got {type(model).__name__}")
 
-    # Every rank holds what a rank of an S-rank world holds: shard index rank % S (see [Note: estimating a mesh]).
+    # Every rank holds what a rank of an S-rank world holds: shard index rank % S (see [Note: estimating a mesh]);
+    # cut over the replicas too, rank n holds shard n of an N-rank layout.
     compute_bytes = [_bytes(compute, c.master_bytes) for c in chunks]
     policy = plugins.placement_policies.get(config.placement).from_config(config)
-    placed = [_placement(chunks, rank, shards, policy, optimizer_bytes_per_element) for rank in range(shards)]
+    placed = [_placement(chunks, rank, layout_world, policy, optimizer_bytes_per_element) for rank in range(layout_world)]
     copies = policy.copies_kept_shard(resolve_device(config))
-    by_shard = [_rank_bytes(chunks, compute_bytes, rank, shards, config.stage, optimizer_bytes_per_element,
+    by_shard = [_rank_bytes(chunks, compute_bytes, rank, layout_world, config.stage, optimizer_bytes_per_element,
                             reduce_bytes=reduce_bytes, separate=_separate(chunks, placed[rank], copies))
-                for rank in range(shards)]
+                for rank in range(layout_world)]
     tiers_by_shard = _tiers(placed, by_shard)
-    per_rank = tuple(dict(by_shard[rank % shards]) for rank in range(world))
-    tiers = None if tiers_by_shard is None else tuple(dict(tiers_by_shard[rank % shards]) for rank in range(world))
+    per_rank = tuple(dict(by_shard[rank % layout_world]) for rank in range(world))
+    tiers = None if tiers_by_shard is None else tuple(dict(tiers_by_shard[rank % layout_world]) for rank in range(world))
     sent, calls = _traffic(chunks, compute_bytes, groups, shards, replicas, config, reduce_bytes, comm_cls)
     master = chunks[0].master_bytes
-    formula_chunk = [_Layout(size=psi, used=psi, requires_grad=True, master_bytes=master, kept=not released)]
-    formula_rank = _rank_bytes(formula_chunk, [_bytes(compute, master)], 0, shards, config.stage,
+    formula_chunk = [_Layout(size=psi, used=psi, requires_grad=True, master_bytes=master, kept=not released, outer=outer)]
+    formula_rank = _rank_bytes(formula_chunk, [_bytes(compute, master)], 0, layout_world, config.stage,
                                optimizer_bytes_per_element, reduce_bytes=reduce_bytes, exact=False)
     formula_sent, _ = _traffic(formula_chunk, [_bytes(compute, master)], None, shards, replicas, config, reduce_bytes, None,
                                exact=False)
-    by_group, formula_by_group = _by_group(sent), _by_group(formula_sent)
+    by_group = _by_group(sent, sent.pop("across_replicas", 0))
+    formula_by_group = _by_group(formula_sent, formula_sent.pop("across_replicas", 0))
     return Estimate(params=psi, padded_params=sum(c.size for c in chunks), world_size=world, mesh_shape=(replicas, shards),
                     stage=config.stage, per_rank=per_rank, tiers=tiers, bytes_sent=sent, bytes_sent_by_group=by_group,
                     calls=calls,
@@ -291,7 +307,7 @@ def _check_reshard(value: object, released: bool, where: str) -> None:
 
 
 def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: MeshSpec, config: ZeroConfig,
-          plugins: ZeroPlugins) -> tuple[list[_Layout], list[list[int]], int]:
+          plugins: ZeroPlugins, *, outer: int = 1) -> tuple[list[_Layout], list[list[int]], int]:
     named = list(model.named_parameters(remove_duplicate=True))
     if not named:
         raise ConfigError(f"{type(model).__name__} has no parameters to estimate")
@@ -325,16 +341,18 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: MeshS
     if config.stage == 3:
         keep = policy.keep_gathered(plan.chunks, [tuple(g) for g in groups])
     chunks = []
+    layout_world = world_size * outer  # cut over the replicas too: laid out over every rank, as shard() does
     for i, spec in enumerate(plan.chunks):
         first = spec.params[0].param
         # the layout the chunk itself makes: torch.chunk pieces per parameter (see [Note: chunk layout])
-        slots, _ = layout_slots([(p.name, p.param) for p in spec.params], world_size)
-        size = world_size * padded_shard_size([p.param.shape for p in spec.params], world_size, spec.size)
-        real = tuple(sum(s.local_rows(r) * s.row for s in slots) for r in range(world_size))
-        kept = config.stage < 3 or (world_size == 1 and keep_alone) or i in keep
+        slots, _ = layout_slots([(p.name, p.param) for p in spec.params], layout_world)
+        size = layout_world * padded_shard_size([p.param.shape for p in spec.params], layout_world,
+                                                round_up(spec.size, layout_world))
+        real = tuple(sum(s.local_rows(r) * s.row for s in slots) for r in range(layout_world))
+        kept = config.stage < 3 or (layout_world == 1 and keep_alone) or i in keep
         _check_reshard(chunk_plans[i].reshard_after_forward, not kept, f" (chunk {i})")
         chunks.append(_Layout(size=size, used=spec.used, requires_grad=first.requires_grad, master_bytes=first.element_size(),
-                              kept=kept, real=real))
+                              kept=kept, real=real, outer=outer))
     return chunks, groups, plan.numel
 
 
@@ -352,9 +370,11 @@ def _rank_bytes(chunks: Sequence[_Layout], compute_bytes: Sequence[int], rank: i
         m = chunk.master_bytes
         shard = chunk.size // world if exact else Fraction(chunk.size, world)
         real = _real(chunk, rank, shard)
-        # a kept full buffer in the master dtype holds the shard as a view, unless the placement moved the shard away
-        view = chunk.kept and b == m and not (separate and separate[i])
-        out["params"] += (b * chunk.size if chunk.kept else 0) + (0 if view else m * shard)
+        # a kept full buffer in the master dtype holds the shard as a view, unless the placement moved the shard away;
+        # so does a group shard (cut over the replicas) in the master dtype
+        view = (chunk.kept or chunk.outer > 1) and b == m and not (separate and separate[i])
+        out["params"] += (b * chunk.size if chunk.kept else 0) + (b * shard * chunk.outer if chunk.outer > 1 else 0) \
+            + (0 if view else m * shard)
         if chunk.requires_grad:
             full_grad = stage == 1
             # stage 1's full gradient buffer holds the reduced shard as a view when all three dtypes agree and
@@ -400,8 +420,9 @@ def _tiers(placed: Sequence[list[tuple[ChunkParts, Any]] | None], per_rank: Sequ
     return tuple(result)
 
 
-def _by_group(sent: dict[str, int]) -> dict[str, int]:
-    return {"shard": sent["all_gather"] + sent["reduce_scatter"], "replicate": sent.get("all_reduce", 0)}
+def _by_group(sent: dict[str, int], across: int) -> dict[str, int]:
+    """``across``: the bytes of the reduce-scatters and all-gathers over the replicas (shards cut over them)."""
+    return {"shard": sent["all_gather"] + sent["reduce_scatter"] - across, "replicate": sent.get("all_reduce", 0) + across}
 
 
 def _traffic(chunks: Sequence[_Layout], compute_bytes: Sequence[int], groups: Sequence[Sequence[int]] | None, world: int,
@@ -409,7 +430,8 @@ def _traffic(chunks: Sequence[_Layout], compute_bytes: Sequence[int], groups: Se
              exact: bool = True) -> tuple[dict[str, int], dict[str, int] | None]:
     """Bytes and calls per step: gathers and reduce-scatters over a shard group of ``world`` ranks, then
     (``replicas > 1``) one all-reduce per reduced chunk of its shard over the replicas."""
-    kinds = ("all_gather", "reduce_scatter") + (("all_reduce",) if replicas > 1 else ())
+    outer = chunks[0].outer if chunks else 1
+    kinds = ("all_gather", "reduce_scatter") + (("all_reduce",) if replicas > 1 and outer == 1 else ())
     sent: dict[str, Fraction | int] = dict.fromkeys(kinds, 0)
     calls = dict.fromkeys(kinds, 0)
 
@@ -440,7 +462,20 @@ def _traffic(chunks: Sequence[_Layout], compute_bytes: Sequence[int], groups: Se
                 [c.size // world for c in reduced], element_size=reduce_bytes, world_size=world, config=config)
         else:
             calls["reduce_scatter"] = len(reduced)
-    if replicas > 1:
+    if replicas > 1 and outer > 1:
+        # cut over the replicas: each reduced group shard is reduce-scattered across them, and after the step each
+        # trainable chunk's updated shards are all-gathered into the group shard, one call each a chunk
+        across: dict[str, Fraction | int] = {"reduce_scatter": 0, "all_gather": 0}
+        for chunk, b in zip(chunks, compute_bytes):
+            if chunk.requires_grad:
+                group_shard = chunk.size // world if exact else Fraction(chunk.size, world)
+                across["reduce_scatter"] += ring(CollectiveKind.REDUCE_SCATTER, group_shard * reduce_bytes, replicas)
+                across["all_gather"] += ring(CollectiveKind.ALL_GATHER, group_shard * b, replicas)
+        for kind, value in across.items():
+            sent[kind] += value
+            calls[kind] += len(reduced)
+        sent["across_replicas"] = sum(across.values())  # taken out again by estimate(), for bytes_sent_by_group
+    elif replicas > 1:
         # HSDP: each reduced shard (the whole chunk when world == 1) is all-reduced across the replicas, one call a chunk.
         for chunk in reduced:
             shard = chunk.size // world if exact else Fraction(chunk.size, world)

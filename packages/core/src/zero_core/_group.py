@@ -36,8 +36,9 @@ class GatherGroup:
         self.chunks = tuple(chunks)
         self.pool = pool
         first = self.chunks[0]
-        self.dtype, self.device, self.world_size = first.dtype, first.device, first.world_size
-        self.shard_numel = sum(c.shard_size for c in self.chunks)
+        # the shard group's ranks, and what each sends per all-gather (group shards, when cut over the replicas)
+        self.dtype, self.device, self.world_size = first.dtype, first.device, first.gather_world
+        self.shard_numel = sum(c.gather_numel for c in self.chunks)
         # The members share one chunk plan (ShardPlan.validate): their own shard group, when shard() gave one.
         self.comm: CommBackend | None = first.comms.gather if first.comms is not None else None
         # Reduce bookkeeping, changed only by the transitions below (the reducer calls them). The parameters (ids)

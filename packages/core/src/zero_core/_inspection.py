@@ -61,6 +61,8 @@ def model_state_bytes(chunks: Sequence[Chunk], optimizer: torch.optim.Optimizer)
     for chunk in chunks:
         if chunk._shard is not None:  # else the kept full buffer holds the master values
             add(param_storages, chunk._shard)
+        if chunk.group_shard is not None:  # holds the master shard too in one dtype: one storage, counted once
+            add(param_storages, chunk.group_shard)
         if chunk.persistent:
             add(param_storages, chunk.full)
         elif chunk.is_gathered:

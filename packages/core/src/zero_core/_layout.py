@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from zero_core._agreement import agree_ok
-from zero_core._collectives import publish_chunk
+from zero_core._collectives import publish_chunk, publish_group_shard
 from zero_core.chunk import Chunk
 from zero_core.comm import CommBackend
 from zero_core.errors import CheckpointError
@@ -155,7 +155,9 @@ def fill_from_source(layout: ModelLayout, source: object, chunks: Sequence[Chunk
 
 
 def publish_kept(chunk: Chunk, comm: CommBackend) -> None:
-    """A kept full buffer takes the values just written into the shards (every rank's slice). Collective."""
+    """A kept full buffer (or a group shard) takes the values just written into the shards (every rank's slice).
+    Collective."""
+    publish_group_shard(chunk)
     if chunk.persistent:
         pending = publish_chunk(chunk, comm)
         if pending is not None:

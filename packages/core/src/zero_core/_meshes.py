@@ -12,9 +12,18 @@ collectives of a group in the same order:
 * ``reduce_all``: a third one, for ``Reduction.ALL_REDUCE`` over a shard group of more
   than one rank, whose all-reduces run on the reduction waiter thread;
 * ``replicate``: the replicate group; the HSDP all-reduce of each reduced shard, issued by
-  the waiter thread in the order it completes reductions, which is the reduction order;
+  the waiter thread in the order it completes reductions, which is the reduction order (a
+  group of its own on an ``(R, 1)`` mesh, where the DeviceMesh's would be the default group
+  the training thread agrees on);
 * ``sub``: groups of ``k`` ranks inside the shard group for ``reshard_after_forward=k``;
   the backward's all-gathers of the kept copy, by the training thread.
+
+With ``shard_optimizer_across_replicas`` (see [Note: optimizer states across replicas] in
+``zero_core.chunk``) the replicate group is ``outer`` instead of ``replicate``: the waiter
+thread reduce-scatters each reduced group shard on it, and the training thread all-gathers the
+updated shards on it after a step (never at the same time: a step settles the reductions
+first). ``everyone`` is the whole data-parallel group (the engine's own), over which such
+chunks' shards are laid out: their sharded parameters' DTensors live on its 1-D mesh.
 
 Every group is created by every rank in the same order (``new_group`` is collective over
 the whole world), in the order meshes first appear in the plan, so creation never hangs.
@@ -49,6 +58,8 @@ class ChunkComms:
     sub: CommBackend | None
     shard_rank: int
     replicate_rank: int
+    outer: CommBackend | None = None
+    everyone: CommBackend | None = None
 
     @property
     def all_reduce(self) -> bool:
@@ -72,9 +83,14 @@ class MeshGroups:
         self._meshes: dict[MeshSpec, tuple[Any, CommBackend, CommBackend, CommBackend | None]] = {}
         self._extra: dict[tuple[MeshSpec, str, int], CommBackend | None] = {}
 
-    def for_plan(self, plan: ChunkPlan) -> ChunkComms:
+    def for_plan(self, plan: ChunkPlan, *, across_replicas: bool = False) -> ChunkComms:
+        """The groups of a chunk on ``plan``'s mesh; ``across_replicas``: its shards are cut over the replicas too."""
         spec = plan.mesh
         device_mesh, gather, reduce, replicate = self._mesh(spec)
+        outer = everyone = None
+        if across_replicas and replicate is not None:
+            outer, replicate = replicate, None
+            device_mesh, everyone = self._default_mesh, self._default_comms[0]
         reduce_all = None
         if plan.reduction is Reduction.ALL_REDUCE and spec.shard_ranks > 1:
             reduce_all = self._subgroups(spec, "reduce_all", spec.shard_ranks)
@@ -82,7 +98,8 @@ class MeshGroups:
         if not isinstance(plan.reshard_after_forward, bool):
             sub = self._subgroups(spec, "sub", plan.reshard_after_forward)
         replicate_rank, shard_rank = spec.coordinates(self._rank)
-        return ChunkComms(plan, device_mesh, gather, reduce, reduce_all, replicate, sub, shard_rank, replicate_rank)
+        return ChunkComms(plan, device_mesh, gather, reduce, reduce_all, replicate, sub, shard_rank, replicate_rank,
+                          outer, everyone)
 
     def _mesh(self, spec: MeshSpec) -> tuple[Any, CommBackend, CommBackend, CommBackend | None]:
         if spec in self._meshes:
@@ -95,7 +112,12 @@ class MeshGroups:
             device_mesh = spec.device_mesh if spec.device_mesh is not None else self._new_device_mesh(spec)
             gather = self._make_comm(device_mesh.get_group(spec.ndim - 1))
             reduce = self._subgroups(spec, "reduce", spec.shard_ranks)
-            replicate = self._make_comm(device_mesh.get_group(0)) if spec.replicate_ranks > 1 else None
+            replicate = None
+            if spec.replicate_ranks > 1:
+                # on an (R, 1) mesh the DeviceMesh's replicate group is the default group, on which the training
+                # thread runs its agreement rounds while the waiter thread reduces: the waiter gets a group of its own
+                replicate = (self._subgroups(spec, "replicate", spec.replicate_ranks) if spec.shard_ranks == 1
+                             else self._make_comm(device_mesh.get_group(0)))
             built = (device_mesh, gather, reduce, replicate)
         self._meshes[spec] = built
         return built
@@ -112,7 +134,8 @@ class MeshGroups:
         if key not in self._extra:
             import torch.distributed as dist
 
-            lists = spec.subgroups(size) if what == "sub" else spec.shard_groups()
+            lists = {"sub": spec.subgroups, "replicate": lambda _: spec.replicate_groups()}.get(
+                what, lambda _: spec.shard_groups())(size)
             backend = dist.get_backend()
             group, _ = dist.new_subgroups_by_enumeration(lists, timeout=self._timeout, backend=backend)
             if group is None:

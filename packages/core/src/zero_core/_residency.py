@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zero_core._accounting import engine_work
-from zero_core._collectives import publish_group
+from zero_core._collectives import publish_group, publish_group_shard
 from zero_core._group import GatherGroup
 from zero_core._module_params import ModuleParameters
 from zero_core._schedule import GatherScheduler
@@ -63,6 +63,9 @@ class Residency:
         self.scheduler = GatherScheduler(self.groups, comm, placement, agree=agree)
         # Groups that keep full buffers, refreshed from the master shards after each step (their trainable members).
         self._refresh_after_step = [g for g in self.groups if any(c.persistent for c in g.chunks)]
+        # Chunks cut over the replicas, whose group shards are refreshed after each step (see [Note: optimizer states
+        # across replicas] in zero_core.chunk).
+        self._group_sharded = [c for c in self.chunks if c.group_shard is not None]
         # Per chunk whose kept buffer mirrors master values: its shard moves and its parameters' version counters when
         # it was last published (see [Note: writes outside the optimizer]).
         self._published: dict[int, tuple[int, tuple[int, ...]]] = {}
@@ -130,15 +133,22 @@ class Residency:
                     for pending in publish_group(group, self._comm):
                         if pending is not None:
                             pending.wait()
+        stepped = [c for c in self._group_sharded if c.requires_grad]
+        if publish and stepped:
+            with torch.profiler.record_function("ZeRO::publish_group_shards"):
+                for chunk in stepped:
+                    publish_group_shard(chunk)
         self.free_idle_buffers()
         self._placement.after_step(self.chunks)
         if publish:
-            self.mark_published([c for g in self._refresh_after_step for c in g.refreshed])
+            self.mark_published([c for g in self._refresh_after_step for c in g.refreshed] + stepped)
 
     # -- writes outside the optimizer -------------------------------------------------------------------
     def _mirrors(self) -> list[Chunk]:
-        """Chunks whose kept full buffer holds copies of master values (other ranks' rows, or a cast)."""
-        return [c for c in self.chunks if c.persistent and (c.world_size > 1 or not c.shard_is_view)]
+        """Chunks whose kept full buffer (or group shard) holds copies of master values (other ranks' rows, or a
+        cast)."""
+        return [c for c in self.chunks if (c.persistent and (c.world_size > 1 or not c.shard_is_view))
+                or c.group_shard is not None]
 
     def mark_published(self, chunks: Sequence[Chunk] | None = None) -> None:
         """The kept buffers of ``chunks`` (every mirror when None) hold their masters' values now."""
@@ -165,4 +175,6 @@ class Residency:
                 for pending in publish_group(group, self._comm, members=[c for c in group.chunks if c.persistent]):
                     if pending is not None:
                         pending.wait()
+            for chunk in self._group_sharded:
+                publish_group_shard(chunk)
         self.mark_published()

@@ -254,3 +254,5 @@ def check_ranks_agree(params: Sequence[ParamInfo], config: ZeroConfig, comm: Com
                     "Build the same model with the same config on every rank."
                 )
     raise RanksDisagreeError("ranks disagree on the model or config")  # unreachable in practice
+
+

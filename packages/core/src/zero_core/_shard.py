@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
@@ -39,7 +39,7 @@ from zero_core._sources import open_source
 from zero_core._whole_step import WholeTensorSteps, guard_unregistered_optimizers
 from zero_core._host_memory import return_freed_host_memory
 from zero_core.api import ZeroConfig
-from zero_core.chunk import BufferPool, Chunk
+from zero_core.chunk import BufferPool, Chunk, ChunkSpec
 from zero_core.comm import CommBackend
 from zero_core.errors import CheckpointError, ConfigError, ZeroSetupError
 from zero_core.mesh import MeshSpec, Topology
@@ -175,16 +175,24 @@ def shard(
         make_comm=lambda g: _shared_stats(comm_cls.from_config(g, timeout=timeout, config=config), comm),
         device=device, rank=_global_rank(comm),
     )
+    across = _check_across_replicas(config, chunk_plans, keep)
     for index, spec in enumerate(plan.chunks):
-        chunk_comms = mesh_groups.for_plan(chunk_plans[index])
+        mesh_spec = chunk_plans[index].mesh
+        cut = across and mesh_spec.replicate_ranks > 1
+        chunk_comms = mesh_groups.for_plan(chunk_plans[index], across_replicas=cut)
         if chunk_comms.device_mesh is not None and chunk_comms.device_mesh is not default_mesh:
             _register_dtensor_ops()
-        chunk = Chunk(index, spec, rank=chunk_comms.shard_rank, world_size=chunk_plans[index].mesh.shard_ranks,
+        # see [Note: optimizer states across replicas] in zero_core.chunk: laid out over every rank of the mesh
+        outer, world = (mesh_spec.replicate_ranks, mesh_spec.size) if cut else (1, mesh_spec.shard_ranks)
+        rank = chunk_comms.replicate_rank * mesh_spec.shard_ranks + chunk_comms.shard_rank if cut else chunk_comms.shard_rank
+        if spec.size % world:
+            spec = ChunkSpec(spec.params, -(-spec.size // world) * world)
+        chunk = Chunk(index, spec, rank=rank, world_size=world,
                       device=device, pool=pool, stage=config.stage, compute_dtype=config.precision.compute,
                       reduce_dtype=config.precision.reduce,
                       gradient_predivide_factor=config.precision.gradient_predivide_factor, keep_gathered=index in keep,
                       keep_alone=keep_alone,
-                      mesh=chunk_comms.device_mesh, replicas=chunk_plans[index].mesh.replicate_ranks)
+                      mesh=chunk_comms.device_mesh, replicas=1 if cut else mesh_spec.replicate_ranks, outer=outer)
         chunk.plan, chunk.comms = chunk_plans[index], chunk_comms
         chunk.owned = True
         if recording is None:
@@ -251,10 +259,29 @@ def _mesh_comms(chunks: list[Chunk], comm: CommBackend, reduce_comm: CommBackend
         if chunk.comms is None:
             continue
         g = chunk.comms
-        for c in (g.gather, g.reduce, g.reduce_all, g.replicate, g.sub):
+        for c in (g.gather, g.reduce, g.reduce_all, g.replicate, g.sub, g.outer, g.everyone):
             if c is not None and c is not comm and c is not reduce_comm and all(c is not f for f in found):
                 found.append(c)
     return found
+
+
+def _check_across_replicas(config: ZeroConfig, plans: Sequence[ChunkPlan], keep: set[int]) -> bool:
+    """Whether chunks on meshes with replicas are cut over the replicas too (``shard_optimizer_across_replicas``),
+    refusing the settings that layout does not support."""
+    if not config.shard_optimizer_across_replicas:  # ZeroConfig checked stage 3 and the "device" placement
+        return False
+    what = "ZeroConfig(shard_optimizer_across_replicas=True)"
+    if keep:
+        raise ConfigError(
+            f"{what} keeps every shard on the compute device; placement={config.placement!r} moves or keeps chunks "
+            "elsewhere. Use placement='device', or switch the option off")
+    for plan in plans:
+        ranks = list(plan.mesh.ranks)
+        if plan.mesh.replicate_ranks > 1 and ranks != sorted(ranks):
+            raise ConfigError(
+                f"{what} lays shards out over the data-parallel group in rank order, but {plan.mesh} lists its ranks "
+                f"out of order ({ranks}); build the mesh with init_device_mesh, whose ranks are in order")
+    return True
 
 
 def _resolve_mesh_group(process_group: Any, mesh: Any) -> Any:

@@ -245,6 +245,17 @@ class ZeroConfig:
             gather per step, more memory), an int ``k`` keeps a copy sharded over groups of
             ``k`` ranks, so the backward's gathers stay inside those groups (ZeRO++'s hpZ;
             ``k`` divides the shard group size). Strategies apply it to the chunks they plan.
+        shard_optimizer_across_replicas: On a mesh with replicas (HSDP, ``(R, S)``) at stage 3,
+            shard master values, gradients and optimizer states over all ``N = R * S`` ranks
+            instead of over the shard group alone (Megatron-FSDP's ``optim`` outer sharding):
+            parameters stay gathered inside the shard group as before, each rank keeps its shard
+            group's slice of the parameters (``1/S``), while the reduced gradient, the master
+            values and the optimizer states are ``1/N`` each. Per step the replicas
+            reduce-scatter the shard group's gradient instead of all-reducing it, and
+            all-gather the updated slices after the step: the same inter-replica bytes as
+            the all-reduce. fp32 Adam then holds ``4 psi / S + 12 psi / N`` bytes per rank
+            instead of ``16 psi / S``. Stage 3 with the ``"device"`` placement only; a mesh
+            without replicas is unaffected. See :doc:`hsdp-optimizer`.
         static_graph: Promise that every rank runs the same modules in the same order
             in every forward and backward (no data-dependent branches, every module's
             output reaches the loss on every rank). Skips the scalar agreement round
@@ -284,6 +295,7 @@ class ZeroConfig:
     check_ranks_agree: bool = True
     static_graph: bool = False
     reshard_after_forward: bool | int = True
+    shard_optimizer_across_replicas: bool = False
     optimizer_updates: str = "auto"
     release_host_memory: bool = True
 
@@ -329,9 +341,17 @@ class ZeroConfig:
                 f"ZeroConfig.optimizer_updates must be one of {list(OPTIMIZER_UPDATES)}, got {self.optimizer_updates!r}: "
                 "'auto' classifies torch's optimizers, 'elementwise' or 'whole' declares what another one reads."
             )
-        for name in ("sync_module_states", "check_ranks_agree", "static_graph", "release_host_memory"):
+        for name in ("sync_module_states", "check_ranks_agree", "static_graph", "release_host_memory",
+                     "shard_optimizer_across_replicas"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"ZeroConfig.{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.shard_optimizer_across_replicas and (self.stage != 3 or self.placement != "device"):
+            raise ConfigError(
+                "ZeroConfig.shard_optimizer_across_replicas needs stage=3 and placement='device', got "
+                f"stage={self.stage}, placement={self.placement!r}: at stages 1 and 2 every rank keeps whole "
+                "parameters, so sharding over every rank is a 1-D mesh (no mesh, or mesh=init_device_mesh(device, "
+                "(world_size,))); an offloading placement keeps or moves shards off the device. Switch the option off, "
+                "or use stage=3 with placement='device'.")
 
     def replace(self, **changes: object) -> ZeroConfig:
         """Return a copy with ``changes`` applied (validated like a new config)."""

@@ -62,6 +62,23 @@ its piece on this rank). A parameter that got no gradient on any rank keeps
 hyperparameters apply per parameter, and padding carries no optimizer state.
 Elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...) therefore match
 one-process training, and so do those that reduce over a whole tensor through DTensor.
+
+[Note: optimizer states across replicas]
+On a mesh ``(R, S)`` every replica normally holds the same shards: each rank steps ``1/S``
+of every chunk. With ``ZeroConfig.shard_optimizer_across_replicas`` (stage 3) the chunk is
+laid out over all ``N = R * S`` ranks instead (``world_size`` is ``N``, ``rank`` the rank's
+place ``r * S + s`` in the mesh, its sharded parameters ``Shard(0)`` over all ``N``), so the
+master shard, the reduced gradient and the optimizer states are ``1/N``. What the shard
+group all-gathers is the *group shard*: the ``R`` shards of the ranks in this rank's
+column of the mesh (``r' * S + s`` for every ``r'``), in the compute dtype, kept between
+steps (``1/S`` of the chunk, what every rank kept before). The all-gather over the shard group
+leaves them ``(S, R, shard)``, which :meth:`~zero_core._chunk_layout.ChunkLayout.from_gather_order`
+views in rank order for the usual copy-out; gradients are laid out in that order by the
+copy-in, reduce-scattered inside the shard group (to the group shard's ``R`` shards), then
+reduce-scattered over the replicate group (to this rank's one shard) where they used to be
+all-reduced. After a step (or any write to the masters) the replicate group all-gathers the
+updated shards into the group shard. In one dtype the master shard is this rank's slice of
+the group shard, so fp32 Adam holds ``4 psi / S + 12 psi / N`` bytes per rank.
 """
 
 from __future__ import annotations
@@ -107,7 +124,7 @@ class Chunk:
         pool: BufferPool | None = None, stage: int = 3, compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None, gradient_predivide_factor: float = 1.0, keep_gathered: bool = False,
         keep_alone: bool = True,
-        mesh: Any = None, replicas: int = 1,
+        mesh: Any = None, replicas: int = 1, outer: int = 1,
     ) -> None:
         if spec.size % world_size:
             raise PlanError(f"chunk size {spec.size} is not a multiple of the world size {world_size}")
@@ -115,6 +132,9 @@ class Chunk:
             raise PlanError(f"chunk {index} holds {spec.used} elements but its size is {spec.size}")
         if stage not in (1, 2, 3):
             raise PlanError(f"stage must be 1, 2 or 3, got {stage!r}")
+        if outer < 1 or world_size % outer or (outer > 1 and (stage != 3 or keep_gathered)):
+            raise PlanError(f"a chunk cut over {outer} replicas needs stage 3, not kept gathered, and a world size "
+                            f"({world_size}) that is a multiple of it")
         first = spec.params[0]
         # Identity and layout: fixed for the chunk's life.
         self.index = index
@@ -123,14 +143,23 @@ class Chunk:
         self.world_size = world_size
         self.rank = rank
         self.replicas = replicas
+        # See [Note: optimizer states across replicas]: ``outer`` replicas each hold 1/outer of the shard group's
+        # shard (``world_size`` counts them all); the shard group has ``gather_world`` ranks, this one at
+        # ``gather_rank``, and it sits at ``outer_rank`` among the replicas.
+        self.outer = outer
+        self.gather_world = world_size // outer
+        self.gather_rank, self.outer_rank = rank % self.gather_world, rank // self.gather_world
         # The plan the strategy gave and the comm backends of the process groups it runs on (set by shard(); None for a chunk
         # built on its own, whose collectives run on the comm each method is given).
         self.plan: Any = None
         self.comms: Any = None
         # Where each parameter sits (see [Note: chunk layout]); its sizes are repeated here, where every reader looks.
-        self.layout = ChunkLayout(spec, rank=rank, world_size=world_size)
+        self.layout = ChunkLayout(spec, rank=rank, world_size=world_size, outer=outer)
         self.slots, self.shard_size, self.size = self.layout.slots, self.layout.shard_size, self.layout.size
-        self.split_sizes, self.direct = self.layout.split_sizes, self.layout.direct
+        # One parameter gathers in place, unless the shard group's collectives carry shards out of rank order.
+        self.split_sizes, self.direct = self.layout.split_sizes, self.layout.direct and outer == 1
+        # What one rank sends in the shard group's all-gather (its group shard when outer > 1).
+        self.gather_numel = self.shard_size * outer
         self.device = device
         self.stage = stage
         # The device mesh of the sharded parameters' DTensors; None in one process without torch.distributed.
@@ -164,6 +193,9 @@ class Chunk:
         self.pool = pool or BufferPool()
         # This rank's shard (master dtype), None while the kept full buffer holds it (shard_is_view).
         self._shard: torch.Tensor | None = None
+        # outer > 1: the group shard (compute dtype), kept between steps; the master shard is its slice in one dtype.
+        self._group_shard: torch.Tensor | None = None
+        self._shard_in_group = False
         # This rank's padded piece of each parameter (master dtype): views of the shard or of the full buffer.
         self.pieces: list[torch.Tensor] = []
         self.segments: tuple[Segment, ...] = ()
@@ -244,6 +276,10 @@ class Chunk:
                 self.full.copy_(staging)
             if self.shard_is_view:
                 self.pieces = self.layout.own_pieces(self.full)
+            elif self.outer > 1:
+                self._group_shard = self._cut_group_shard()
+                self._set_master(None if self._shard_in_group_possible else
+                                 self._pack(self.layout.own_pieces(staging), self.master_dtype))
             else:
                 self._shard = self._pack(self.layout.own_pieces(staging), self.master_dtype)
                 self.pieces = self.layout.shard_pieces(self._shard)
@@ -273,6 +309,10 @@ class Chunk:
                     slot.param.data = view
             if self.shard_is_view:
                 self.pieces = self.layout.own_pieces(self.full)
+            elif self.outer > 1:
+                self._group_shard = torch.zeros(self.gather_numel, dtype=self.dtype, device=self.device)
+                self._set_master(None if self._shard_in_group_possible else
+                                 torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.device))
             else:
                 self._shard = torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.device)
                 self.pieces = self.layout.shard_pieces(self._shard)
@@ -281,6 +321,45 @@ class Chunk:
                     slot.param.data = self._empty
                 self.state = ChunkState.SHARDED
         self._build_segments()
+
+    @property
+    def _shard_in_group_possible(self) -> bool:
+        return self.dtype == self.master_dtype
+
+    def _cut_group_shard(self) -> torch.Tensor:
+        """The group shard of the values in the full buffer: this column's ``outer`` shards, in gather order."""
+        rank_major = torch.empty(self.size, dtype=self.dtype, device=self.device)
+        self.layout.copy_in(self.full, rank_major)
+        rows = rank_major.view(self.outer, self.gather_world, self.shard_size)[:, self.gather_rank]
+        return rows.reshape(-1).clone()
+
+    def _set_master(self, shard: torch.Tensor | None) -> None:
+        """outer > 1: ``shard`` becomes the master shard; None: this rank's slice of the group shard (one dtype)."""
+        assert self._group_shard is not None
+        self._shard_in_group = shard is None
+        if shard is None:
+            shard = self._group_shard[self.outer_rank * self.shard_size : (self.outer_rank + 1) * self.shard_size]
+        self._shard = shard
+        self.pieces = self.layout.shard_pieces(shard)
+
+    @property
+    def group_shard(self) -> torch.Tensor | None:
+        """The group shard (see [Note: optimizer states across replicas]); None unless ``outer > 1``."""
+        return self._group_shard
+
+    def gather_send(self) -> torch.Tensor:
+        """What this rank sends in the shard group's all-gather: its group shard, or its shard in the compute dtype."""
+        if self._group_shard is not None:
+            return self._group_shard
+        return self.compute_shard()
+
+    def outer_send(self) -> torch.Tensor:
+        """This rank's updated master shard in the compute dtype, for the replicate group's all-gather into the group
+        shard: a view of it when the group shard holds the master values (the all-gather then runs in place)."""
+        assert self._shard is not None
+        if self._shard_in_group:
+            return self._shard
+        return to_compute_device(self._shard, self.device, self.dtype)
 
     def _build_segments(self) -> None:
         """Create the sharded parameters, once: every later move re-points their local tensors."""
@@ -456,6 +535,7 @@ class Chunk:
             )
         self._shard = shard
         self.shard_is_view = False
+        self._shard_in_group = False
         self.shard_moves += 1
         if shard.stride(0) == 0:  # absent: every piece is a stand-in of the right size
             self.pieces = [shard[: s.piece] for s in self.slots]

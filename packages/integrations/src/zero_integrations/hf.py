@@ -13,7 +13,9 @@ alone, or with a local norm, is overridden:
   part in :func:`zero_core.save_full_state_dict`, which writes ``config.json`` and sharded
   safetensors with their index, loadable by ``from_pretrained`` without zero;
 * optimizer state: a sharded zero checkpoint in ``checkpoint-N/zero/`` (every rank writes
-  its shards); ``resume_from_checkpoint`` loads it after sharding, at any world size.
+  its shards); ``resume_from_checkpoint`` loads it after sharding, at any world size. With
+  ``async_checkpoints=True`` it is written in the background (see [Note: background saves
+  under the Trainer]).
 
 The overridden methods are the Trainer's private ones, so this module is bound to the
 transformers versions the tests ran (the ``[hf]`` extra's range).
@@ -41,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - the [hf] extra installs it
     raise ImportError(f"zero_integrations.hf needs transformers: {install_command('zero-integrations', extra='[hf]')}"
                       ) from exc
 
-__all__ = ["ZERO_CHECKPOINT_DIR", "ZeroTrainer"]
+__all__ = ["ZERO_CHECKPOINT_DIR", "ZeroTrainer", "last_complete_checkpoint"]
 
 #: The sub-directory of a Trainer checkpoint (``checkpoint-N/``) holding zero's sharded checkpoint.
 ZERO_CHECKPOINT_DIR = "zero"
@@ -62,6 +64,12 @@ class ZeroTrainer(Trainer):
         save_dtype: Write the exported weights in this dtype (e.g. ``torch.bfloat16``);
             default: the master dtype. Checkpoints for resuming always keep fp32 masters.
 
+        async_checkpoints: Write each ``save_steps`` checkpoint's ``zero/`` directory in the
+            background (``zero_core.save_checkpoint(..., async_=True)``): the step blocks only
+            while this rank's shards are copied into host staging buffers. The next save, the
+            end of ``train()`` and a resume wait for it and raise its failure. A checkpoint
+            whose background write did not finish is never resumed from by
+            ``resume_from_checkpoint=True``: the last complete one is.
         deepspeed: A DeepSpeed config (a dict or the path of its file) to train by instead of
             ``zero_config``, imported by :func:`zero_core.convert_deepspeed_config` with its
             ``"auto"`` values filled from the training arguments as HF's DeepSpeed integration
@@ -83,9 +91,14 @@ class ZeroTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, zero_config: ZeroConfig | None = None, max_shard_size: int | str = "5GB",
-                 save_dtype: torch.dtype | None = None, deepspeed: Any = None, **kwargs: Any) -> None:
+                 save_dtype: torch.dtype | None = None, deepspeed: Any = None, async_checkpoints: bool = False,
+                 **kwargs: Any) -> None:
         if zero_config is not None and not isinstance(zero_config, ZeroConfig):
             raise ConfigError(f"zero_config must be a zero_core.ZeroConfig, got {type(zero_config).__name__}")
+        if not isinstance(async_checkpoints, bool):
+            raise ConfigError(f"ZeroTrainer(async_checkpoints=...) must be True or False, got {async_checkpoints!r}")
+        self.zero_async_checkpoints = async_checkpoints
+        self._pending_save: Any = None
         positional = len(args) > 1
         training_args = args[1] if positional else kwargs.get("args")
         model = args[0] if args else kwargs.get("model")
@@ -156,9 +169,31 @@ class ZeroTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         model = self._sharded("save the optimizer")
-        zero_core.save_checkpoint(model, model.engine.optimizer, os.path.join(output_dir, ZERO_CHECKPOINT_DIR))
+        self.finish_pending_save()
+        self._pending_save = zero_core.save_checkpoint(model, model.engine.optimizer,
+                                                       os.path.join(output_dir, ZERO_CHECKPOINT_DIR),
+                                                       async_=self.zero_async_checkpoints)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
+
+    def finish_pending_save(self) -> None:
+        """Wait for a checkpoint still being written in the background; raise its failure (no-op without one)."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.wait()
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:  # the last checkpoint whose zero save completed, see the note below
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        try:
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException:
+            self._pending_save = None  # the training failure is the one to report; close() still waits for the write
+            raise
+        self.finish_pending_save()
+        return result
 
     # -- resuming -------------------------------------------------------------------------
 
@@ -210,6 +245,34 @@ def _compile_blocks(model: torch.nn.Module, backend: str | None, mode: str | Non
         )
     for block in blocks:
         block.compile(backend=backend or "inductor", mode=mode)
+
+
+# [Note: background saves under the Trainer]
+# With async_checkpoints=True the Trainer's _save_checkpoint goes on while zero/ is still written: it writes
+# trainer_state.json, the RNG files and may rotate old checkpoints (only older, complete ones: each save first waits
+# for the previous one). zero's metadata file is renamed into place last (see [Note: sharded checkpoint layout]), so a
+# run that stops during the write leaves checkpoint-N with a zero/ directory that has no zero_checkpoint.json:
+# load_checkpoint refuses it by name, and resume_from_checkpoint=True skips it for the last complete checkpoint.
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` in ``output_dir`` that can be resumed: its ``zero/`` save completed (or it has none,
+    as a plain Trainer's); ``None`` when there is none."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    from zero_core._checkpoint import METADATA  # renamed into place last: a save that has it completed
+
+    if not os.path.isdir(output_dir):
+        return None
+    found = []
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        step = name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+        if name.startswith(f"{PREFIX_CHECKPOINT_DIR}-") and step.isdigit() and os.path.isdir(path):
+            zero_dir = _zero_dir(path)
+            if zero_dir is None or os.path.isfile(os.path.join(zero_dir, METADATA)):
+                found.append((int(step), path))
+    return max(found)[1] if found else None
 
 
 def _zero_dir(checkpoint: str) -> str | None:

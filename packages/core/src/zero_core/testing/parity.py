@@ -272,7 +272,9 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         placement=engine.placement.report() if hasattr(engine.placement, "report") else {},
         shards=[(c.plan.mesh.shape if c.plan is not None else (c.world_size,),
                  (c.comms.replicate_rank, c.comms.shard_rank) if c.comms is not None else (0, c.rank),
-                 hashlib.sha256(c.shard.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest())
+                 # what a shard group gathers from, the same in every replica (a group shard, when cut over replicas)
+                 hashlib.sha256((c.shard if c.group_shard is None else c.group_shard).detach().cpu().contiguous()
+                                .view(torch.uint8).numpy().tobytes()).hexdigest())
                 for c in engine.chunks],
     )
     engine.close()
