@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from test_offload import TIGHT_DEVICE  # the tight gemini budget, per device
 
 from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig
 from zero_core.testing import device_under_test, run_distributed
@@ -138,7 +139,7 @@ def test_resume_across_placement_policies(before, after, tmp_path):
         options = {
             "static-disk": {"offload_optim_frac": 1.0, "offload_param_frac": 1.0, "host_budget_mb": 0.04,
                             "disk_dir": str(tmp_path / "tier")},
-            "gemini-disk": {"device_budget_mb": 0.14, "host_budget_mb": 0.04, "disk_dir": str(tmp_path / "tier")},
+            "gemini-disk": {"device_budget_mb": TIGHT_DEVICE, "host_budget_mb": 0.04, "disk_dir": str(tmp_path / "tier")},
             "gemini-margin": {"device_budget_mb": 0.2, "margin_ratio": 0.5},
             "static-partial": {"shard_param_frac": 0.5, "offload_optim_frac": 0.5, "offload_param_frac": 0.25},
         }[name]

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from zero_core import ChunkPolicy, ZeroConfig, ZeroError, shard
-from zero_core.testing import RunResult, assert_parity, run_distributed
+from zero_core.testing import RunResult, assert_parity, full_value, rank_device, run_distributed
 from zero_core.testing.zoo import get_case
 
 SEED = 1234
@@ -75,7 +75,7 @@ class MLP(nn.Module):
 
 def _build() -> MLP:
     torch.manual_seed(SEED)
-    return MLP()
+    return MLP().to(rank_device())  # shard() keeps a model where it is; the one-process run computes there too
 
 
 def _sgd(params) -> torch.optim.Optimizer:
@@ -88,10 +88,9 @@ def _sgd(params) -> torch.optim.Optimizer:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    """The full value as a plain CPU tensor (a collective for a DTensor: every rank calls it in the same order)."""
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    return t.detach().cpu().clone()
+    """The full value as a plain CPU tensor (``full_tensor()`` for a DTensor, a collective: every rank calls it in the
+    same order; see [Note: DTensor all-gathers over gloo on CUDA] in ``zero_core.testing.values``)."""
+    return full_value(t)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -104,7 +103,7 @@ def _batch(step: int, world: int, rank: int) -> tuple[torch.Tensor, torch.Tensor
     x = torch.randn(BATCH, 6, generator=g)
     y = torch.randint(0, 3, (BATCH,), generator=g)
     local = BATCH // world
-    return x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+    return x[rank * local:(rank + 1) * local].to(rank_device()), y[rank * local:(rank + 1) * local].to(rank_device())
 
 
 def _forward(model: nn.Module, step: int, world: int, rank: int) -> torch.Tensor:
@@ -572,7 +571,7 @@ def _describe(model: nn.Module, opt: torch.optim.Optimizer, world: int, rank: in
 
 def _build_gpt() -> nn.Module:
     torch.manual_seed(SEED)
-    return get_case("gpt").build()  # a tied head (two state_dict keys, one parameter) and a non-persistent buffer
+    return get_case("gpt").build().to(rank_device())  # a tied head (two state_dict keys, one parameter) and a non-persistent buffer
 
 
 def _metadata(setup, world, rank):

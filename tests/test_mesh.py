@@ -14,7 +14,7 @@ import torch
 
 from zero_core import ChunkPolicy, Precision, ZeroConfig
 from zero_core.comm import CollectiveKind, ring_bytes_sent
-from zero_core.testing import assert_parity, run_distributed, train_reference, train_sharded
+from zero_core.testing import assert_parity, device_under_test, rank_device, run_distributed, train_reference, train_sharded
 from zero_core.testing.checkpointing import phase
 from zero_core.testing.zoo import get_case
 
@@ -149,13 +149,13 @@ def counting_worker(**options):
     torch.manual_seed(0)
     model = counting_model()
     psi = sum(p.numel() for p in model.parameters())
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(device_under_test(), (2, 2), mesh_dim_names=("replicate", "shard"))
     config = ZeroConfig(chunk=ChunkPolicy(chunk_size=272), **options)
     model, opt = zero_core.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config, mesh=mesh)
     rank = dist.get_rank()
     for step in range(3):
         opt.zero_grad()
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank)).to(rank_device())
         model(x).square().mean().backward()
         opt.step()
     engine = model.engine
@@ -165,9 +165,9 @@ def counting_worker(**options):
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.5)
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(99))
-        want = torch.func.functional_call(counting_model(), model.full_parameters(), (x,))
-        result["after_write"] = (model(x) - want).abs().max().item()
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(99)).to(rank_device())
+        want = torch.func.functional_call(counting_model(), model.full_parameters(), (x.cpu(),))  # CPU copies
+        result["after_write"] = (model(x).cpu() - want).abs().max().item()
     model.close()
     return result
 

@@ -35,12 +35,13 @@ def _worker(model_name: str, mesh_shape: tuple[int, int], steps: int) -> dict[st
         config = ZeroConfig(stage=3, chunk=ChunkPolicy(search_interval=options["d_model"]),
                             shard_optimizer_across_replicas=across)
         predicted = estimate(model, mesh_shape=mesh_shape, config=config)
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        mesh = init_device_mesh(device, mesh_shape, mesh_dim_names=("replicate", "shard"))
         model, opt = shard(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config=config, mesh=mesh)
         losses, times = [], []
         for step in range(steps):
             tokens = torch.randint(0, options["vocab"], (options["batch_size"], options["seq_len"] + 1),
-                                   generator=torch.Generator().manual_seed(1000 * step + rank))
+                                   generator=torch.Generator().manual_seed(1000 * step + rank)).to(model.engine.device)
             dist.barrier()
             start = time.perf_counter()
             opt.zero_grad()

@@ -127,3 +127,44 @@ def test_a_sharded_parameter_moves_to_another_device_as_the_same_object(strategy
     from zero_core.testing import run_distributed
 
     assert run_distributed(_move_a_parameter_and_back, 2, strategy, timeout=60) == [True, True]
+
+
+def _split_with_sizes_copy_as_cuda(input, split_sizes, dim=-1, *, out):
+    """torch 2.11's CUDA fast path (aten/src/ATen/native/cuda/TensorShape.cu): taken for any dense input, which it
+    reads in memory order as if it were contiguous."""
+    from zero_core._chunk_layout import dense
+
+    if dense(input):
+        order = sorted(range(input.dim()), key=lambda d: -input.stride(d))  # the dimensions in memory order
+        input = input.permute(order).contiguous().view(input.shape)
+    for piece, target in zip(input.split(list(split_sizes), dim=dim), out, strict=True):
+        target.copy_(piece)
+
+
+def test_a_gather_order_view_is_copied_out_in_rank_order_by_cuda_fast_path_rules(monkeypatch) -> None:
+    """The all-gather of group shards leaves ``(S, R, shard)``; :meth:`ChunkLayout.from_gather_order` views it in rank
+    order, a dense but permuted tensor. On an H200 CUDA's split_with_sizes_copy read it as contiguous and scrambled
+    the replicas' rows; copy_out hands it a contiguous copy. Checked here against that kernel's rule, on the CPU."""
+    from zero_core._chunk_layout import ChunkLayout, dense
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(n)) for n in (36, 18, 18, 7)]
+    spec = ChunkSpec(tuple(ParamInfo(f"p{i}", p, 0) for i, p in enumerate(params)), 96)
+    world, outer = 4, 2
+    layouts = [ChunkLayout(spec, rank=r, world_size=world, outer=outer) for r in range(world)]
+    layout = layouts[0]
+    assert not layout.direct  # several columns: the split_with_sizes_copy path
+    full = torch.zeros(layout.size)
+    for slot, region in zip(layout.slots, layout.regions(full), strict=False):  # each parameter's pieces, padded
+        flat = slot.param.detach().reshape(-1)
+        for r in range(world):
+            lo, hi = slot.own_range(r)
+            region[r, : hi - lo] = flat[lo:hi]
+    gathered = torch.empty(layout.size)  # what the shard group's all-gather leaves: each rank's group shard, in order
+    layout.copy_in(full, gathered, gather_order=True)
+    monkeypatch.setattr(torch, "split_with_sizes_copy", _split_with_sizes_copy_as_cuda)
+    rows = layout.from_gather_order(gathered.view(world // outer, outer * layout.shard_size))
+    assert dense(rows) and not rows.is_contiguous()  # what the fast path mishandles
+    out = torch.full_like(full, float("nan"))
+    layout.copy_out(rows, out)
+    assert torch.equal(out, full)

@@ -119,7 +119,17 @@ class BucketedCommBackend(TorchCommBackend):
         self.bucketer.flush()
 
     def free(self) -> None:
+        super().free()
+        self._inner.free()
         self.bucketer.free()
+
+    @property
+    def buffer_bytes(self) -> int:
+        return super().buffer_bytes + self._inner.buffer_bytes + self.bucketer.nbytes
+
+    def expect_reduce_scatters(self, numels: Sequence[int]) -> None:
+        # a model smaller than a bucket fills one bucket: allocating the full reduce_bucket_mb would only add memory
+        self.bucketer.limit(sum(numels))
 
     def close(self) -> None:
         super().close()

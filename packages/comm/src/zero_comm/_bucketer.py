@@ -255,6 +255,11 @@ class Bucket:
         self._collective = None
         self._state = BucketState.EMPTY
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers it holds (0 when freed)."""
+        return sum(t.numel() * t.element_size() for t in (self._data, self._output) if t is not None)
+
     def free(self) -> None:
         """EMPTY -> FREED: drop the buffers. Does nothing if already freed."""
         if self._state in (BucketState.FILLING, BucketState.LAUNCHED):
@@ -355,12 +360,26 @@ class ReduceScatterBucketer:
         self._launched_cond = threading.Condition(self._lock)
         self._buckets: dict[tuple[torch.dtype, torch.device, CommBackend], list[Bucket]] = {}  # keys in creation order
         self._in_flight: deque[_Collective] = deque()  # in launch order
+        self._limit: int | None = None  # elements per rank no bucket needs to exceed (see limit())
 
     def capacity(self, dtype: torch.dtype, world_size: int) -> int:
         """Elements per rank a bucket of ``dtype`` holds (0 when bucketing is off)."""
         if self.bucket_size_mb <= 0:
             return 0
-        return max(1, int(self.bucket_size_mb * 2**20) // dtype.itemsize // world_size)
+        full = max(1, int(self.bucket_size_mb * 2**20) // dtype.itemsize // world_size)
+        return full if self._limit is None else min(full, self._limit)
+
+    def limit(self, numel: int) -> None:
+        """Make no bucket larger than ``numel`` elements per rank: what every input one backward queues adds up to.
+        Every input still fits, and the bucket rule launches the same collectives (a bucket holding all of them
+        launches only at the flush)."""
+        self._limit = max(1, int(numel))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buckets' buffers allocated now."""
+        with self._lock:
+            return sum(b.nbytes for buckets in self._buckets.values() for b in buckets)
 
     @property
     def buckets(self) -> list[Bucket]:

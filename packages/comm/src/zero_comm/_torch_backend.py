@@ -147,6 +147,12 @@ class TorchCommBackend(CommBackend):
         self._receive_buffers = BufferPool()
 
     @property
+    def buffer_bytes(self) -> int:
+        """The pooled send and receive buffers of gloo's all-to-all all-gathers and reduce-scatters."""
+        pool = self._receive_buffers
+        return pool.nbytes + pool.lent
+
+    @property
     def rank(self) -> int:
         return self._rank
 

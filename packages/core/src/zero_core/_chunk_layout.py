@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from zero_core._slots import ChunkSpec, ParamSlot, layout_slots, rewrap, to_local
 
-__all__ = ["ChunkLayout", "dtensor", "repoint"]
+__all__ = ["ChunkLayout", "dense", "dtensor", "repoint"]
 
 
 class ChunkLayout:
@@ -82,6 +82,12 @@ class ChunkLayout:
             if self.direct:
                 full.view(*lead, self.shard_size).copy_(rank_major)
             else:
+                if not rank_major.is_contiguous() and dense(rank_major):
+                    # A gather-order view: dense, its leading dimensions permuted. CUDA's fast path of
+                    # split_with_sizes_copy takes any dense input and reads it as if contiguous (torch 2.11,
+                    # aten/src/ATen/native/cuda/TensorShape.cu), which scrambled the replicas' rows on an H200.
+                    # Strided inputs that are not dense (a group's block) take torch's exact composite path.
+                    rank_major = rank_major.contiguous()
                 torch.split_with_sizes_copy(rank_major, self.split_sizes, dim=-1,
                                             out=[r.view(*lead, r.shape[-1]) for r in self.regions(full)])
 
@@ -104,6 +110,17 @@ class ChunkLayout:
         if self.outer == 1:
             return block
         return block.unflatten(1, (self.outer, self.shard_size)).transpose(0, 1)
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` fills its memory without gaps or overlaps in some order of its dimensions (torch's C++
+    ``is_non_overlapping_and_dense``, which Python does not expose)."""
+    expected = 1
+    for size, stride in sorted(((t.size(d), t.stride(d)) for d in range(t.dim()) if t.size(d) != 1), key=lambda x: x[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def dtensor(local: torch.Tensor, spec: object) -> DTensor:

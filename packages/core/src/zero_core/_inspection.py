@@ -20,8 +20,9 @@ from zero_core.placement import PlacementPolicy
 __all__ = ["device_bytes", "full_parameters", "iter_full_chunks", "memory_by_kind", "model_state_bytes"]
 
 
-def device_bytes(chunks: Sequence[Chunk]) -> int:
-    """Bytes the engine holds on the device now: gathered or kept full buffers, gradient buffers, idle pooled buffers.
+def device_bytes(chunks: Sequence[Chunk], comms: Sequence[CommBackend] = ()) -> int:
+    """Bytes the engine holds on the device now: gathered or kept full buffers, gradient buffers, idle pooled buffers,
+    and the buffers its comm backends ``comms`` hold (:attr:`~zero_core.comm.CommBackend.buffer_bytes`).
 
     Exact, from storage sizes. Master shards, their gradients and optimizer states are not
     counted here: where they live is the placement policy's to account.
@@ -29,6 +30,7 @@ def device_bytes(chunks: Sequence[Chunk]) -> int:
     pool = chunks[0].pool if chunks else None
     # pooled buffers: idle, or lent to a backward or a reduction in flight (gradient buffers, receive buffers)
     total = pool.nbytes + pool.lent if pool is not None else 0
+    total += sum(comm.buffer_bytes for comm in comms)
     for chunk in chunks:
         if not chunk.shard_is_view:
             total += chunk.full.untyped_storage().nbytes()

@@ -219,6 +219,11 @@ def shard(
     # Built in an order without cycles: the reducer and the optimizer bridge exist before the placement policy,
     # which receives the bridge's step_chunks; the engine last, holding all of them.
     mesh_comms = _mesh_comms(chunks, comm, reduce_comm)
+    comms = (comm, reduce_comm, *mesh_comms)
+    # an upper bound of what one backward reduce-scatters on any of them (frozen chunks too: they may be unfrozen)
+    reduced = [c.gather_numel for c in chunks]
+    for backend in comms:
+        backend.expect_reduce_scatters(reduced)
     gather_groups = build_groups(chunks, groups, pool)
     reducer = GradientReducer(gather_groups, reduce_comm=reduce_comm, mesh_comms=mesh_comms, agree=not config.static_graph)
     loss_scale = config.precision.loss_scale
@@ -229,7 +234,7 @@ def shard(
                              scaler=LossScaler(loss_scale) if loss_scale is not None else None, whole=whole)
     placement.setup(PlacementContext(
         optimizer=optimizer, device=device, comm=comm, config=config, gather_groups=groups,
-        step_chunks=bridge.step_chunks, device_bytes=functools.partial(device_bytes, tuple(chunks)),
+        step_chunks=bridge.step_chunks, device_bytes=functools.partial(device_bytes, tuple(chunks), comms),
     ))
     placement.attach(chunks)  # after the optimizer holds the segments: states created eagerly (Adagrad) move too
 

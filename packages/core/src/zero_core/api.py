@@ -223,7 +223,8 @@ class ZeroConfig:
             buckets of ``reduce_bucket_mb``. ``None`` takes the strategy's choice
             (:attr:`zero_core.plugin.ShardStrategy.comm`).
         reduce_bucket_mb: Size of one reduce-scatter bucket in MiB, for backends that
-            bucket (split evenly over the ranks); ``<= 0`` reduces every gradient at once.
+            bucket (split evenly over the ranks; never more than one backward reduces, for a
+            small model); ``<= 0`` reduces every gradient at once.
         placement: Name of the placement policy plugin: ``"device"`` (zero-core) keeps every
             shard on the compute device, ``"host"`` (zero-core) keeps master shards, gradients
             and optimizer states in host memory; ``"static"`` and ``"gemini"`` (zero-offload)

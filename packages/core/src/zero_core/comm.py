@@ -89,6 +89,18 @@ class CommBackend(ABC):
     def free(self) -> None:
         """Release buffers the backend keeps between steps (they are re-allocated on next use)."""
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers the backend holds now (send and receive buffers, buckets; idle or in use), on the
+        device of the tensors it carries. The engine counts them with its own buffers (placement policies budget
+        them). A backend that keeps no buffers of its own leaves it 0."""
+        return 0
+
+    def expect_reduce_scatters(self, numels: Sequence[int]) -> None:
+        """The elements per rank of the reduce-scatters one backward may ask for (an upper bound), told once by
+        :func:`zero_core.shard`. A bucketing backend never makes a bucket larger than all of them together; the
+        default ignores it."""
+
     def close(self) -> None:
         """Release the buffers and the reference to the process group; the backend cannot communicate afterwards.
 

@@ -16,6 +16,7 @@ from zero_core.testing.parity import (
     train_sharded,
     train_zoo_sharded,
 )
+from zero_core.testing.values import full_value
 from zero_core.testing.zoo import ZOO, ZooCase, get_case
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "ZooCase",
     "assert_parity",
     "device_under_test",
+    "full_value",
     "get_case",
     "make_optimizer",
     "rank_device",
