@@ -29,7 +29,7 @@ SMALL_HOST = 0.04
 _ROOMY_DEVICE = 400 if device_under_test() == "cpu" else 600
 # The tensor strategy's gemini run at 2 ranks. On an H200 it needed 42.1 MB while its reduce-scatter buckets took the
 # whole reduce_bucket_mb (39.3 MB); they are now sized to the model. The CUDA figure since is not measured yet.
-_TENSOR_DEVICE = 0.25 if device_under_test() == "cpu" else 4
+TENSOR_GEMINI_DEVICE = 0.25 if device_under_test() == "cpu" else 4
 
 CONFIGS = {
     "static-full": ("static", {"offload_optim_frac": 1.0, "offload_param_frac": 1.0}),
@@ -101,7 +101,7 @@ def test_lower_stages_offload_too(name, stage, reference, tmp_path):
 def test_the_tensor_strategy_uses_the_same_policies(name, reference, tmp_path):
     config = _config(name, tmp_path, strategy="tensor")
     if name.startswith("gemini"):  # the warm-up needs 0.201 MiB here, the reduce-scatter buckets included
-        config = config.replace(placement_options={"device_budget_mb": _TENSOR_DEVICE})
+        config = config.replace(placement_options={"device_budget_mb": TENSOR_GEMINI_DEVICE})
     results = run_distributed(train_sharded, 2, "gpt", config=config, timeout=300)
     assert_parity(reference, results[0], label=f"tensor {name}")
 
