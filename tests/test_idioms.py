@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from zero_core import ChunkPolicy, ZeroConfig, ZeroError, shard
+from zero_core._slots import shard_dim
 from zero_core.testing import RunResult, assert_parity, full_value, rank_device, run_distributed
 from zero_core.testing.zoo import get_case
 
@@ -550,13 +551,15 @@ def _describe(model: nn.Module, opt: torch.optim.Optimizer, world: int, rank: in
     """What a script reads off a model; on the sharded one also the DTensor layout, checked against torch.chunk."""
     layout = {}
     for name, p in model.named_parameters() if dist.is_initialized() else ():  # the plain model has no layout
-        expected = list(torch.empty(p.shape[0]).chunk(world)) if p.dim() else []
+        # dim 0, or a later one where dim 0 would pad more than 1% (the head's 3 rows: see [Note: shard dimension])
+        dim = shard_dim(p.shape, world)
+        expected = list(torch.empty(p.shape[dim]).chunk(world)) if p.dim() else []
         rows = expected[rank].numel() if rank < len(expected) else 0
         layout[name] = {
             "parameter": isinstance(p, nn.Parameter),
             "dtensor": isinstance(p, DTensor),
-            "placements": tuple(p.placements) == (Shard(0),) if isinstance(p, DTensor) else False,
-            "local_shape": tuple(_local(p).shape) == (rows, *p.shape[1:]),
+            "placements": tuple(p.placements) == (Shard(dim),) if isinstance(p, DTensor) else False,
+            "local_shape": tuple(_local(p).shape) == (*p.shape[:dim], rows, *p.shape[dim + 1:]),
         }
     in_optimizer = {id(p) for group in opt.param_groups for p in group["params"]}
     return {
@@ -599,7 +602,7 @@ def test_parameter_counts_shapes_class_and_state_dict_keys(world, stage):
             for param, value in ref["values"].items():  # shard() keeps the values
                 assert torch.equal(got["values"][param], value), f"{label}: {param} changed by shard()"
             for param, layout in got["layout"].items():
-                assert all(layout.values()), f"{label}: {param} is not an nn.Parameter DTensor Shard(0) cut like torch.chunk: {layout}"
+                assert all(layout.values()), f"{label}: {param} is not an nn.Parameter DTensor Shard(d) cut like torch.chunk: {layout}"
             assert got["layout"].keys() == ref["values"].keys()
 
 

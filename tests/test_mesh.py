@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from zero_core import ChunkPolicy, Precision, ZeroConfig
+from zero_core._checkpoint import piece_runs
 from zero_core.comm import CollectiveKind, ring_bytes_sent
 from zero_core.testing import assert_parity, device_under_test, rank_device, run_distributed, train_reference, train_sharded
 from zero_core.testing.checkpointing import phase
@@ -228,13 +229,14 @@ def checkpoint_writers(directory) -> set[int]:
     cover every element of every parameter exactly once."""
     metadata = json.loads((directory / "zero_checkpoint.json").read_text())
     for name, info in metadata["params"].items():
-        covered = sorted((lo, hi) for _, lo, hi in info["pieces"])
+        # a piece is one range, or several (a parameter cut along a later dimension): see piece_runs
+        covered = sorted((lo, hi) for piece in info["pieces"] for _, lo, hi, _ in piece_runs(piece))
         total = 1
         for d in info["shape"]:
             total *= d
         assert sum(hi - lo for lo, hi in covered) == total, name
         assert all(a[1] <= b[0] for a, b in zip(covered, covered[1:])), name
-    return {rank for info in metadata["params"].values() for rank, _, _ in info["pieces"]}
+    return {piece[0] for info in metadata["params"].values() for piece in info["pieces"]}
 
 
 def test_a_2x2_checkpoint_writes_each_shard_once(saved_checkpoints):

@@ -54,11 +54,13 @@ _RUNS = [
     ("gpt", _across(reshard_after_forward=False), {"mesh_shape": (2, 2)}),
     ("gpt", _across(), {"mesh_shape": (2, 2), "clip": 0.05}),
     ("gpt", _across(), {"mesh_shape": (2, 2), "clip": 0.05, "clip_with": "torch"}),
+    # fused experts and a one-row table, cut along dim 1 over the 4 ranks (see [Note: shard dimension])
+    ("fused_experts", _across("fused_experts"), {"mesh_shape": (2, 2)}),
     ("gpt", _across(), {"mesh_shape": (4, 1)}),
     ("gpt", _across(), {"mesh_shape": (1, 4)}),
     ("gpt", _config(), {"mesh_shape": (1, 4)}),
 ]
-_PRECISIONS = ["fp32", "bf16"] + ["fp32"] * 7
+_PRECISIONS = ["fp32", "bf16"] + ["fp32"] * 8
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def test_parity_with_one_process(runs):
 
 def test_a_mesh_without_replicas_is_unaffected(runs):
     """1x4 with the option is 1x4 without it: the same bytes held, sent and called, the same losses, bit for bit."""
-    on, off = runs[0][-2], runs[0][-1]
+    on, off = runs[0][-2], runs[0][-1]  # the last two runs
     assert on.losses == off.losses
     assert on.model_state_bytes == off.model_state_bytes
     assert on.step_stats == off.step_stats

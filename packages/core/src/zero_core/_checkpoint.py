@@ -6,12 +6,14 @@ A checkpoint is a directory. Each save writes, under a fresh save id:
 - ``<id>.rank<r>-of-<N>.safetensors``, one per rank: for every parameter piece in the
   rank's shards (of the first replica only, on a mesh with replicas: each shard is
   written once; every rank's, when they are cut over the replicas too), ``p/<name>`` (the master values of elements ``[lo, hi)`` of the
-  flattened parameter) and ``o/<name>/<key>`` (each per-element optimizer state of the
-  same range); rank 0 adds ``b/<name>`` for each buffer; ``rng/cpu`` (and ``rng/cuda``)
-  hold the rank's random state;
+  flattened parameter, or of ``count`` such ranges ``stride`` elements apart, one after another, for a
+  parameter cut along a later dimension: see [Note: shard dimension] in ``zero_core._slots``) and
+  ``o/<name>/<key>`` (each per-element optimizer state of the same ranges); rank 0 adds ``b/<name>`` for
+  each buffer; ``rng/cpu`` (and ``rng/cuda``) hold the rank's random state;
 - ``<id>.extra.pt`` (rank 0, when the caller passes ``extra``);
 - ``zero_checkpoint.json``, the metadata: for every parameter its shape, dtype and the
-  pieces each rank saved, the files with their sizes and sha256, the optimizer's
+  pieces each rank saved (``[rank, lo, hi]``, or ``[rank, lo, hi, stride, count]``; a metadata that
+  has the second form is version 2, which older readers refuse), the files with their sizes and sha256, the optimizer's
   hyperparameters per group and its scalar states (step counts), the loss scaler, the
   engine's step, and an HF-style model's ``config.json`` (for ``zero consolidate``).
 
@@ -56,7 +58,9 @@ __all__ = ["METADATA", "load_checkpoint", "save_checkpoint"]
 
 METADATA = "zero_checkpoint.json"
 FORMAT = "zero-sharded-checkpoint"
-VERSION = 1
+VERSION = 2
+# Version 1 is version 2 without strided pieces: both are read; a save writes 1 unless it has strided pieces.
+_READS = (1, 2)
 _OURS = re.compile(r"^[0-9a-f]{16}\.(rank\d{5}-of-\d{5}\.safetensors|extra\.pt)(" + re.escape(TMP_MARK) + r"\d+)?$")
 _METADATA_TMP = re.compile("^" + re.escape(METADATA + TMP_MARK) + r"\d+$")
 
@@ -87,20 +91,36 @@ def _segment_states(engine: Engine) -> tuple[dict[int, dict[str, Any]], list[dic
     return states, groups
 
 
-def _pieces(chunk: Chunk) -> list[tuple[int, str, int, int]]:
-    """``(slot, name, lo, hi)`` for each parameter range in this rank's shard of ``chunk``.
+def _pieces(chunk: Chunk) -> list[tuple[int, str, list[Any]]]:
+    """``(slot, name, ranges)`` for each parameter piece in this rank's shard of ``chunk``: ``ranges`` is ``[lo, hi]``
+    or ``[lo, hi, stride, count]`` (see [Note: sharded checkpoint layout]).
 
     On a mesh with replicas only the first replica writes (its shards are every replica's), so each
     shard is written once, unless the shards are cut over the replicas too (each rank then holds its own); the
     loader reads ranges, whichever rank wrote them."""
     if chunk.comms is not None and chunk.comms.replicate_rank != 0 and chunk.outer == 1:
         return []
-    out = []
+    out: list[tuple[int, str, list[Any]]] = []
     for i, slot in enumerate(chunk.slots):
-        lo, hi = chunk.layout.own_range(i)
-        if lo < hi:
-            out.append((i, slot.name, lo, hi))
+        runs = slot.runs(chunk.rank, held=False)
+        if not runs:
+            continue
+        lo, hi, _ = runs[0]
+        ranges = [lo, hi] if len(runs) == 1 else [lo, hi, runs[1][0] - lo, len(runs)]
+        out.append((i, slot.name, ranges))
     return out
+
+
+def piece_runs(piece: list[Any]) -> list[tuple[int, int, int, int]]:
+    """``(rank, lo, hi, at)`` for each range of a metadata piece: elements ``[lo, hi)`` of the flattened parameter,
+    at element ``at`` of the rank's saved tensor."""
+    rank, lo, hi = piece[0], piece[1], piece[2]
+    stride, count = (piece[3], piece[4]) if len(piece) > 3 else (0, 1)
+    return [(rank, lo + i * stride, hi + i * stride, i * (hi - lo)) for i in range(count)]
+
+
+def _numel(ranges: list[Any]) -> int:
+    return (ranges[1] - ranges[0]) * (ranges[3] if len(ranges) > 3 else 1)
 
 
 def _jsonable(value: Any) -> Any:
@@ -243,20 +263,21 @@ def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_opt
         for entry in whole.entries:
             states.pop(id(entry.param), None)
     for chunk in engine.chunks:
-        for slot, name, lo, hi in _pieces(chunk):
-            entries.append((f"p/{name}", chunk.master_dtype, (hi - lo,)))
-            pieces.append([name, lo, hi])
+        for slot, name, ranges in _pieces(chunk):
+            numel = _numel(ranges)
+            entries.append((f"p/{name}", chunk.master_dtype, (numel,)))
+            pieces.append([name, *ranges])
             seg = segment_of.get((chunk.index, slot))
             state = states.get(id(seg.param), {}) if seg is not None else {}
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and (value.dim() > 0 or isinstance(value, DTensor)):
                     value = to_local(value)
-                    if value.numel() != hi - lo:
+                    if value.numel() != numel:
                         raise CheckpointError(
-                            f"optimizer state {key!r} of {name!r} has {value.numel()} elements for a {hi - lo}-element "
+                            f"optimizer state {key!r} of {name!r} has {value.numel()} elements for a {numel}-element "
                             "piece: only elementwise optimizer states can be saved sharded"
                         )
-                    entries.append((f"o/{name}/{key}", value.dtype, (hi - lo,)))
+                    entries.append((f"o/{name}/{key}", value.dtype, (numel,)))
                     state_keys.setdefault(name, [])
                     if key not in state_keys[name]:
                         state_keys[name].append(key)
@@ -283,8 +304,8 @@ def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_opt
             try:
                 # states kept out of memory are read back one chunk at a time, and dropped after it
                 readable = placement.optimizer_states(chunk) if with_optimizer else {}
-                for slot, name, lo, hi in chunk_pieces:
-                    yield f"p/{name}", chunk.shard_range(slot, lo, hi)
+                for slot, name, ranges in chunk_pieces:
+                    yield f"p/{name}", chunk.held(slot)[: _numel(ranges)]
                     seg = segment_of.get((chunk.index, slot))
                     state = readable.get(id(seg.param), {}) if seg is not None and id(seg.param) in states else {}
                     for key, value in state.items():
@@ -334,8 +355,8 @@ def assemble_metadata(base: dict[str, Any], save_id: str, descriptions: list[dic
     state_keys: dict[str, list[str]] = {}
     whole: dict[str, dict[str, Any]] = {}
     for rank, description in enumerate(descriptions):
-        for name, lo, hi in description["pieces"]:
-            params[name]["pieces"].append([rank, lo, hi])
+        for name, *ranges in description["pieces"]:
+            params[name]["pieces"].append([rank, *ranges])
         for name, values in description["scalars"].items():
             scalars.setdefault(name, values)
         for name, keys in description["state_keys"].items():
@@ -343,7 +364,8 @@ def assemble_metadata(base: dict[str, Any], save_id: str, descriptions: list[dic
         for name, keys in description.get("whole_keys", {}).items():
             whole[name] = {"rank": rank, "keys": keys}
     return {
-        "format": FORMAT, "version": VERSION, "save_id": save_id, "world_size": len(descriptions),
+        "format": FORMAT, "save_id": save_id, "world_size": len(descriptions),
+        "version": VERSION if any(len(p) > 3 for d in descriptions for p in d["pieces"]) else 1,
         "step": base["step"], "strategy": base["strategy"], "stage": base["stage"], "placement": base["placement"],
         "zero_version": base["zero_version"], "torch_version": base["torch_version"], "host": base["host"],
         "files": [d["file"] for d in descriptions], "extra": first.get("extra"),
@@ -399,8 +421,9 @@ def read_metadata(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{path} cannot be read as JSON ({exc}); the metadata file is damaged") from exc
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not the metadata of a zero sharded checkpoint (format {FORMAT!r})")
-    if metadata.get("version") != VERSION:
-        raise CheckpointError(f"{path} has checkpoint format version {metadata.get('version')}; this zero reads {VERSION}")
+    if metadata.get("version") not in _READS:
+        raise CheckpointError(f"{path} has checkpoint format version {metadata.get('version')}; this zero reads "
+                              f"versions {', '.join(map(str, _READS))}: load it with the zero that saved it")
     return metadata
 
 
@@ -431,6 +454,13 @@ class _Reader:
         self.directory = directory
         self.metadata = metadata
         self._files: dict[int, SafetensorsRangeReader] = {}
+        self._runs: dict[str, list[tuple[int, int, int, int]]] = {}
+
+    def runs(self, name: str) -> list[tuple[int, int, int, int]]:
+        """``(rank, lo, hi, at)`` for every saved range of parameter ``name`` (see :func:`piece_runs`)."""
+        if name not in self._runs:
+            self._runs[name] = [run for piece in self.metadata["params"][name]["pieces"] for run in piece_runs(piece)]
+        return self._runs[name]
 
     def _file(self, rank: int) -> SafetensorsRangeReader:
         if rank not in self._files:
@@ -440,10 +470,10 @@ class _Reader:
     def read_into(self, prefix: str, name: str, lo: int, out: torch.Tensor) -> None:
         """Elements ``[lo, lo + out.numel())`` of ``prefix + name`` from the saved pieces, into ``out``."""
         hi = lo + out.numel()
-        for rank, a, b in self.metadata["params"][name]["pieces"]:
+        for rank, a, b, at in self.runs(name):
             x, y = max(a, lo), min(b, hi)
             if x < y:
-                self._file(rank).read_into(prefix, x - a, out[x - lo : y - lo])
+                self._file(rank).read_into(prefix, at + x - a, out[x - lo : y - lo])
 
     def read(self, prefix: str, name: str, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(hi - lo, dtype=dtype)
@@ -479,7 +509,7 @@ def load_checkpoint(
     error = None
     extra = None
     metadata: dict[str, Any] = {}
-    reads: list[tuple[Chunk, int, str, int, int]] = []
+    reads: list[tuple[Chunk, int, str]] = []
     needed = {0} if layout.buffers else set()
     try:
         metadata = read_metadata(directory)
@@ -507,18 +537,20 @@ def load_checkpoint(
                         _dtype(entry["tensor"])
             needed |= _check_whole_states(engine, metadata, directory)
         reader_meta = metadata["params"]
+        saved_runs = _Reader(directory, metadata)
         for chunk in engine.chunks:
             for i, slot in enumerate(chunk.slots):
-                lo, hi = chunk.layout.held_range(i)
                 name = layout.param_source(slot.param, reader_meta, aliases)
-                if lo >= hi or name is None:
+                runs = chunk.runs(i)
+                if not runs or name is None:
                     continue
-                reads.append((chunk, i, name, lo, hi))
-                pieces = [(r, a, b) for r, a, b in reader_meta[name]["pieces"] if a < hi and b > lo]
-                if sum(min(b, hi) - max(a, lo) for _, a, b in pieces) != hi - lo:
-                    raise CheckpointError(f"the metadata does not cover elements [{lo}, {hi}) of {name!r}: the "
-                                          "checkpoint is damaged")
-                needed |= {r for r, _, _ in pieces}
+                reads.append((chunk, i, name))
+                for lo, hi, _ in runs:
+                    pieces = [(r, a, b) for r, a, b, _ in saved_runs.runs(name) if a < hi and b > lo]
+                    if sum(min(b, hi) - max(a, lo) for _, a, b in pieces) != hi - lo:
+                        raise CheckpointError(f"the metadata does not cover elements [{lo}, {hi}) of {name!r}: the "
+                                              "checkpoint is damaged")
+                    needed |= {r for r, _, _ in pieces}
         if load_rng and comm.rank < metadata["world_size"]:
             needed.add(comm.rank)
         if metadata.get("extra") is not None:
@@ -547,13 +579,13 @@ def load_checkpoint(
     return extra
 
 
-def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, str, int, int]], layout: ModelLayout,
+def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, str]], layout: ModelLayout,
                  metadata: dict[str, Any], load_optimizer: bool) -> None:
     """Parameters (and optimizer states) chunk by chunk: read straight into the shard, states beside it,
     then the placement policy takes both where it keeps them before the next chunk is read."""
-    by_chunk: dict[int, list[tuple[int, str, int, int]]] = {}
-    for chunk, i, name, lo, hi in reads:
-        by_chunk.setdefault(chunk.index, []).append((i, name, lo, hi))
+    by_chunk: dict[int, list[tuple[int, str]]] = {}
+    for chunk, i, name in reads:
+        by_chunk.setdefault(chunk.index, []).append((i, name))
     placement = engine.placement
     for chunk in engine.chunks:
         todo = by_chunk.get(chunk.index, [])
@@ -561,10 +593,12 @@ def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, st
         try:
             error = None
             try:
-                for i, name, lo, hi in todo:  # straight into the shard: no intermediate copy
-                    reader.read_into(f"p/{name}", name, lo, chunk.shard_range(i, lo, hi))
+                for i, name in todo:  # straight into the shard: no intermediate copy
+                    held = chunk.held(i)
+                    for lo, hi, at in chunk.runs(i):
+                        reader.read_into(f"p/{name}", name, lo, held[at : at + hi - lo])
                 if load_optimizer:
-                    _load_states(engine, chunk, reader, {i: (name, lo, hi) for i, name, lo, hi in todo}, metadata)
+                    _load_states(engine, chunk, reader, dict(todo), metadata)
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the next collective
                 error = f"{type(exc).__name__}: {exc}"
             agree_ok(engine.comm, error, "loading the checkpoint stopped partway; the model is partly loaded, load it again")
@@ -606,7 +640,7 @@ def _check_whole_states(engine: Engine, metadata: dict[str, Any], directory: Pat
     return {held[e.name]["rank"] for e in whole.entries if e.owner == engine.comm.rank and e.name in held}
 
 
-def _load_states(engine: Engine, chunk: Chunk, reader: _Reader, where: dict[int, tuple[str, int, int]],
+def _load_states(engine: Engine, chunk: Chunk, reader: _Reader, where: dict[int, str],
                  metadata: dict[str, Any]) -> None:
     """Replace the optimizer states of ``chunk``'s segments by the saved ones, as torch's
     ``load_state_dict`` places them: per-element states on the segment's device and dtype, step counts
@@ -625,7 +659,7 @@ def _load_states(engine: Engine, chunk: Chunk, reader: _Reader, where: dict[int,
         if found is None and owner is None:
             continue
         # an owner may hold no rows of its parameter: its states are whole all the same
-        name, lo, hi = found if found is not None else (chunk.slots[seg.slot].name, 0, 0)
+        name = found if found is not None else chunk.slots[seg.slot].name
         entry: dict[str, Any] = {}
         for key, value in saved["scalars"].get(name, {}).items():
             if "tensor" in value:
@@ -643,7 +677,9 @@ def _load_states(engine: Engine, chunk: Chunk, reader: _Reader, where: dict[int,
                 optimizer.state.pop(seg.param, None)
             continue
         for key in saved["state_keys"].get(name, []):
-            values = reader.read(f"o/{name}/{key}", name, lo, hi, seg.param.dtype)
+            values = torch.empty(chunk.held(seg.slot).numel(), dtype=seg.param.dtype)
+            for lo, hi, at in chunk.runs(seg.slot):
+                reader.read_into(f"o/{name}/{key}", name, lo, values[at : at + hi - lo])
             local = values.to(seg.local.device).view(chunk.slots[seg.slot].local_shape(chunk.rank))
             entry[key] = chunk.wrap(seg.slot, local)
         if entry:

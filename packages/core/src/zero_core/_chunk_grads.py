@@ -161,11 +161,9 @@ class ChunkGradients:
         layout, kept = self._chunk.layout, self.kept
         if layout.world_size == 1:
             self.reduced = layout.shard_pieces(reduced)
-        elif kept is not None and reduced.device == kept.device and reduced.dtype == kept.dtype:
-            own = layout.own_pieces(kept)
-            with torch.no_grad():
-                torch.split_with_sizes_copy(reduced, layout.split_sizes, out=own + layout.tail(kept))
-            self.reduced = own
+        elif kept is not None and reduced.device == kept.device and reduced.dtype == kept.dtype and not layout.strided:
+            layout.scatter_own(reduced, kept)
+            self.reduced = layout.own_pieces(kept)
         else:
             self.reduced = list(reduced.split(layout.split_sizes)[: len(layout.slots)])
 

@@ -36,20 +36,29 @@ class ChunkLayout:
         tail = self.shard_size - pieces_numel
         self.split_sizes = [s.piece for s in self.slots] + ([tail] if tail else [])
         self.has_replicated = any(s.replicated for s in self.slots)
+        # A parameter cut along a later dimension (see [Note: shard dimension] in zero_core._slots): its pieces are
+        # blocks of the full buffer, not ranges, so the copies between the two orders go slot by slot.
+        self.strided = any(s.strided for s in self.slots)
         # One column: parameter-major and rank-major coincide (see the shard size above).
-        self.direct = len(self.split_sizes) == 1
+        self.direct = len(self.split_sizes) == 1 and not self.strided
 
     def regions(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """``buf`` (parameter-major, ``size`` elements) cut into one ``(world_size, piece)`` view per column of the split."""
+        """``buf`` (parameter-major, ``size`` elements) cut into every rank's piece of each parameter, then the
+        shards' tail padding: ``(world_size, piece)`` views (``(world_size, lead, run)`` for a strided slot)."""
         out, at = [], 0
-        for width in self.split_sizes:
-            out.append(buf[at : at + self.world_size * width].view(self.world_size, width))
-            at += self.world_size * width
+        for slot in self.slots:
+            out.append(slot.columns(buf[at : at + self.world_size * slot.piece], self.world_size))
+            at += self.world_size * slot.piece
+        if len(self.split_sizes) > len(self.slots):
+            out.append(buf[at : at + self.world_size * self.split_sizes[-1]].view(self.world_size, -1))
         return out
 
     def own_pieces(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's padded piece of each parameter inside a parameter-major buffer (full or gradient)."""
-        return [buf[s.offset + self.rank * s.piece : s.offset + (self.rank + 1) * s.piece] for s in self.slots]
+        """This rank's padded piece of each parameter inside a parameter-major buffer (full or gradient): flat
+        views, or ``(lead, run)`` blocks for strided slots."""
+        if not self.strided:
+            return [buf[s.offset + self.rank * s.piece : s.offset + (self.rank + 1) * s.piece] for s in self.slots]
+        return [region[self.rank] for region in self.regions(buf)[: len(self.slots)]]
 
     def shard_pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's padded piece inside a shard (``shard_size`` elements)."""
@@ -61,18 +70,20 @@ class ChunkLayout:
             return []
         return [self.regions(buf)[-1][self.rank]]
 
+    def scatter_own(self, shard: torch.Tensor, buf: torch.Tensor) -> None:
+        """Write a shard (``shard_size`` elements) into this rank's pieces of a parameter-major buffer."""
+        own = self.own_pieces(buf) + self.tail(buf)
+        with torch.no_grad():
+            if not self.strided:
+                torch.split_with_sizes_copy(shard, self.split_sizes, out=own)
+                return
+            for part, piece in zip(shard.split(self.split_sizes), own):
+                piece.copy_(part.view(piece.shape))
+
     def local(self, i: int, piece: torch.Tensor) -> torch.Tensor:
         """Parameter ``i``'s padded ``piece`` cut to this rank's rows, in the sharded parameter's local shape."""
         shape = self.slots[i].local_shape(self.rank)
         return piece[: shape.numel()].view(shape)
-
-    def own_range(self, slot: int) -> tuple[int, int]:
-        """The elements ``[lo, hi)`` of parameter ``slot`` (flattened) that this rank owns (``lo == hi``: none)."""
-        return self.slots[slot].own_range(self.rank)
-
-    def held_range(self, slot: int) -> tuple[int, int]:
-        """The elements of parameter ``slot`` this rank's shard holds: its own range, and a replicated parameter whole."""
-        return self.slots[slot].held_range(self.rank)
 
     def copy_out(self, rank_major: torch.Tensor, full: torch.Tensor) -> None:
         """Fill ``full`` (parameter-major) from a ``(world_size, shard_size)`` view of the ranks' shards, or an
@@ -81,6 +92,9 @@ class ChunkLayout:
             lead = tuple(rank_major.shape[:-1])
             if self.direct:
                 full.view(*lead, self.shard_size).copy_(rank_major)
+            elif self.strided:
+                for column, region in zip(rank_major.split(self.split_sizes, dim=-1), self.regions(full)):
+                    region.view(*lead, *region.shape[1:]).copy_(column.view(*lead, *region.shape[1:]))
             else:
                 if not rank_major.is_contiguous() and dense(rank_major):
                     # A gather-order view: dense, its leading dimensions permuted. CUDA's fast path of
@@ -97,6 +111,13 @@ class ChunkLayout:
         ``gather_order``: in the order of the shard group's collectives instead, each shard group rank's
         ``outer`` shards together (see [Note: optimizer states across replicas] in ``zero_core.chunk``)."""
         with torch.no_grad():
+            if self.strided:
+                lead = (self.outer, self.world_size // self.outer) if gather_order else (self.world_size,)
+                target = out.view(lead[-1], lead[0], self.shard_size).transpose(0, 1) if len(lead) == 2 else \
+                    out.view(self.world_size, self.shard_size)
+                for column, region in zip(target.split(self.split_sizes, dim=-1), self.regions(flat)):
+                    column.view(*lead, *region.shape[1:]).copy_(region.view(*lead, *region.shape[1:]))
+                return
             if not gather_order or self.outer == 1:
                 torch.cat(self.regions(flat), dim=1, out=out.view(self.world_size, self.shard_size))
                 return

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from zero_core._atomic import atomic_write
-from zero_core._checkpoint import _dtype, _Reader, _verify, read_metadata
+from zero_core._checkpoint import _dtype, _Reader, _verify, piece_runs, read_metadata
 from zero_core._hf_layout import (
     DEFAULT_MAX_SHARD_SIZE,
     HFDirectoryWriter,
@@ -92,7 +92,7 @@ def _check_complete(directory: Path, metadata: dict[str, Any]) -> None:
     """Every piece of every parameter present, and every file intact (size and sha256), before writing anything."""
     for name, info in metadata["params"].items():
         numel = math.prod(info["shape"])
-        covered = sorted((a, b) for _, a, b in info["pieces"])
+        covered = sorted((a, b) for piece in info["pieces"] for _, a, b, _ in piece_runs(piece))
         at = 0
         for a, b in covered:
             if a != at:

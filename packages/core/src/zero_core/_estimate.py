@@ -11,7 +11,8 @@ What it counts, per rank, between steps (the same definitions as
 :meth:`ZeroModule.model_state_bytes` and :class:`~zero_core.CommStats`):
 
 * ``params``: master shards, plus the full compute-dtype buffer stages 1 and 2 keep (the
-  shard is a view of it when both have one dtype);
+  shard is a view of it when both have one dtype, unless a parameter of the chunk is cut along a
+  later dimension: see [Note: shard dimension] in ``zero_core._slots``);
 * ``grads``: the masters' gradient shards, plus stage 1's full gradient buffer;
 * ``optimizer_states``: per-element optimizer state of the shard's real elements (Adam:
   two fp32 moments, 8 bytes per fp32 master element; padding holds none);
@@ -178,6 +179,8 @@ class _Layout:
     real: tuple[int, ...] | None = None
     #: Replicas its shards are cut over (each rank keeps a group shard of ``outer`` shards); 1: not cut.
     outer: int = 1
+    #: A parameter is cut along a later dimension: a kept full buffer cannot hold the shard as a view.
+    strided: bool = False
 
 
 def _bytes(dtype: torch.dtype | None, default: int) -> int:
@@ -348,11 +351,11 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: MeshS
         slots, _ = layout_slots([(p.name, p.param) for p in spec.params], layout_world)
         size = layout_world * padded_shard_size([p.param.shape for p in spec.params], layout_world,
                                                 round_up(spec.size, layout_world))
-        real = tuple(sum(s.local_rows(r) * s.row for s in slots) for r in range(layout_world))
+        real = tuple(sum(s.local_numel(r) for s in slots) for r in range(layout_world))
         kept = config.stage < 3 or (layout_world == 1 and keep_alone) or i in keep
         _check_reshard(chunk_plans[i].reshard_after_forward, not kept, f" (chunk {i})")
         chunks.append(_Layout(size=size, used=spec.used, requires_grad=first.requires_grad, master_bytes=first.element_size(),
-                              kept=kept, real=real, outer=outer))
+                              kept=kept, real=real, outer=outer, strided=any(s.strided for s in slots)))
     return chunks, groups, plan.numel
 
 
@@ -372,14 +375,14 @@ def _rank_bytes(chunks: Sequence[_Layout], compute_bytes: Sequence[int], rank: i
         real = _real(chunk, rank, shard)
         # a kept full buffer in the master dtype holds the shard as a view, unless the placement moved the shard away;
         # so does a group shard (cut over the replicas) in the master dtype
-        view = (chunk.kept or chunk.outer > 1) and b == m and not (separate and separate[i])
+        view = ((chunk.kept and not chunk.strided) or chunk.outer > 1) and b == m and not (separate and separate[i])
         out["params"] += (b * chunk.size if chunk.kept else 0) + (b * shard * chunk.outer if chunk.outer > 1 else 0) \
             + (0 if view else m * shard)
         if chunk.requires_grad:
             full_grad = stage == 1
             # stage 1's full gradient buffer holds the reduced shard as a view when all three dtypes agree and
             # the placement leaves the shard on the device
-            grad_view = full_grad and b == m == reduce_bytes and not (separate and separate[i])
+            grad_view = full_grad and b == m == reduce_bytes and not (separate and separate[i]) and not chunk.strided
             out["grads"] += (b * chunk.size if full_grad else 0) + (0 if grad_view else m * shard)
             out["optimizer_states"] += opt_bytes * real * m // 4  # the states follow the master dtype
     return {k: int(v) for k, v in out.items()}

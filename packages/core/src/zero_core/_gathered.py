@@ -51,9 +51,7 @@ def gathered_parameters(engine: Engine, *, writable: bool = False) -> Iterator[N
                 engine.placement.before_load([chunk])  # a shard on disk comes back to take the writes
                 try:
                     for i, slot in enumerate(chunk.slots):
-                        lo, hi = chunk.layout.held_range(i)
-                        if lo < hi:
-                            chunk.fill(i, full[slot.offset + lo : slot.offset + hi], lo=lo)
+                        chunk.fill(i, full[slot.offset : slot.offset + slot.numel])
                     publish_kept(chunk, engine.comm)
                     engine.residency.mark_published([chunk])
                 finally:

@@ -138,9 +138,16 @@ def fill_from_source(layout: ModelLayout, source: object, chunks: Sequence[Chunk
             try:
                 for i, slot in enumerate(chunk.slots):
                     name = layout.param_source(slot.param, available)
-                    lo, hi = chunk.layout.held_range(i)
-                    if name is not None and lo < hi:
-                        chunk.fill(i, source.read(name, lo, hi).to(chunk.master_dtype), lo=lo)  # type: ignore[attr-defined]
+                    if name is None or not chunk.runs(i):
+                        continue
+                    if slot.strided:  # a block of the parameter (see [Note: shard dimension] in zero_core._slots)
+                        held = chunk.held(i)
+                        start = min(chunk.rank * slot.rows, slot.shape[slot.dim])
+                        block = source.read_block(name, slot.dim, start, slot.local_rows(chunk.rank))  # type: ignore[attr-defined]
+                        held.copy_(block.reshape(-1).to(chunk.master_dtype))
+                        continue
+                    (lo, hi, _), = chunk.runs(i)
+                    chunk.fill(i, source.read(name, lo, hi).to(chunk.master_dtype), lo=lo)  # type: ignore[attr-defined]
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the next collective
                 error = f"reading {source.description} failed ({type(exc).__name__}: {exc})"  # type: ignore[attr-defined]
             agree_ok(comm, error, "loading stopped partway; the model is partly loaded, so load again")

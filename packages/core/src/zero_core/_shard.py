@@ -501,13 +501,12 @@ def _repoint_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk]) ->
             continue
         # eagerly initialised (Adagrad): each sharded parameter takes its rows of the parameter's state
         slot = chunk.slots[seg.slot]
-        lo, hi = chunk.layout.held_range(seg.slot)
         device = seg.local.device
 
-        def piece(key: str, value: torch.Tensor, slot=slot, lo=lo, hi=hi, device=device, i=seg.slot, chunk=chunk) -> torch.Tensor:
+        def piece(key: str, value: torch.Tensor, slot=slot, device=device, i=seg.slot, chunk=chunk) -> torch.Tensor:
             if value.shape != slot.shape or key == "step":  # a step count, even of a zero-dimensional parameter
                 return value.clone()
-            return chunk.wrap(i, value.reshape(-1)[lo:hi].to(device, copy=True).view(slot.local_shape(chunk.rank)))
+            return chunk.wrap(i, slot.local_of(value, chunk.rank).to(device, copy=True).contiguous())
 
         optimizer.state[seg.param] = {k: piece(k, v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 

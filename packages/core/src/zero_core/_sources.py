@@ -48,6 +48,11 @@ class StateDictSource:
         flat = self._tensors[name].reshape(-1)
         return flat[lo : flat.numel() if hi is None else hi]
 
+    def read_block(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        """Entries ``[start, start + length)`` of dimension ``dim`` of tensor ``name``, all of the others (a rank's
+        piece of a parameter cut along ``dim``: see [Note: shard dimension] in ``zero_core._slots``)."""
+        return self._tensors[name].narrow(dim, start, length)
+
     def close(self) -> None:
         self._tensors = {}
 
@@ -97,6 +102,11 @@ class _SafetensorsSource(StateDictSource):
         first, last = lo // row, -(-hi // row)
         rows = handle.get_slice(name)[first:last].reshape(-1)
         return rows[lo - first * row : hi - first * row]
+
+    def read_block(self, name: str, dim: int, start: int, length: int) -> torch.Tensor:
+        # sliced in the file: only this block's bytes are read, not the whole rows of dim 0 it crosses
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._handles[self._file_of[name]].get_slice(name)[index]
 
     def close(self) -> None:
         self._handles = {}

@@ -92,8 +92,7 @@ def load_pre_hook(engine: Engine, module: nn.Module, state_dict: dict[str, Any],
         slot = chunk.slots[i]
         if tuple(value.shape) != tuple(slot.shape):
             continue  # torch reports the mismatch with the key's name
-        lo, hi = chunk.layout.held_range(i)
-        local = value.detach().reshape(-1)[lo:hi].view(slot.local_shape(chunk.rank))
+        local = slot.local_of(value.detach(), chunk.rank).contiguous()
         sharded = chunk.segments[i].param
         local = local.to(device=sharded.device if not isinstance(sharded, DTensor) else sharded._local_tensor.device)
         state_dict[key] = chunk.wrap(i, local)

@@ -72,7 +72,7 @@ def _whole(slot: ParamSlot, column: torch.Tensor, dtype: torch.dtype, target: to
     rank order, padded at the end), in ``dtype`` on ``target``: one fresh tensor of its own."""
     block = torch.empty(column.shape, dtype=dtype, device=column.device)
     block.copy_(column)  # converted where the shards are (see [Note: copies between host and device])
-    value = block.view(-1)[: slot.numel].view(slot.shape)
+    value = slot.whole(block)  # a copy for a strided piece (see [Note: shard dimension] in zero_core._slots)
     if block.numel() != slot.numel:
         value = value.clone()  # the padding's storage stays behind
     return value.to(target)

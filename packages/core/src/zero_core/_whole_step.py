@@ -179,9 +179,9 @@ class WholeTensorSteps:
                 continue
             slot = entry.slot
             whole = torch.empty(slot.shape, dtype=entry.param.dtype, device=self._device)
-            whole.view(-1).copy_(values.view(self.world_size, width)[:, at:at + slot.piece].reshape(-1)[:slot.numel])
+            whole.copy_(slot.whole(values.view(self.world_size, width)[:, at:at + slot.piece]))
             grad = torch.empty(slot.shape, dtype=entry.param.grad.dtype, device=self._device)
-            grad.view(-1).copy_(grads.view(self.world_size, width)[:, at:at + slot.piece].reshape(-1)[:slot.numel])
+            grad.copy_(slot.whole(grads.view(self.world_size, width)[:, at:at + slot.piece]))
             whole.grad = grad
             at += slot.piece
             if entry.param in state:
@@ -213,9 +213,7 @@ class WholeTensorSteps:
         with torch.no_grad():
             for entry, whole in stand_ins:
                 slot = entry.slot
-                padded = torch.zeros(self.world_size * slot.piece, dtype=dtype, device=self._device)
-                padded[:slot.numel] = whole.reshape(-1)
-                send[:, at:at + slot.piece] = padded.view(self.world_size, slot.piece)
+                send[:, at:at + slot.piece] = slot.pieces_of(whole.detach().to(dtype), self.world_size)
                 at += slot.piece
             received = torch.empty(sum(splits), dtype=dtype, device=self._device)
             exchange_pieces(received, send.view(-1), self._comm, output_splits=splits,

@@ -11,6 +11,9 @@ piece ``r``: a DTensor with ``Shard(0)`` over the data-parallel mesh, which is w
 ``torch.distributed.tensor``, ``torch.nn.utils.clip_grad_norm_``, the foreach optimizers
 and ``torch.distributed.checkpoint`` understand. A zero-dimensional parameter is
 replicated: every rank holds it whole (a one-element piece) and its gradient is summed.
+A parameter that dim 0 would pad by more than 1% (fused MoE experts) is cut the same way
+along a later dimension instead, ``Shard(d)``: see [Note: shard dimension] in
+``zero_core._slots``; "rows" below are then entries of that dimension.
 
 The full buffer is parameter-major: parameter ``i`` occupies ``N`` pieces, rank 0's
 first, so it is contiguous and has its original shape. An all-gather leaves the
@@ -178,7 +181,8 @@ class Chunk:
         # chunks gathered too (zero-offload's shard_param_frac).
         self.persistent = stage < 3 or (world_size == 1 and keep_alone) or keep_gathered
         # In one dtype, a kept full buffer holds the master values: the optimizer updates this rank's pieces of it.
-        self.shard_is_view = self.persistent and self.dtype == self.master_dtype
+        # A strided piece (see [Note: shard dimension]) is not a range of the full buffer: such a chunk keeps its shard.
+        self.shard_is_view = self.persistent and self.dtype == self.master_dtype and not self.layout.strided
         # Runtime state, changed only through the transition methods below (the collectives call them).
         self.state = ChunkState.GATHERED
         self._tier = MemoryTier.DEVICE
@@ -222,9 +226,10 @@ class Chunk:
         if seg is not None:
             return dtensor(local, seg.param._spec)  # type: ignore[attr-defined]
         slot = self.slots[i]
-        # dim 0 is sharded over the mesh's last dimension (the shard group); any leading dimension replicates
+        # the cut dimension (dim 0, or a later one: [Note: shard dimension]) is sharded over the mesh's last
+        # dimension (the shard group); any leading dimension replicates
         # (HSDP's (Replicate(), Shard(0)), FSDP2's convention), and a zero-dimensional parameter replicates everywhere
-        placements = (Replicate(),) * (self.mesh.ndim - 1) + ((Replicate(),) if slot.replicated else (Shard(0),))
+        placements = (Replicate(),) * (self.mesh.ndim - 1) + ((Replicate(),) if slot.replicated else (Shard(slot.dim),))
         made = DTensor.from_local(local, self.mesh, placements, run_check=False, shape=slot.shape,
                                   stride=torch.empty(slot.shape, device="meta").stride())
         return dtensor(made._local_tensor, made._spec)  # type: ignore[attr-defined]
@@ -242,7 +247,7 @@ class Chunk:
         tail = self.shard_size - sum(s.piece for s in self.slots)
         parts = list(pieces) + ([torch.zeros(tail, dtype=dtype, device=self.device)] if tail else [])
         with torch.no_grad():
-            torch.cat([p.to(self.device) for p in parts], out=out)
+            torch.cat([p.reshape(-1).to(self.device) for p in parts], out=out)
         return out
 
     # -- setup ---------------------------------------------------------------------
@@ -382,23 +387,26 @@ class Chunk:
             return self._initially_trainable
         return any(seg.param.requires_grad for seg in self.segments)
 
-    def shard_range(self, slot: int, lo: int, hi: int) -> torch.Tensor:
-        """The master values of elements ``[lo, hi)`` of parameter ``slot`` (inside :meth:`held_range`): a view to
-        read or write in place."""
-        begin, _ = self.layout.held_range(slot)
-        return self.pieces[slot][lo - begin : hi - begin]
+    def held(self, slot: int) -> torch.Tensor:
+        """The master values parameter ``slot`` has on this rank, flat, in the order of
+        :meth:`~zero_core._slots.ParamSlot.runs`: a view to read or write in place."""
+        return self.pieces[slot][: self.slots[slot].local_numel(self.rank)]
+
+    def runs(self, slot: int) -> list[tuple[int, int, int]]:
+        """``(lo, hi, at)``: the ranges of the flattened parameter ``slot`` this rank holds, each at ``held(slot)[at:]``."""
+        return self.slots[slot].runs(self.rank)
 
     @torch.no_grad()
     def fill(self, slot: int, values: torch.Tensor, *, lo: int = 0) -> None:
         """Write parameter ``slot``'s values (flattened, starting at element ``lo``) into this rank's shard.
 
-        ``values`` must cover at least :meth:`held_range`; only that part is read. The shard
+        ``values`` must cover at least every range of :meth:`runs`; only those are read. The shard
         must be in memory (see ``PlacementPolicy.before_load``). A kept full buffer is brought
         up to date by :meth:`publish_parameters` once every slot is filled.
         """
-        a, b = self.layout.held_range(slot)
-        if a < b:
-            self.shard_range(slot, a, b).copy_(values[a - lo : b - lo])
+        held, flat = self.held(slot), values.reshape(-1)
+        for a, b, at in self.runs(slot):
+            held[at : at + b - a].copy_(flat[a - lo : b - lo])
 
     # -- transitions ----------------------------------------------------------------
     @property
@@ -511,13 +519,10 @@ class Chunk:
     def refresh_own_slice(self) -> torch.Tensor:
         """Copy the updated master shard into this rank's pieces of a kept full buffer; return them packed
         (compute dtype): what :meth:`publish_parameters` sends."""
-        own = self.layout.own_pieces(self.full)
         # a shard out of memory (on disk) was copied here by its placement policy before it left
         if self._shard is not None and self.shard_in_memory:
-            with torch.no_grad():
-                master = to_compute_device(self._shard, self.device, self.dtype)
-                torch.split_with_sizes_copy(master, self.split_sizes, out=own + self.layout.tail(self.full))
-        return self._pack(own, self.dtype)
+            self.layout.scatter_own(to_compute_device(self._shard, self.device, self.dtype), self.full)
+        return self._pack(self.layout.own_pieces(self.full), self.dtype)
 
     def replace_shard(self, shard: torch.Tensor) -> None:
         """Make ``shard`` (same size and dtype, any device) the master shard, keeping the sharded parameters.

@@ -263,7 +263,9 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         model_state_bytes=model.model_state_bytes(),
         chunks=[{"size": c.size, "used": c.used, "requires_grad": c.requires_grad, "params": len(c.slots),
                  # real (not padding) elements of each rank's shard: torch.chunk pieces, see [Note: chunk layout]
-                 "real": [sum(s.local_rows(r) * s.row for s in c.slots) for r in range(c.world_size)]}
+                 "real": [sum(s.local_numel(r) for s in c.slots) for r in range(c.world_size)],
+                 # a parameter cut along a later dimension (see [Note: shard dimension] in zero_core._slots)
+                 "strided": c.layout.strided}
                 for c in engine.chunks],
         groups=[[c.index for c in g.chunks] for g in engine.groups],
         replayed_passes=engine.residency.scheduler.replayed_passes,

@@ -101,6 +101,25 @@ class Buffers(nn.Module):
         return self.out(h)
 
 
+class FusedExperts(nn.Module):
+    """Three experts fused into one ``(3, 8, 8)`` weight (transformers 5 stores Mixtral's so) and a position table
+    of one row: fewer rows along dim 0 than ranks, so both are cut along a later dimension (see
+    [Note: shard dimension] in ``zero_core._slots``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.pos = nn.Parameter(0.1 * torch.randn(1, 8))
+        self.experts = nn.Parameter(0.3 * torch.randn(3, 8, 8))
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x) + self.pos)
+        route = x[:, 1].mul(3).floor().long().clamp(0, 2)  # each sample's expert, by its content
+        y = torch.einsum("bi,boi->bo", h, self.experts[route])
+        return self.out(torch.tanh(y) + h)
+
+
 class OddSizes(nn.Module):
     """Prime-sized layers: no world size divides a parameter or the total."""
 
@@ -178,6 +197,7 @@ ZOO: dict[str, ZooCase] = {
         ZooCase("twice", Twice, _regression_batch, F.cross_entropy),
         ZooCase("buffers", Buffers, _regression_batch, F.cross_entropy),
         ZooCase("odd_sizes", OddSizes, _regression_batch, F.cross_entropy, chunk_size=50),
+        ZooCase("fused_experts", FusedExperts, _regression_batch, F.cross_entropy, chunk_size=100),
     ]
 }
 
