@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from zero_core import ConfigError, ZeroConfig
 
@@ -66,3 +67,45 @@ def test_the_flag_is_validated():
     with pytest.raises(ConfigError, match="release_host_memory must be True or False"):
         ZeroConfig(release_host_memory="yes")
     assert ZeroConfig().release_host_memory is True
+
+
+def test_huge_pages_are_asked_for_on_the_whole_2_mib_pages_of_a_fresh_buffer(monkeypatch):
+    """See [Note: huge pages for the engine's host buffers]: the advice covers the buffer's whole 2 MiB pages only,
+    and is not given below 4 MiB. A fake madvise records the calls, so this runs whatever the kernel's setting."""
+    from zero_core import _buffers, _host_memory
+
+    calls = []
+    monkeypatch.setattr(_host_memory, "_madvise", lambda: lambda start, length, advice: calls.append((start, length, advice)))
+    monkeypatch.setattr(_host_memory, "_mapped_alone", False)  # release_host_memory=False: malloc's pages left alone
+    assert _host_memory.advise_huge_pages(torch.empty((7 << 20) // 4)) is not None and calls == []
+    monkeypatch.setattr(_host_memory, "_mapped_alone", True)  # what shard() sets when it fixes the threshold
+    small = torch.empty((4 << 20) // 4 - 1)  # just under 4 MiB
+    assert _host_memory.advise_huge_pages(small) is small and calls == []
+    big = torch.empty((7 << 20) // 4)  # 7 MiB: at least two whole 2 MiB pages inside, wherever it starts
+    _host_memory.advise_huge_pages(big)
+    ((start, length, advice),) = calls
+    huge = 2 << 20
+    assert advice == 14 and start % huge == 0 and length % huge == 0 and length >= 2 * huge
+    assert big.data_ptr() <= start and start + length <= big.data_ptr() + (7 << 20)
+    # the pool advises a buffer it allocates (before zeroing it), not one it hands out again
+    advised = []
+    monkeypatch.setattr(_buffers, "advise_huge_pages", lambda buf: advised.append(buf.numel()) or buf)
+    pool = _buffers.BufferPool()
+    buf = pool.take(3 << 20, torch.float32, torch.device("cpu"))
+    assert advised == [3 << 20] and not buf.any()
+    pool.give(buf)
+    pool.take(3 << 20, torch.float32, torch.device("cpu"))
+    assert advised == [3 << 20]
+
+
+def test_no_advice_where_the_kernel_takes_none(monkeypatch, tmp_path):
+    from zero_core import _host_memory
+
+    for mode, expected in (("always [madvise] never", True), ("[always] madvise never", False),
+                           ("always madvise [never]", False)):
+        path = tmp_path / "enabled"
+        path.write_text(mode + "\n")
+        monkeypatch.setattr(_host_memory, "_THP_MODE", str(path))
+        _host_memory._madvise.cache_clear()
+        assert (_host_memory._madvise() is not None) is (expected and sys.platform.startswith("linux") and _glibc())
+    _host_memory._madvise.cache_clear()

@@ -11,14 +11,18 @@ import threading
 
 import torch
 
+from zero_core._host_memory import advise_huge_pages
+
 __all__ = ["BufferPool"]
 
 
 class BufferPool:
     """Reusable full-size buffers (gradients, receive buffers), keyed by (size, dtype, device).
 
-    Fresh multi-megabyte CPU allocations are mapped anew and page-faulted on first touch,
-    which cost about as much as the gradient copy itself; a pool keeps the few buffers a
+    Fresh multi-megabyte CPU allocations are mapped anew and page-faulted on first touch
+    (in 2 MiB pages where the kernel allows, see [Note: huge pages for the engine's host
+    buffers] in ``zero_core._host_memory``), which cost about as much as the gradient copy
+    itself; a pool keeps the few buffers a
     backward has in flight at once. It keeps them for one phase only (:meth:`clear`): see
     [Note: no idle buffers between steps] in ``zero_core._engine``. Thread-safe: the
     reduction waiter returns buffers.
@@ -37,7 +41,9 @@ class BufferPool:
             buf = free.pop() if free else None
             self.lent += size * dtype.itemsize
         if buf is None:
-            return torch.zeros(size, dtype=dtype, device=device) if zeroed else torch.empty(size, dtype=dtype, device=device)
+            # advised before the first touch: see [Note: huge pages for the engine's host buffers]
+            buf = advise_huge_pages(torch.empty(size, dtype=dtype, device=device))
+            return buf.zero_() if zeroed else buf
         return buf.zero_() if zeroed else buf
 
     def give(self, buf: torch.Tensor) -> None:

@@ -41,6 +41,15 @@ class ChunkLayout:
         self.strided = any(s.strided for s in self.slots)
         # One column: parameter-major and rank-major coincide (see the shard size above).
         self.direct = len(self.split_sizes) == 1 and not self.strided
+        # The chunk's own full buffer and its regions as copy_out's targets, by leading shape: built once (a stage-3
+        # chunk's buffer keeps its storage object when it is freed and gathered again, so views of it stay valid);
+        # 190 views per gather cost more than the copy on a thin model.
+        self._full: torch.Tensor | None = None
+        self._targets: dict[tuple[int, ...], list[torch.Tensor]] = {}
+
+    def bind_full(self, full: torch.Tensor) -> None:
+        """``full`` is the chunk's own full buffer for good: :meth:`copy_out` into it reuses its regions' views."""
+        self._full, self._targets = full, {}
 
     def regions(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """``buf`` (parameter-major, ``size`` elements) cut into every rank's piece of each parameter, then the
@@ -102,8 +111,15 @@ class ChunkLayout:
                     # aten/src/ATen/native/cuda/TensorShape.cu), which scrambled the replicas' rows on an H200.
                     # Strided inputs that are not dense (a group's block) take torch's exact composite path.
                     rank_major = rank_major.contiguous()
-                torch.split_with_sizes_copy(rank_major, self.split_sizes, dim=-1,
-                                            out=[r.view(*lead, r.shape[-1]) for r in self.regions(full)])
+                torch.split_with_sizes_copy(rank_major, self.split_sizes, dim=-1, out=self._copy_targets(full, lead))
+
+    def _copy_targets(self, full: torch.Tensor, lead: tuple[int, ...]) -> list[torch.Tensor]:
+        if full is not self._full:
+            return [r.view(*lead, r.shape[-1]) for r in self.regions(full)]
+        targets = self._targets.get(lead)
+        if targets is None:
+            targets = self._targets[lead] = [r.view(*lead, r.shape[-1]) for r in self.regions(full)]
+        return targets
 
     def copy_in(self, flat: torch.Tensor, out: torch.Tensor, *, gather_order: bool = False) -> None:
         """Lay a parameter-major buffer out rank-major into ``out`` (``size`` elements), casting to its dtype.

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zero_core._devices import to_host
+from zero_core._host_memory import advise_huge_pages
 from zero_core._state import ChunkState
 from zero_core.chunk import Chunk
 from zero_core.comm import CommBackend, Pending
@@ -307,7 +308,8 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
         divisor /= chunk.predivide
     if all_reduce:  # the whole gradient is summed on the waiter thread; this rank then keeps its row
         return Reduction(chunk, None, send, pooled_send, divisor, replicate=replicate, all_reduce=comm, outer=outer)
-    reduced = torch.empty(chunk.gather_numel, dtype=chunk.reduce_dtype, device=chunk.device)
+    # becomes the gradient: see [Note: huge pages for the engine's host buffers]
+    reduced = advise_huge_pages(torch.empty(chunk.gather_numel, dtype=chunk.reduce_dtype, device=chunk.device))
     pending = comm.reduce_scatter(reduced, send, async_op=True)
     if pooled_send is not None and getattr(pending, "input_released", False):
         pool.give(pooled_send)  # a bucketing backend copied it: reuse it for the next gradient now

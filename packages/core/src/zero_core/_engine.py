@@ -46,7 +46,9 @@ small at 2 ranks the engine's pool and the gloo backend's receive pool held abou
 idle through the next forward, at the step's peak, when the activations needed that memory.
 So when a backward's reductions are complete, and again after a step's all-gathers, the
 engine drops the idle buffers of its pool and every comm backend's (``CommBackend.free``);
-the next phase allocates them again, mostly from memory the allocator already holds.
+the next phase allocates them again: from memory the caching allocator holds on CUDA, from
+fresh mappings on the host, faulted in 2 MiB at a time where the kernel allows (see [Note: huge
+pages for the engine's host buffers] in ``zero_core._host_memory``).
 A ``no_sync()`` backward keeps its pool: the gradients it accumulated live in it.
 
 [Note: gradient buffers on arrival]
@@ -113,7 +115,7 @@ import torch
 from torch import nn
 
 from zero_core._accounting import engine_work
-from zero_core._autograd import in_backward, reachable_params, tensors_of
+from zero_core._autograd import in_backward, on_first_gradient, reachable_params, tensors_of
 from zero_core._group import GatherGroup
 from zero_core._lockstep import Lockstep
 from zero_core._module_hooks import ModuleHooks
@@ -182,6 +184,8 @@ class Engine:
         self.bridge = bridge
         self.strategy = strategy
         self.placement = placement
+        # See [Note: a unit whose chunks are ready]: a policy that watches computes sees every unit's.
+        self._computes_watched = placement.watches_computes
         self.config = config
         # The plugin manager's hook relay (pluggy): "hooks" alone in this module are torch's module, autograd
         # and optimizer hooks.
@@ -299,7 +303,7 @@ class Engine:
                 self.residency.drop_leftovers()
             if graph:
                 self.reducer.expect(reachable_params(tensors))
-                torch.autograd.graph.register_multi_grad_hook(tensors, self._enter_backward, mode="any")
+                on_first_gradient(tensors, self._enter_backward)
                 self._graph_forwards += 1
         except BaseException as error:
             self.abort_forward(error)
@@ -338,7 +342,21 @@ class Engine:
         if torch.is_grad_enabled():
             self._raised_forwards += 1
 
+    def _ready(self, chunks: Sequence[Chunk]) -> bool:
+        """[Note: a unit whose chunks are ready]
+        Every module that registers parameters is a unit with hooks (580 tensors in 48 thin blocks make
+        about 290 units), while a chunk holds the parameters of many units: the first unit of a chunk
+        gathers it and registers its real parameters in every module that holds them, and the hooks of the
+        others find nothing to do. Gathering, the placement policy's ``before_compute`` and registering
+        cost about 70 us per call in Python, 40 ms of a 48-block stage-3 step; so a unit whose chunks are
+        all gathered (none in flight) and registered returns at once, unless the placement policy watches
+        every compute (it overrides ``before_compute``, as Gemini's trace does). What the scheduler does
+        is unchanged: it acts only on chunks not gathered or still in flight."""
+        return not self._computes_watched and self.params.holds(chunks)
+
     def _pre_forward(self, chunks: tuple[Chunk, ...], module: nn.Module, args: Any) -> None:
+        if self.state is TrainingState.FORWARD and self._ready(chunks):
+            return
         if self.state in (TrainingState.IDLE, TrainingState.BACKWARD_PENDING):
             if not in_backward():
                 raise ZeroError(
@@ -370,9 +388,7 @@ class Engine:
             # one more every step.
             tensors = [t for t in tensors_of(outputs) if t.requires_grad and t.grad_fn is not None]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, functools.partial(self._enter_backward, chunks=chunks), mode="any"
-                )
+                on_first_gradient(tensors, functools.partial(self._enter_backward, chunks=chunks))
 
     @engine_work
     def gather_on_demand(self, chunk: Chunk, slot: int) -> nn.Parameter:
@@ -427,7 +443,8 @@ class Engine:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         if chunks:
-            self.residency.gather(chunks, backward=True)
+            if not self._ready(chunks):
+                self.residency.gather(chunks, backward=True)
             for chunk in chunks:
                 if not self._capture_only and not self.reducer.is_reduced(chunk) and chunk.stage == 1:  # kept anyway
                     chunk.grads.prepare()  # stages 2 and 3: see [Note: gradient buffers on arrival]

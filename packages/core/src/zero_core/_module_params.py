@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from zero_core._released import ReleasedParameter
+from zero_core._state import ChunkState
 from zero_core.chunk import Chunk
 
 __all__ = ["ModuleParameters"]
@@ -49,6 +50,9 @@ class ModuleParameters:
                            for i in range(len(c.slots))}
         # Whether the modules hold the unsharded parameters (inside forward and backward) or the sharded ones.
         self.unsharded = True
+        # Indices of the chunks whose real unsharded parameters the modules hold now (not stand-ins), while
+        # ``unsharded``: a unit whose chunks are all here and gathered has nothing to register (see ``holds``).
+        self._real: set[int] = {c.index for c in self.chunks if c.is_gathered}
         # True inside model.gathered_parameters(): the modules hold the context's full copies.
         self.full_copies = False
         for chunk in self.chunks:
@@ -85,6 +89,7 @@ class ModuleParameters:
         for m, name, chunk, i in self.registrations:
             real = chunk.is_gathered or not stand_ins
             m._parameters[name] = chunk.slots[i].param if real else self._stand_ins[(chunk.index, i)]
+        self._real = {c.index for c in self.chunks if c.is_gathered or not stand_ins}
         self.unsharded = True
 
     def use_sharded(self) -> None:
@@ -103,6 +108,16 @@ class ModuleParameters:
             gathered = chunk.is_gathered
             for m, name, i in self._by_chunk.get(chunk.index, ()):
                 m._parameters[name] = chunk.slots[i].param if gathered else self._stand_ins[(chunk.index, i)]
+            (self._real.add if gathered else self._real.discard)(chunk.index)
+
+    def holds(self, chunks: Sequence[Chunk]) -> bool:
+        """Whether every chunk is gathered (none in flight) and the modules hold its real parameters already (or
+        the sharded ones, outside forward), so a unit's hook has nothing to gather or register."""
+        gathered, real, unsharded = ChunkState.GATHERED, self._real, self.unsharded
+        for chunk in chunks:  # a loop, not all(): this runs in every unit's hooks
+            if chunk.state is not gathered or (unsharded and chunk.index not in real):
+                return False
+        return True
 
     def returned(self, tensors: Sequence[torch.Tensor]) -> set[int]:
         """Indices of the chunks whose unsharded parameters are among ``tensors`` (a module returned one)."""

@@ -97,6 +97,7 @@ from zero_core._buffers import BufferPool
 from zero_core._chunk_grads import ChunkGradients
 from zero_core._chunk_layout import ChunkLayout, dtensor, repoint
 from zero_core._devices import to_compute_device
+from zero_core._host_memory import advise_huge_pages
 from zero_core._ownership import in_policy_call
 from zero_core._slots import (
     ChunkSpec,
@@ -189,6 +190,7 @@ class Chunk:
         # Set by shard(): the engine owns this chunk, and [Note: who moves a chunk] is asserted.
         self.owned = False
         self.full = torch.empty(self.size, dtype=self.dtype, device=device)
+        self.layout.bind_full(self.full)
         self._views = tuple(self.full[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots)
         if not self.persistent:  # allocated by pack() (or never, by begin_fill()): building every chunk costs nothing
             self.full.untyped_storage().resize_(0)
@@ -468,6 +470,7 @@ class Chunk:
         self.drop_post_forward_copy()
         self.check_state(ChunkState.SHARDED)
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
+        advise_huge_pages(self.full)  # see [Note: huge pages for the engine's host buffers]
         self._pending_gather = pending
         self.state = ChunkState.GATHERING
 

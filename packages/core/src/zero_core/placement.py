@@ -163,8 +163,17 @@ class PlacementPolicy(ABC):
         """A module is about to run its forward (or backward) with these chunks.
 
         Called in the same sequence every step for a static graph, whatever was prefetched,
-        so it is where a policy records and replays its access trace.
+        so it is where a policy records and replays its access trace. Only a policy that
+        overrides it is called for every module: otherwise the engine skips a module whose
+        chunks are all gathered already (see :attr:`watches_computes`).
         """
+
+    @property
+    def watches_computes(self) -> bool:
+        """Whether the policy overrides :meth:`before_compute`. If not, the engine's hooks return at once for a
+        module whose chunks are all gathered and registered (see [Note: a unit whose chunks are ready] in
+        ``zero_core._engine``)."""
+        return type(self).before_compute is not PlacementPolicy.before_compute
 
     def before_gather(self, chunks: Sequence[Chunk]) -> None:
         """Make sure these chunks' shards can be gathered on the device (they are about to be)."""

@@ -1,0 +1,111 @@
+"""The per-module hooks do work only where a chunk changes: see [Note: a unit whose chunks are ready] in
+``zero_core._engine``, and ``zero_core._autograd.on_first_gradient`` for the backward hooks on each unit's outputs.
+
+Six linear layers in two chunks of three: in each pass the first unit that needs a chunk gathers it and the
+other units' hooks return at once, so a stage-3 step makes four gathers through the residency (two per pass),
+not one per module (twelve), and still trains as one process does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from zero_core import ChunkPolicy, ZeroConfig, shard
+from zero_core._autograd import on_first_gradient
+from zero_core.placement import DevicePlacementPolicy, PlacementPolicy
+
+STEPS, BATCH, WIDTH = 3, 4, 16
+LAYER = WIDTH * WIDTH + WIDTH  # elements of one layer's weight and bias
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(6)))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+
+
+def _run() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = _model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    sharded = _model()
+    model, opt = shard(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1),
+                       config=ZeroConfig(stage=3, chunk=ChunkPolicy(chunk_size=3 * LAYER)))
+    residency = model.engine.residency
+    calls = {"forward": 0, "backward": 0}
+    gather = residency.gather
+
+    def counted(chunks, *, backward):
+        calls["backward" if backward else "forward"] += 1
+        return gather(chunks, backward=backward)
+
+    residency.gather = counted
+    per_step, losses, ref_losses = [], [], []
+    per = BATCH // world
+    for step in range(STEPS):
+        x, y = _batch(step)
+        calls.update(forward=0, backward=0)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+        loss.backward()
+        opt.step()
+        per_step.append(dict(calls))
+        reported = loss.detach().clone()
+        dist.all_reduce(reported)
+        losses.append(reported.item() / world)
+        ref_opt.zero_grad()
+        ref_loss = F.mse_loss(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_losses.append(ref_loss.item())
+    full = model.full_parameters()
+    worst = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    return {"chunks": len(model.engine.chunks), "calls": per_step, "losses": losses, "ref_losses": ref_losses,
+            "worst": worst}
+
+
+def test_only_the_first_unit_of_a_chunk_gathers_and_training_matches_one_process():
+    from zero_core.testing import run_distributed
+
+    for r in run_distributed(_run, 2, timeout=120):
+        assert r["chunks"] == 2
+        assert r["calls"] == [{"forward": 2, "backward": 2}] * STEPS  # one per chunk and pass, not one per module
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], r["ref_losses"])) < 1e-5
+        assert r["worst"] < 1e-5
+
+
+def test_only_a_policy_that_overrides_before_compute_watches_every_unit():
+    class Watching(DevicePlacementPolicy):
+        name = "watching-test"
+
+        def before_compute(self, chunks, *, backward):
+            pass
+
+    assert not DevicePlacementPolicy().watches_computes
+    assert Watching().watches_computes
+    assert PlacementPolicy.watches_computes.__doc__
+
+
+def test_on_first_gradient_runs_once_per_backward_as_a_multi_grad_hook_does():
+    w = torch.randn(3, requires_grad=True)
+    a, b = w * 2, w.exp()
+    c = b[:2]  # a view: another node of the same graph
+    ours, torchs = [], []
+    on_first_gradient([a, b, c], lambda grads: ours.append(torch._C._current_graph_task_id()))
+    torch.autograd.graph.register_multi_grad_hook([a, b, c], lambda grad: torchs.append(1), mode="any")
+    loss = a.sum() + b.sum() + c.sum()
+    loss.backward(retain_graph=True)
+    torch.autograd.grad(loss, [w])  # another backward through the same graph: once more
+    assert len(ours) == len(torchs) == 2 and ours[0] != ours[1]
+    unused = torch.randn(2, requires_grad=True) * 3  # a tensor of another graph: never called
+    called = []
+    on_first_gradient([unused, torch.ones(2)], lambda grads: called.append(1))  # a tensor without grad is skipped
+    (w * 5).sum().backward()
+    assert called == []
