@@ -3,6 +3,7 @@
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -67,3 +68,47 @@ def test_collectives_fall_back_to_their_pre_2_12_names(monkeypatch):
     monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
     assert single_collective("all_gather_single", "all_gather_into_tensor") is dist.all_gather_into_tensor
     assert single_collective("reduce_scatter_single", "reduce_scatter_tensor") is dist.reduce_scatter_tensor
+
+
+def _gloo_results():
+    """Each collective on random fp32 and bf16 values against the sum in rank order and the concatenation, bit for
+    bit; the bytes the backend's pool holds after each."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = TorchCommBackend(dist.group.WORLD)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = [torch.randn(world * 6, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(world)]
+        for async_op in (False, True):
+            comm.free()
+            reduced = torch.empty(6, dtype=dtype)
+            pending = comm.reduce_scatter(reduced, inputs[rank].clone(), async_op=async_op)
+            if pending is not None:
+                pending.wait()
+            expected = torch.sum(torch.stack(inputs).view(world, world, 6)[:, rank], dim=0)
+            out[f"rs {dtype} {async_op}"] = torch.equal(reduced, expected)
+            out["rs bytes"] = comm.buffer_bytes
+            comm.free()
+            gathered = torch.empty(world * 6, dtype=dtype)
+            pending = comm.all_gather(gathered, inputs[rank][:6], async_op=async_op)
+            if pending is not None:
+                pending.wait()
+            out[f"ag {dtype} {async_op}"] = torch.equal(gathered, torch.cat([t[:6] for t in inputs]))
+            out["ag bytes"] = comm.buffer_bytes
+            # in place: the input is this rank's row of the output (a one-parameter chunk's gather)
+            gathered = torch.zeros(world * 6, dtype=dtype)
+            gathered[rank * 6 : (rank + 1) * 6] = inputs[rank][:6]
+            comm.all_gather(gathered, gathered[rank * 6 : (rank + 1) * 6])
+            out[f"ag in place {dtype}"] = torch.equal(gathered, torch.cat([t[:6] for t in inputs]))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_collectives_are_exact_and_two_ranks_need_no_send_buffer(world):
+    """[Note: two ranks on gloo]: at two ranks the all-to-alls skip the rank's own block, so the all-gather holds no
+    send buffer and the reduce-scatter receives only the peer's copy of its slice (the output's size, not the
+    input's); the results are bit for bit those of the general path, which four ranks take."""
+    for result in run_distributed(_gloo_results, world, timeout=60):
+        assert all(v for k, v in result.items() if "bytes" not in k), result
+        row = 6 * torch.bfloat16.itemsize  # the last dtype run
+        assert result["ag bytes"] == (0 if world == 2 else world * row)
+        assert result["rs bytes"] == (row if world == 2 else world * row)

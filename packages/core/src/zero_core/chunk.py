@@ -244,8 +244,9 @@ class Chunk:
             return self._shard
         return self._pack(self.pieces, self.master_dtype)
 
-    def _pack(self, pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(self.shard_size, dtype=dtype, device=self.device)
+    def _pack(self, pieces: Sequence[torch.Tensor], dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(self.shard_size, dtype=dtype, device=self.device)
         tail = self.shard_size - sum(s.piece for s in self.slots)
         parts = list(pieces) + ([torch.zeros(tail, dtype=dtype, device=self.device)] if tail else [])
         with torch.no_grad():
@@ -519,13 +520,17 @@ class Chunk:
             return self._pack(self.layout.own_pieces(self.full), self.dtype)
         return to_compute_device(self._shard, self.device, self.dtype)
 
-    def refresh_own_slice(self) -> torch.Tensor:
-        """Copy the updated master shard into this rank's pieces of a kept full buffer; return them packed
-        (compute dtype): what :meth:`publish_parameters` sends."""
+    def refresh_own_slice(self) -> None:
+        """Copy the updated master shard into this rank's pieces of a kept full buffer (nothing to do while the
+        buffer holds the master: ``shard_is_view``)."""
         # a shard out of memory (on disk) was copied here by its placement policy before it left
         if self._shard is not None and self.shard_in_memory:
             self.layout.scatter_own(to_compute_device(self._shard, self.device, self.dtype), self.full)
-        return self._pack(self.layout.own_pieces(self.full), self.dtype)
+
+    def pack_own(self, out: torch.Tensor) -> torch.Tensor:
+        """This rank's pieces of the kept full buffer packed into ``out`` (``shard_size`` elements, compute
+        dtype): what an after-step all-gather sends."""
+        return self._pack(self.layout.own_pieces(self.full), self.dtype, out)
 
     def replace_shard(self, shard: torch.Tensor) -> None:
         """Make ``shard`` (same size and dtype, any device) the master shard, keeping the sharded parameters.
