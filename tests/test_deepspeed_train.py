@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from zero_core import ChunkPolicy, DeepSpeedConfigWarning, ZeroConfig, config_from_deepspeed, convert_deepspeed_config
+from zero_core import ChunkPolicy, DeepSpeedConfigWarning, config_from_deepspeed, convert_deepspeed_config
 from zero_core.testing import assert_parity, run_distributed, train_reference, train_sharded
 
 # A typical HF-Trainer-style ZeRO-3 offload config, with keys zero cannot map.
@@ -67,7 +67,10 @@ def test_deepspeed_zero3_offload_config_trains_like_one_process(tmp_path):
     reference = train_reference("gpt", precision=config.precision, world=2, clip=clip)
     assert min(reference.norms) > clip  # the clipping really scaled every step
     for rank, result in enumerate(results):
-        assert_parity(reference, result, rtol=1e-3, label=f"rank {rank}:")
+        # 2e-3, not the 1e-3 of other bf16 runs: bf16 compute, a bf16 reduction and clipping together put a layer
+        # norm's bias (largest value 0.0038) 3.78e-6 from the reference on one machine (AMX, AVX512-BF16), 1.003x
+        # past 1e-3 of its scale; the packages of 74f72ff, which passed CI, miss by the same 3.78e-6 there
+        assert_parity(reference, result, rtol=2e-3, label=f"rank {rank}:")
         assert result.norms == pytest.approx(reference.norms, rel=1e-3)
         used = result.placement["used"]  # after training every master shard, gradient and state is on the host
         assert used["device"] == 0 and used["host"] > 0, result.placement

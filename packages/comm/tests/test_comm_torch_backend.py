@@ -87,6 +87,13 @@ def _gloo_results():
             expected = torch.sum(torch.stack(inputs).view(world, world, 6)[:, rank], dim=0)
             out[f"rs {dtype} {async_op}"] = torch.equal(reduced, expected)
             out["rs bytes"] = comm.buffer_bytes
+            # into a wider output (a 16-bit reduction landing in fp32): summed in the input's dtype, then cast
+            wide = torch.empty(6, dtype=torch.float32)
+            comm.reduce_scatter(wide, inputs[rank].clone())
+            # the general path's formula: torch.sum over the ranks' rows into the wider output
+            expected_wide = torch.sum(torch.stack(inputs).view(world, world, 6)[:, rank], dim=0,
+                                      out=torch.empty(6, dtype=torch.float32))
+            out[f"rs wide {dtype} {async_op}"] = torch.equal(wide, expected_wide)
             comm.free()
             gathered = torch.empty(world * 6, dtype=dtype)
             pending = comm.all_gather(gathered, inputs[rank][:6], async_op=async_op)
@@ -108,7 +115,7 @@ def test_gloo_collectives_are_exact_and_two_ranks_need_no_send_buffer(world):
     send buffer and the reduce-scatter receives only the peer's copy of its slice (the output's size, not the
     input's); the results are bit for bit those of the general path, which four ranks take."""
     for result in run_distributed(_gloo_results, world, timeout=60):
-        assert all(v for k, v in result.items() if "bytes" not in k), result
+        assert not [k for k, v in result.items() if "bytes" not in k and not v]
         row = 6 * torch.bfloat16.itemsize  # the last dtype run
         assert result["ag bytes"] == (0 if world == 2 else world * row)
         assert result["rs bytes"] == (row if world == 2 else world * row)
