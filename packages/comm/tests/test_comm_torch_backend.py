@@ -101,6 +101,10 @@ def _gloo_results():
                 pending.wait()
             out[f"ag {dtype} {async_op}"] = torch.equal(gathered, torch.cat([t[:6] for t in inputs]))
             out["ag bytes"] = comm.buffer_bytes
+            # into a wider output (a cast gather): the general path, which casts while it copies
+            wide = torch.empty(world * 6, dtype=torch.float32)
+            comm.all_gather(wide, inputs[rank][:6])
+            out[f"ag wide {dtype}"] = torch.equal(wide, torch.cat([t[:6] for t in inputs]).float())
             # in place: the input is this rank's row of the output (a one-parameter chunk's gather)
             gathered = torch.zeros(world * 6, dtype=dtype)
             gathered[rank * 6 : (rank + 1) * 6] = inputs[rank][:6]
