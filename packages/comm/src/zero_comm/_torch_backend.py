@@ -220,7 +220,8 @@ class TorchCommBackend(CommBackend):
             return None
         timer = self._record(CollectiveKind.ALL_GATHER, output.numel() * output.element_size(), output.device)
         what = f"all_gather of {output.numel()} elements"
-        # [Note: two ranks on gloo]; gloo sizes both ends by the input's dtype, so a cast gather takes the general path
+        # [Note: two ranks on gloo]; an all-to-all moves one dtype, so a cast gather takes the general path (which
+        # casts into its send buffer)
         if self._all_gather_by_all_to_all and self._world == 2 and input.dtype == output.dtype:
             rows, splits = output.view(2, -1), self._peer_splits(input.numel())
             rows[self._rank].copy_(input.reshape(-1))
