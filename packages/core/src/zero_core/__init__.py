@@ -25,6 +25,8 @@ _HOME = {
     "DeepSpeedConversion": "zero_core._deepspeed",
     "config_from_deepspeed": "zero_core._deepspeed",
     "convert_deepspeed_config": "zero_core._deepspeed",
+    "DeepSpeedLRScheduler": "zero_core._deepspeed_lr",
+    "deepspeed_lr_scheduler": "zero_core._deepspeed_lr",
     "Estimate": "zero_core._estimate",
     "estimate": "zero_core._estimate",
     "lazy_init": "zero_core._lazy",
@@ -49,6 +51,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from zero_core._async_save import AsyncSave
     from zero_core._clip import clip_grad_norm_
     from zero_core._deepspeed import DeepSpeedConversion, config_from_deepspeed, convert_deepspeed_config
+    from zero_core._deepspeed_lr import DeepSpeedLRScheduler, deepspeed_lr_scheduler
     from zero_core._estimate import Estimate, estimate
     from zero_core._lazy import lazy_init
     from zero_core._module import ZeroModule
@@ -92,6 +95,7 @@ __all__ = [
     "ConfigError",
     "DeepSpeedConfigWarning",
     "DeepSpeedConversion",
+    "DeepSpeedLRScheduler",
     "Estimate",
     "GradientLostError",
     "LossScale",
@@ -108,6 +112,7 @@ __all__ = [
     "clip_grad_norm_",
     "config_from_deepspeed",
     "convert_deepspeed_config",
+    "deepspeed_lr_scheduler",
     "estimate",
     "lazy_init",
     "load_checkpoint",

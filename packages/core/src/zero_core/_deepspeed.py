@@ -5,10 +5,14 @@ Every key of the DeepSpeed config ends up in exactly one of three reports:
 
 - ``mapped``: it set a ZeroConfig field (``zero_optimization.stage`` -> ``stage``);
 - ``no_ops``: what it asks for is what zero always does, or it is switched off, so there is
-  nothing to set (``overlap_comm``: zero always overlaps reductions with the backward);
+  nothing to set (``overlap_comm``: zero always overlaps reductions with the backward; any
+  feature section whose ``enabled`` values are all false, ``zero_force_ds_cpu_optimizer: false``;
+  a disabled ``fp16``/``bf16`` section says what the converted config computes in);
 - ``unmapped``: zero's config cannot hold it; the reason says what to do instead
   (``gradient_clipping``: call ``zero_core.clip_grad_norm_`` in the loop; ``optimizer``:
-  build the torch optimizer yourself). ``"auto"`` values, which only the HuggingFace
+  build the torch optimizer yourself; ``scheduler``: ``zero_core.deepspeed_lr_scheduler``
+  builds DeepSpeed's schedule on the optimizer ``shard`` returns, see [Note: DeepSpeed's
+  schedules]). ``"auto"`` values, which only the HuggingFace
   integrations fill in, land here too.
 
 More reports sort what remains for the reader: ``quiet`` takes the keys whose values
@@ -68,7 +72,9 @@ _TOP_UNMAPPED = {
                                    "dividing each loss by the number of micro-batches",
     "optimizer": "build the torch optimizer yourself (torch.optim.AdamW(model.parameters(), ...)) "
                  "and pass it to zero_core.shard",
-    "scheduler": "build a torch.optim.lr_scheduler on the optimizer zero_core.shard returns",
+    "scheduler": "build it with zero_core.deepspeed_lr_scheduler(optimizer, ds_config) on the optimizer "
+                 "zero_core.shard returns and call scheduler.step() after each optimizer.step(): the same learning "
+                 "rate at every step as DeepSpeed's (ZeroTrainer builds it itself)",
     "steps_per_print": _LOOP + "print from the training loop",
     "wall_clock_breakdown": _LOOP + "time the step there; model.comm_stats counts each collective",
     "comms_logger": "read model.comm_stats: calls and bytes per collective kind and step",
@@ -148,7 +154,8 @@ _ZERO_UNMAPPED = {
 _OFF_IS_NO_OP = {
     "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save", "zero_quantized_weights", "zero_quantized_gradients",
-    "zero_quantized_nontrainable_weights", "mics_hierarchical_params_gather",
+    "zero_quantized_nontrainable_weights", "mics_hierarchical_params_gather", "zeropp_loco_param",
+    "memory_efficient_linear", "override_module_apply",
 }
 _OFFLOAD_TUNING = ("NVMe swap-buffer tuning: zero's disk tier reads and writes each chunk part as one file; bound host "
                    "memory with placement_options.host_budget_mb instead")
@@ -187,6 +194,8 @@ _TOP_OTHER = {
     "torch_autocast": "zero casts to precision.compute; use bf16 or fp16 compute instead of autocast",
     "disable_allgather": "zero always all-gathers the updated shards",
 }
+# Top-level switches whose false (or trivial) value is zero's state: reported as no effect, not as a change.
+_OFF_WHEN_FALSE = frozenset({"zero_force_ds_cpu_optimizer", "sparse_gradients", "disable_allgather"})
 _FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
               "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")
 _BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
@@ -431,6 +440,35 @@ def _source_order(ds: Mapping[str, Any]) -> dict[str, int]:
     return order
 
 
+def _switched_off(key: str, value: object) -> str | None:
+    """Why a top-level feature key is off (so it has no effect), or None when it is on or cannot be told."""
+    if value is None:
+        return "null: off"
+    if key in _OFF_WHEN_FALSE and value is False:
+        return "false: off, which is what zero does"
+    if key == "sequence_parallel_size" and isinstance(value, int) and not isinstance(value, bool) and value <= 1:
+        return f"{value}: no sequence parallelism"
+    if key == "tensor_parallel" and isinstance(value, Mapping):
+        sizes = [value[k] for k in ("autotp_size", "tp_size") if k in value]
+        if sizes and all(isinstance(v, int) and not isinstance(v, bool) and v <= 1 for v in sizes):
+            return "a tensor-parallel size of 1 or less: no tensor parallelism"
+    switches = _enabled_values(value)
+    if switches and not any(v is True or _is_auto(v) for v in switches) and all(v is False for v in switches):
+        return "enabled: false: the feature is off" if len(switches) == 1 else "every part is enabled: false: off"
+    return None
+
+
+def _enabled_values(value: object) -> list[object]:
+    """Every ``enabled`` value in a section, nested sections included (``compression_training`` nests them)."""
+    if not isinstance(value, Mapping):
+        return []
+    found = [value["enabled"]] if "enabled" in value else []
+    for key, sub in value.items():
+        if key != "enabled":
+            found += _enabled_values(sub)
+    return found
+
+
 def _is_auto(value: object) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
@@ -552,6 +590,7 @@ class _Converter:
             self.bf16_section(bf16_key, bf16, bf16_on)
         if fp16 is not None:
             self.fp16_section(fp16, fp16_on)
+        self.compute_text(bf16_key)
         compute = self.precision.get("compute")
         if compute in ("bf16", "fp16") and ds.get("communication_data_type") is None:  # see [Note: DeepSpeed's defaults]
             self.precision["reduce"] = compute
@@ -571,6 +610,22 @@ class _Converter:
             else:
                 raise ConfigError(f"DeepSpeed key communication_data_type must be one of 'fp32', 'bf16', 'fp16', got {value!r}.")
 
+    def compute_text(self, bf16_key: str) -> None:
+        """What a switched-off (or "auto") precision section means: the dtype the converted config computes in."""
+        compute = self.precision.get("compute")
+        if compute == "bf16":
+            now = f"the converted config computes in bf16 ({bf16_key}.enabled is true)"
+        elif compute == "fp16":
+            now = "the converted config computes in fp16 (fp16.enabled is true)"
+        else:
+            now = ("precision.compute stays None: forward and backward run in the parameters' own dtype, fp32 for an "
+                   "fp32 model, as DeepSpeed trains with neither fp16 nor bf16 enabled")
+        for path in (f"{bf16_key}.enabled", "fp16.enabled"):
+            if self.no_ops.get(path) == "false":
+                self.no_ops[path] = f"false: {now}"
+            elif path in self.unmapped and self.unmapped[path].startswith(_AUTO):
+                self.unmapped[path] = self.unmapped[path].replace("(read as false)", f"(read as false: {now})")
+
     def section(self, key: str) -> Mapping[str, Any] | None:
         value = self.ds.get(key)
         if value is not None and not isinstance(value, Mapping):
@@ -588,12 +643,12 @@ class _Converter:
             path = f"{key}.{name}"
             if name == "enabled":
                 if _is_auto(value):
-                    self.unmapped[path] = _AUTO + " (fp32 compute)"
+                    self.unmapped[path] = _AUTO + " (read as false)"
                 elif on:
                     self.set("precision.compute", "bf16", path, "precision.compute='bf16' (gradients are reduced in "
                              "precision.reduce, which communication_data_type sets: bf16 when it is absent)")
                 else:
-                    self.no_ops[path] = "false: fp32 compute, zero's default"
+                    self.no_ops[path] = "false"  # completed by compute_text() once both sections are read
             elif not on and name in _BF16_KEYS:
                 self.no_ops[path] = f"{key} is not enabled"
             elif not on:
@@ -613,9 +668,9 @@ class _Converter:
     def fp16_section(self, section: Mapping[str, Any], on: bool) -> None:
         auto = "enabled" in section and _is_auto(section["enabled"])
         if auto:
-            self.unmapped["fp16.enabled"] = (_AUTO + " (fp32 compute); or pass training_args= to fill it as HF does")
+            self.unmapped["fp16.enabled"] = (_AUTO + " (read as false); or pass training_args= to fill it as HF does")
         elif "enabled" in section and not on:
-            self.no_ops["fp16.enabled"] = "false: fp32 compute, zero's default"
+            self.no_ops["fp16.enabled"] = "false"  # completed by compute_text() once both sections are read
         if not on:
             for name in section:
                 if name == "enabled":
@@ -883,6 +938,10 @@ class _Converter:
                 self.no_ops[key] = "false: gradients are averaged after the reduction, as zero does"
         elif key in _TOP_NO_OPS:
             self.no_ops[key] = _TOP_NO_OPS[key]
+        elif key == "scheduler":
+            self.scheduler(value)
+        elif (key in _TOP_UNMAPPED or key in _TOP_OTHER or key in _MONITORS) and _switched_off(key, value):
+            self.no_ops[key] = _switched_off(key, value)  # type: ignore[assignment]
         elif key in _TOP_UNMAPPED:
             self.unmapped[key] = _TOP_UNMAPPED[key]
         elif key in _MONITORS:
@@ -893,6 +952,25 @@ class _Converter:
             self.unmapped[key] = _LOOP + "nothing in zero's config changes with it"
         else:
             self.unmapped[key] = self.unknown("", key, _TOP_KEYS)
+
+    def scheduler(self, value: Any) -> None:
+        """The scheduler section: checked as DeepSpeed would, and reported with the zero_core call that builds it."""
+        from zero_core._deepspeed_lr import scheduler_section
+
+        if value is None:
+            self.no_ops["scheduler"] = "null: no scheduler"
+            return
+        try:
+            kind, params = scheduler_section({"scheduler": value})
+        except ConfigError as err:
+            self.unmapped["scheduler"] = f"{err}; as written DeepSpeed would refuse it"
+            return
+        auto = [name for name, v in params.items() if _is_auto(v)]
+        text = f"DeepSpeed's {kind} schedule: " + _TOP_UNMAPPED["scheduler"]
+        if auto:
+            text += (f"; 'auto' {', '.join(auto)}: give deepspeed_lr_scheduler total_num_steps=, warmup_num_steps= "
+                     "or learning_rate= to fill them as HF's Trainer does")
+        self.unmapped["scheduler"] = text
 
     def build(self) -> ZeroConfig:
         """The ZeroConfig, each dataclass's own check naming the DeepSpeed key that set the refused value."""

@@ -73,8 +73,11 @@ class ZeroTrainer(Trainer):
         deepspeed: A DeepSpeed config (a dict or the path of its file) to train by instead of
             ``zero_config``, imported by :func:`zero_core.convert_deepspeed_config` with its
             ``"auto"`` values filled from the training arguments as HF's DeepSpeed integration
-            fills them. ``TrainingArguments(deepspeed=...)`` works the same where DeepSpeed is
-            installed (HF's own check needs it).
+            fills them. Its ``scheduler`` section (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``,
+            ``OneCycle``, ``LRRangeTest``) is the run's schedule, each step at DeepSpeed's learning
+            rate (:func:`zero_core.deepspeed_lr_scheduler`), as under HF's DeepSpeed integration.
+            ``TrainingArguments(deepspeed=...)`` (which needs DeepSpeed installed, for HF's own check)
+            trains the same.
 
     The HF arguments map to zero's config (see [Note: HF arguments under zero]):
 
@@ -102,7 +105,8 @@ class ZeroTrainer(Trainer):
         positional = len(args) > 1
         training_args = args[1] if positional else kwargs.get("args")
         model = args[0] if args else kwargs.get("model")
-        self.zero_config, training_args = _map_arguments(training_args, zero_config, deepspeed, model)
+        self.zero_config, training_args, self.zero_deepspeed_scheduler = _map_arguments(
+            training_args, zero_config, deepspeed, model)
         if positional:
             args = (args[0], training_args, *args[2:])
         elif training_args is not None:
@@ -110,6 +114,19 @@ class ZeroTrainer(Trainer):
         self.zero_max_shard_size = max_shard_size
         self.zero_save_dtype = save_dtype
         super().__init__(*args, **kwargs)
+
+    # -- the DeepSpeed config's scheduler -------------------------------------------------
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """A DeepSpeed config's ``scheduler`` section is the schedule, as under HF's DeepSpeed integration (see
+        [Note: a DeepSpeed scheduler under ZeroTrainer]); otherwise the Trainer's own from the arguments."""
+        section = self.zero_deepspeed_scheduler
+        if section is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        self.lr_scheduler = _deepspeed_scheduler(section, self.args, num_training_steps,
+                                                 self.optimizer if optimizer is None else optimizer)
+        self._created_lr_scheduler = True  # what Trainer.create_scheduler records
+        return self.lr_scheduler
 
     # -- sharding ------------------------------------------------------------------------
 
@@ -286,14 +303,20 @@ def _zero_dir(checkpoint: str) -> str | None:
 # again what zero already computes in 16 bits, and its GradScaler would scale a loss zero's scaler must scale (the
 # optimizer zero re-points is not Accelerate's). The user's TrainingArguments object is never changed. A DeepSpeed
 # config (ZeroTrainer(deepspeed=...) or TrainingArguments(deepspeed=...)) is imported with its "auto" values filled
-# from the arguments; the keys the Trainer itself acts on (optimizer, scheduler, batch sizes, accumulation,
-# clipping) are the Trainer's, from the arguments, as in HF's own integration.
+# from the arguments; the keys the Trainer itself acts on (optimizer, batch sizes, accumulation, clipping) are the
+# Trainer's, from the arguments, as in HF's own integration, and the scheduler section is the schedule (see
+# [Note: a DeepSpeed scheduler under ZeroTrainer]). TrainingArguments(deepspeed=...) has also built Accelerate's
+# DeepSpeedPlugin and registered the config with transformers: the copy handed to the Trainer drops the plugin (else
+# Accelerate would start DeepSpeed's engine, and transformers check the config against the arguments) and the
+# registration is undone, so both spellings train the same.
 _TRAINER_KEYS = ("optimizer", "scheduler", "train_batch_size", "train_micro_batch_size_per_gpu",
                  "gradient_accumulation_steps", "gradient_clipping")
 
 
-def _map_arguments(args: Any, zero_config: ZeroConfig | None, deepspeed: Any, model: Any) -> tuple[ZeroConfig, Any]:
-    """The ZeroConfig the arguments ask for, and the arguments to hand the Trainer (see the Note above)."""
+def _map_arguments(args: Any, zero_config: ZeroConfig | None, deepspeed: Any,
+                   model: Any) -> tuple[ZeroConfig, Any, dict[str, Any] | None]:
+    """The ZeroConfig the arguments ask for, the arguments to hand the Trainer (see the Note above), and the DeepSpeed
+    config's scheduler section (None: the Trainer's own schedule)."""
     if getattr(args, "fsdp", None):
         raise ConfigError("ZeroTrainer shards the model itself; remove fsdp from TrainingArguments")
     given_ds = getattr(args, "deepspeed", None)
@@ -305,8 +328,10 @@ def _map_arguments(args: Any, zero_config: ZeroConfig | None, deepspeed: Any, mo
         raise ConfigError("ZeroTrainer got both zero_config and a DeepSpeed config; pass one (zero_core."
                           "convert_deepspeed_config(ds).config is the zero_config the DeepSpeed config maps to)")
     config = ZeroConfig() if zero_config is None else zero_config
+    scheduler = None
     if deepspeed is not None:
-        config = _from_deepspeed(deepspeed, args, model)
+        _refuse_deepspeed_partitioned(model)
+        config, scheduler = _from_deepspeed(deepspeed, args, model)
     bf16, fp16 = bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))
     wanted = "bf16" if bf16 else "fp16" if fp16 else None
     compute = config.precision.compute
@@ -323,19 +348,80 @@ def _map_arguments(args: Any, zero_config: ZeroConfig | None, deepspeed: Any, mo
         raise ConfigError("gradient_checkpointing_kwargs={'use_reentrant': True}: zero gathers parameters for the "
                           "recomputation only with non-reentrant checkpointing; drop the key (ZeroTrainer sets False)")
     if args is None:
-        return config, args
+        return config, args, scheduler
     handed = copy.copy(args)  # the user's object stays as it was
     handed.bf16 = handed.fp16 = False
     handed.mixed_precision = "no"  # what the Trainer hands Accelerate (TrainingArguments derives it from bf16/fp16)
     if given_ds is not None:
         handed.deepspeed = None
         handed.hf_deepspeed_config = None
+        handed.deepspeed_plugin = None  # what the Trainer hands Accelerate, which would run DeepSpeed's engine
+        _forget_hf_deepspeed_config(args)
     if getattr(args, "gradient_checkpointing", False):
         handed.gradient_checkpointing_kwargs = {**kwargs, "use_reentrant": False}
-    return config, handed
+    return config, handed, scheduler
 
 
-def _from_deepspeed(deepspeed: Any, args: Any, model: Any) -> ZeroConfig:
+def _forget_hf_deepspeed_config(args: Any) -> None:
+    """TrainingArguments(deepspeed=...) registered its DeepSpeed config globally for transformers' modeling code
+    (``is_deepspeed_zero3_enabled()``: from_pretrained would build later models under DeepSpeed's zero.Init, and
+    resize_token_embeddings would gather with DeepSpeed); under zero it is not DeepSpeed's run."""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:  # pragma: no cover - a transformers without the module
+        return
+    ref = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    if ref is not None and ref() is getattr(args, "hf_deepspeed_config", None):
+        hf_deepspeed.unset_hf_deepspeed_config()
+
+
+def _refuse_deepspeed_partitioned(model: Any) -> None:
+    """A model built by from_pretrained while TrainingArguments(deepspeed=<a stage 3 config>) existed is partitioned
+    by DeepSpeed's zero.Init (its parameters are empty, ``ds_id`` set); zero cannot shard that."""
+    parameters = getattr(model, "parameters", None)
+    if callable(parameters) and any(hasattr(p, "ds_id") for p in parameters()):
+        raise ConfigError(
+            "the model's parameters were partitioned by DeepSpeed's zero.Init: from_pretrained ran while a "
+            "TrainingArguments(deepspeed=<a ZeRO-3 config>) existed. Build the model first (or leave deepspeed out "
+            "of TrainingArguments and pass ZeroTrainer(deepspeed=...)), then create the arguments")
+
+
+# [Note: a DeepSpeed scheduler under ZeroTrainer]
+# HF's DeepSpeed integration hands a config's scheduler section to DeepSpeed, which builds it on the optimizer and steps
+# it after every optimizer step; lr_scheduler_type and the warmup arguments are then unused. ZeroTrainer does the same
+# with zero_core.deepspeed_lr_scheduler (every step at DeepSpeed's learning rate, see [Note: DeepSpeed's schedules]),
+# on the Trainer's optimizer, which zero re-points in place when it shards. "auto" values are filled as HF fills them
+# (warmup_min_lr 0, warmup_max_lr learning_rate, total_num_steps the run's training steps, warmup_num_steps
+# max(1, args.get_warmup_steps(n))), and a warmup_max_lr, total_num_steps or warmup_num_steps written in the config
+# that differs from the value HF would fill is refused naming both, as HF's trainer_config_process/finalize refuse it.
+
+
+def _deepspeed_scheduler(section: dict[str, Any], args: Any, num_training_steps: int, optimizer: Any) -> Any:
+    from zero_core._deepspeed_lr import scheduler_section
+
+    kind, params = scheduler_section({"scheduler": section})
+    hf = {"warmup_max_lr": (args.learning_rate, f"TrainingArguments.learning_rate={args.learning_rate}"),
+          "total_num_steps": (num_training_steps, f"the run's {num_training_steps} training steps"),
+          "warmup_num_steps": (max(1, args.get_warmup_steps(num_training_steps)),
+                               f"TrainingArguments' warmup (max(1, get_warmup_steps)) = "
+                               f"{max(1, args.get_warmup_steps(num_training_steps))}")}
+    for name, value in params.items():
+        if name in hf and not _is_auto(value) and value is not None and value != hf[name][0]:
+            raise ConfigError(f"the DeepSpeed config's scheduler.params.{name} is {value!r} and HF fills it with "
+                              f"{hf[name][1]}; make them agree (or write \"auto\"), as HF's DeepSpeed integration asks")
+    return zero_core.deepspeed_lr_scheduler(optimizer, {"scheduler": section}, total_num_steps=num_training_steps,
+                                            warmup_num_steps=hf["warmup_num_steps"][0],
+                                            learning_rate=args.learning_rate)
+
+
+def _is_auto(value: object) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def _from_deepspeed(deepspeed: Any, args: Any, model: Any) -> tuple[ZeroConfig, dict[str, Any] | None]:
+    from zero_core._deepspeed import _load
+
+    deepspeed = _load(deepspeed)  # a path is read once, here
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     conversion = zero_core.convert_deepspeed_config(deepspeed, training_args=args,
                                                     hidden_size=hidden if isinstance(hidden, int) else None)
@@ -354,4 +440,10 @@ def _from_deepspeed(deepspeed: Any, args: Any, model: Any) -> ZeroConfig:
         listing = "\n".join(f"  {key}: {reason}" for key, reason in left.items())
         warnings.warn(f"{len(left)} DeepSpeed config key(s) change training under zero unless you act on them:\n"
                       f"{listing}", zero_core.DeepSpeedConfigWarning, stacklevel=4)
-    return conversion.config
+    scheduler = deepspeed.get("scheduler")
+    if scheduler is not None:
+        from zero_core._deepspeed_lr import scheduler_section
+
+        scheduler_section({"scheduler": scheduler})  # an unknown type or parameter is refused now, not at train()
+        scheduler = copy.deepcopy(dict(scheduler))
+    return conversion.config, scheduler
