@@ -198,6 +198,15 @@ def test_per_group_values_and_what_is_refused():
     optimizer.step()
     scheduler.step()
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.25, 0.575])
+    # a step skipped by an fp16 overflow does not advance the schedule, as under DeepSpeed
+    skipped = [True]
+    held = deepspeed_lr_scheduler(optimizer, {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 0.1}},
+                                  skip_step=lambda: skipped[0])
+    held.step()
+    assert held.last_epoch == 0 and held.get_last_lr() == [0.1, 0.1] and "skip_step" not in held.state_dict()
+    skipped[0] = False
+    held.step()
+    assert held.last_epoch == 1 and held.get_last_lr() == pytest.approx([0.1 * (1 + 1 / 2000)] * 2)
     # OneCycle on an optimizer without betas leaves its momentum alone, as DeepSpeed does
     cycle = deepspeed_lr_scheduler(optimizer, {"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0}})
     assert "betas" not in optimizer.param_groups[0] and cycle.get_last_lr() == [0.1, 0.1]
@@ -362,6 +371,9 @@ def zero_rank(output_dir: str) -> dict:
         trainer = ZeroTrainer(model=build_model(), args=args, train_dataset=dataset(), callbacks=[rates])
         out["arguments"] = _run(trainer, rates)
         out["arguments"]["plugin"] = trainer.accelerator.state.deepspeed_plugin
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        out["arguments"]["zero3"] = is_deepspeed_zero3_enabled()  # from_pretrained must not use zero.Init now
     else:
         out["refused"] = []
         attempts = [({"type": "WarmupLR", "params": {"warmup_num_steps": 10}}, True),
@@ -480,7 +492,16 @@ def test_zero_trainer_at_two_ranks_follows_each_schedule_and_training_arguments_
         _assert_matches(result[0][name], reference[name], name)
     # TrainingArguments(deepspeed=...) trains exactly as ZeroTrainer(deepspeed=...): bit for bit, no DeepSpeed engine
     via_args = result[0]["arguments"]
-    assert via_args["plugin"] is None
+    assert via_args["plugin"] is None and via_args["zero3"] is False
     assert via_args["loss"] == result[0]["WarmupLR"]["loss"] and via_args["lrs"] == result[0]["WarmupLR"]["lrs"]
     for key, value in result[0]["WarmupLR"]["params"].items():
         assert torch.equal(via_args["params"][key], value), key
+
+
+def test_a_model_partitioned_by_deepspeeds_zero_init_is_refused(tmp_path):
+    from zero_integrations.hf import ZeroTrainer
+
+    model = build_model()
+    next(model.parameters()).ds_id = 0  # what from_pretrained under TrainingArguments(deepspeed=<ZeRO-3>) leaves
+    with pytest.raises(ConfigError, match="partitioned by DeepSpeed's zero.Init: from_pretrained ran while"):
+        ZeroTrainer(model=model, args=arguments(str(tmp_path), BATCH), train_dataset=dataset(), deepspeed=DS)

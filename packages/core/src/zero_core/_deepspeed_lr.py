@@ -19,7 +19,7 @@ and does the same).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -99,7 +99,8 @@ class DeepSpeedLRScheduler(torch.optim.lr_scheduler.LRScheduler):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, kind: str, params: Mapping[str, Any],
-                 last_epoch: int = -1) -> None:
+                 last_epoch: int = -1, skip_step: Callable[[], bool] | None = None) -> None:
+        self.skip_step = skip_step
         self.kind = kind
         self.params = dict(params)
         self.cycle_momentum = bool(kind == "OneCycle" and self.params["cycle_momentum"]
@@ -199,8 +200,13 @@ class DeepSpeedLRScheduler(torch.optim.lr_scheduler.LRScheduler):
         return [self._lr(self.last_epoch - 1, base, index) for index, base in enumerate(self.base_lrs)]
 
     def step(self, epoch: int | None = None) -> None:  # type: ignore[override]
+        if self.skip_step is not None and self.last_epoch >= 0 and self.skip_step():
+            return  # DeepSpeed does not step its scheduler after a step an fp16 overflow skipped
         super().step(epoch)
         self._set_momentum()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: value for key, value in super().state_dict().items() if key != "skip_step"}
 
     def _set_momentum(self) -> None:
         if self.cycle_momentum:
@@ -223,7 +229,8 @@ def _per_group(value: Any, group: int) -> float:
 
 def deepspeed_lr_scheduler(optimizer: torch.optim.Optimizer, ds_config: Mapping[str, Any], *,
                            total_num_steps: int | None = None, warmup_num_steps: int | None = None,
-                           learning_rate: float | None = None) -> DeepSpeedLRScheduler:
+                           learning_rate: float | None = None,
+                           skip_step: Callable[[], bool] | None = None) -> DeepSpeedLRScheduler:
     """The learning-rate scheduler a DeepSpeed config's ``scheduler`` section asks for, built on ``optimizer``.
 
     Use it on the optimizer :func:`zero_core.shard` returns and call ``scheduler.step()`` after every
@@ -236,6 +243,9 @@ def deepspeed_lr_scheduler(optimizer: torch.optim.Optimizer, ds_config: Mapping[
         total_num_steps: Fills a ``"total_num_steps": "auto"``, as HF's Trainer does (its number of training steps).
         warmup_num_steps: Fills a ``"warmup_num_steps": "auto"`` (HF uses ``max(1, args.get_warmup_steps(n))``).
         learning_rate: Fills a ``"warmup_max_lr": "auto"``; ``"warmup_min_lr": "auto"`` is 0, as HF fills it.
+        skip_step: Called by each ``step()``; when it returns True the schedule does not advance, as DeepSpeed's
+            does not after a step its fp16 loss scaler skipped. For fp16 with a loss scale pass
+            ``lambda: model.loss_scaler.last_step_skipped``.
 
     Returns:
         A torch ``LRScheduler`` whose ``state_dict()`` resumes the schedule.
@@ -277,4 +287,4 @@ def deepspeed_lr_scheduler(optimizer: torch.optim.Optimizer, ds_config: Mapping[
     for name in ("lr_range_test_step_size", "cycle_first_step_size"):
         if name in params and not params[name] > 0:
             raise ConfigError(f"DeepSpeed key scheduler.params.{name} must be positive, got {params[name]!r}")
-    return DeepSpeedLRScheduler(optimizer, kind, params)
+    return DeepSpeedLRScheduler(optimizer, kind, params, skip_step=skip_step)

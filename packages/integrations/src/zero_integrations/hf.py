@@ -124,9 +124,15 @@ class ZeroTrainer(Trainer):
         if section is None or self.lr_scheduler is not None:
             return super().create_scheduler(num_training_steps, optimizer)
         self.lr_scheduler = _deepspeed_scheduler(section, self.args, num_training_steps,
-                                                 self.optimizer if optimizer is None else optimizer)
+                                                 self.optimizer if optimizer is None else optimizer,
+                                                 self._zero_step_skipped)
         self._created_lr_scheduler = True  # what Trainer.create_scheduler records
         return self.lr_scheduler
+
+    def _zero_step_skipped(self) -> bool:
+        """Whether zero's fp16 loss scaler skipped the last step (an overflow): DeepSpeed's schedule then holds."""
+        model = self.zero_model
+        return bool(model is not None and model.loss_scaler is not None and model.loss_scaler.last_step_skipped)
 
     # -- sharding ------------------------------------------------------------------------
 
@@ -396,7 +402,8 @@ def _refuse_deepspeed_partitioned(model: Any) -> None:
 # that differs from the value HF would fill is refused naming both, as HF's trainer_config_process/finalize refuse it.
 
 
-def _deepspeed_scheduler(section: dict[str, Any], args: Any, num_training_steps: int, optimizer: Any) -> Any:
+def _deepspeed_scheduler(section: dict[str, Any], args: Any, num_training_steps: int, optimizer: Any,
+                         skip_step: Any) -> Any:
     from zero_core._deepspeed_lr import scheduler_section
 
     kind, params = scheduler_section({"scheduler": section})
@@ -411,7 +418,7 @@ def _deepspeed_scheduler(section: dict[str, Any], args: Any, num_training_steps:
                               f"{hf[name][1]}; make them agree (or write \"auto\"), as HF's DeepSpeed integration asks")
     return zero_core.deepspeed_lr_scheduler(optimizer, {"scheduler": section}, total_num_steps=num_training_steps,
                                             warmup_num_steps=hf["warmup_num_steps"][0],
-                                            learning_rate=args.learning_rate)
+                                            learning_rate=args.learning_rate, skip_step=skip_step)
 
 
 def _is_auto(value: object) -> bool:
