@@ -375,19 +375,43 @@ def zero_rank(output_dir: str) -> dict:
 
         out["arguments"]["zero3"] = is_deepspeed_zero3_enabled()  # from_pretrained must not use zero.Init now
     else:
-        out["refused"] = []
-        attempts = [({"type": "WarmupLR", "params": {"warmup_num_steps": 10}}, True),
-                    ({"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}, True),
-                    ({"type": "Cosine"}, False)]
-        for section, at_train in attempts:
-            try:
-                trainer = ZeroTrainer(model=build_model(), args=arguments(f"{output_dir}/refused", per_device),
-                                      train_dataset=dataset(), deepspeed={**DS, "scheduler": section})
-                if at_train:
-                    trainer.train()
-            except ConfigError as err:
-                out["refused"].append(str(err))
+        out["refused"], out["accepted"] = _refusals(f"{output_dir}/refused", per_device)
     return out
+
+
+def _refusals(output_dir: str, per_device: int) -> tuple[list[str], int]:
+    """What ZeroTrainer refuses of a DeepSpeed config rather than change training silently, and what it accepts."""
+    from zero_integrations.hf import ZeroTrainer
+
+    partitioned = build_model()
+    next(partitioned.parameters()).ds_id = 0  # what from_pretrained under TrainingArguments(deepspeed=<ZeRO-3>) leaves
+    attempts = [  # (model, DeepSpeed config, whether only train() can tell)
+        (None, {**DS, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}, True),
+        (None, {**DS, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}, True),
+        (None, {**DS, "scheduler": {"type": "Cosine"}}, False),
+        (partitioned, DS, False),
+        # the Trainer builds the optimizer from the arguments: another optimizer or other settings are refused
+        (None, {**DS, "optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}, False),
+        (None, {**DS, "optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, False),
+        (None, {**DS, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}, False),
+        (None, {**DS, "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}}, False),
+        # accepted: HF's "auto" section, and one that says what the arguments say
+        (None, {**DS, "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                                  "weight_decay": "auto"}}}, False),
+        (None, {**DS, "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                                  "weight_decay": 0.0}}}, False),
+    ]
+    refused, accepted = [], 0
+    for model, ds, at_train in attempts:
+        try:
+            trainer = ZeroTrainer(model=model or build_model(), args=arguments(output_dir, per_device),
+                                  train_dataset=dataset(), deepspeed=ds)
+            if at_train:
+                trainer.train()
+            accepted += 1
+        except ConfigError as err:
+            refused.append(str(err))
+    return refused, accepted
 
 
 class FormulaLR(torch.optim.lr_scheduler.LRScheduler):
@@ -476,11 +500,16 @@ def test_zero_trainer_at_one_rank_follows_each_schedule_and_resumes_it(reference
             assert resumed[key] == pytest.approx(result[name][key], abs=1e-6), (name, key)
         _assert_matches(resumed, result[name], name, tol=1e-6)
     refused = result["refused"]
-    assert len(refused) == 3, refused
+    assert len(refused) == 8 and result["accepted"] == 2, refused
     assert "scheduler.params.warmup_num_steps is 10 and HF fills it with TrainingArguments' warmup" in refused[0]
     assert "scheduler.params.warmup_max_lr is 0.001 and HF fills it with TrainingArguments.learning_rate=0.002" \
         in refused[1]
     assert "'Cosine', which is not a DeepSpeed scheduler" in refused[2]
+    assert "partitioned by DeepSpeed's zero.Init: from_pretrained ran while" in refused[3]
+    assert "optimizer is 'Lamb' and the Trainer builds TrainingArguments.optim='adamw_torch" in refused[4]
+    assert "adam_w_mode false" in refused[5]
+    assert "optimizer.params.lr is 0.0003 and TrainingArguments.learning_rate is 0.002" in refused[6]
+    assert "optimizer.params.betas is [0.9, 0.95]" in refused[7]
 
 
 def test_zero_trainer_at_two_ranks_follows_each_schedule_and_training_arguments_deepspeed_works(reference, tmp_path):
@@ -497,11 +526,3 @@ def test_zero_trainer_at_two_ranks_follows_each_schedule_and_training_arguments_
     for key, value in result[0]["WarmupLR"]["params"].items():
         assert torch.equal(via_args["params"][key], value), key
 
-
-def test_a_model_partitioned_by_deepspeeds_zero_init_is_refused(tmp_path):
-    from zero_integrations.hf import ZeroTrainer
-
-    model = build_model()
-    next(model.parameters()).ds_id = 0  # what from_pretrained under TrainingArguments(deepspeed=<ZeRO-3>) leaves
-    with pytest.raises(ConfigError, match="partitioned by DeepSpeed's zero.Init: from_pretrained ran while"):
-        ZeroTrainer(model=model, args=arguments(str(tmp_path), BATCH), train_dataset=dataset(), deepspeed=DS)

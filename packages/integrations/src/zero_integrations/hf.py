@@ -310,7 +310,8 @@ def _zero_dir(checkpoint: str) -> str | None:
 # optimizer zero re-points is not Accelerate's). The user's TrainingArguments object is never changed. A DeepSpeed
 # config (ZeroTrainer(deepspeed=...) or TrainingArguments(deepspeed=...)) is imported with its "auto" values filled
 # from the arguments; the keys the Trainer itself acts on (optimizer, batch sizes, accumulation, clipping) are the
-# Trainer's, from the arguments, as in HF's own integration, and the scheduler section is the schedule (see
+# Trainer's, from the arguments (an optimizer section asking for another optimizer or other settings is refused, as
+# are a clipping or precision that differ), and the scheduler section is the schedule (see
 # [Note: a DeepSpeed scheduler under ZeroTrainer]). TrainingArguments(deepspeed=...) has also built Accelerate's
 # DeepSpeedPlugin and registered the config with transformers: the copy handed to the Trainer drops the plugin (else
 # Accelerate would start DeepSpeed's engine, and transformers check the config against the arguments) and the
@@ -421,6 +422,34 @@ def _deepspeed_scheduler(section: dict[str, Any], args: Any, num_training_steps:
                                             learning_rate=args.learning_rate, skip_step=skip_step)
 
 
+def _check_optimizer(section: dict[str, Any], args: Any) -> None:
+    """The optimizer section: the Trainer builds the optimizer from the arguments (AdamW by default), so a section
+    asking for another optimizer, or settings other than the arguments', would change training silently; refused
+    naming both (HF's own integration refuses the same mismatches in trainer_config_process)."""
+    kind = str(section.get("type", "")).lower()
+    params = section.get("params") or {}
+    optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", "")))
+    decoupled = kind == "adamw" or (kind == "adam" and params.get("adam_w_mode", True) is not False
+                                     and not params.get("torch_adam", False))
+    if not (decoupled and optim.startswith("adamw")):
+        raise ConfigError(f"the DeepSpeed config's optimizer is {section.get('type')!r}"
+                          f"{' (adam_w_mode false: Adam with L2 decay)' if kind == 'adam' else ''} and the Trainer "
+                          f"builds TrainingArguments.optim={optim!r}: ZeroTrainer trains with the Trainer's optimizer. "
+                          "Remove the optimizer section and set optim=..., or keep an Adam/AdamW section with an "
+                          "adamw optim")
+    betas = (getattr(args, "adam_beta1", None), getattr(args, "adam_beta2", None))
+    for name, hf_value, hf_name in (("lr", args.learning_rate, "learning_rate"), ("eps", args.adam_epsilon,
+                                    "adam_epsilon"), ("weight_decay", args.weight_decay, "weight_decay"),
+                                    ("betas", list(betas), "adam_beta1, adam_beta2")):
+        value = params.get(name)
+        if value is None or _is_auto(value):
+            continue
+        if (list(value) if isinstance(value, (list, tuple)) else value) != hf_value:
+            raise ConfigError(f"the DeepSpeed config's optimizer.params.{name} is {value!r} and TrainingArguments."
+                              f"{hf_name} is {hf_value!r}; the Trainer's optimizer uses the arguments: make them "
+                              'agree (or write "auto"), as HF\'s DeepSpeed integration asks')
+
+
 def _is_auto(value: object) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
@@ -432,6 +461,8 @@ def _from_deepspeed(deepspeed: Any, args: Any, model: Any) -> tuple[ZeroConfig, 
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     conversion = zero_core.convert_deepspeed_config(deepspeed, training_args=args,
                                                     hidden_size=hidden if isinstance(hidden, int) else None)
+    if args is not None and isinstance(deepspeed.get("optimizer"), dict):
+        _check_optimizer(deepspeed["optimizer"], args)
     clipping, max_norm = conversion.gradient_clipping, getattr(args, "max_grad_norm", None)
     if clipping is not None and max_norm is not None and abs(clipping - max_norm) > 1e-12:
         raise ConfigError(f"the DeepSpeed config's gradient_clipping is {clipping} and TrainingArguments.max_grad_norm "
