@@ -51,6 +51,8 @@ _AUTO_FILLED = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num
 def scheduler_section(ds_config: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """The scheduler type and its params, from a whole DeepSpeed config or its ``scheduler`` section; checked."""
     section = ds_config.get("scheduler", ds_config) if isinstance(ds_config, Mapping) else ds_config
+    if isinstance(section, Mapping) and "type" not in section and "zero_optimization" in section:
+        raise ConfigError("the DeepSpeed config has no scheduler section: build a torch.optim.lr_scheduler instead")
     if not isinstance(section, Mapping) or "type" not in section:
         raise ConfigError('a DeepSpeed scheduler section is an object such as {"type": "WarmupLR", "params": {...}}, '
                           f"got {section!r}")
@@ -264,8 +266,8 @@ def deepspeed_lr_scheduler(optimizer: torch.optim.Optimizer, ds_config: Mapping[
         hint = {"total_num_steps": "total_num_steps=", "warmup_num_steps": "warmup_num_steps=",
                 "warmup_max_lr": "learning_rate="}
         fixes = [f"scheduler.params.{n}" + (f" (pass {hint[n]})" if n in hint else " (write a number)") for n in left]
-        raise ConfigError(f"DeepSpeed scheduler {kind}: 'auto' is only filled by HF's Trainer; fill "
-                          f"{', '.join(fixes)}")
+        raise ConfigError(f"DeepSpeed scheduler {kind}: 'auto' is filled only in {', '.join(_AUTO_FILLED)}, as HF's "
+                          f"Trainer fills them; fill {', '.join(fixes)}")
     params = {name: given.get(name, default) for name, default in _PARAMS[kind].items()}
     missing = [name for name, value in params.items() if value is _REQUIRED]
     if missing:
