@@ -41,7 +41,8 @@ _HOME = {
     "CommStats": "zero_core.comm",
     **{name: "zero_core.errors" for name in (
         "CheckpointError", "CollectiveTimeoutError", "ConfigError", "DeepSpeedConfigWarning", "GradientLostError",
-        "PluginNotFoundError", "RanksDisagreeError", "RanksOutOfStepError", "ZeroError", "ZeroSetupError")},
+        "PluginContractError", "PluginNotFoundError", "RanksDisagreeError", "RanksOutOfStepError", "ZeroError",
+        "ZeroSetupError")},
 }
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
         ConfigError,
         DeepSpeedConfigWarning,
         GradientLostError,
+        PluginContractError,
         PluginNotFoundError,
         RanksDisagreeError,
         RanksOutOfStepError,
@@ -95,6 +97,7 @@ __all__ = [
     "Estimate",
     "GradientLostError",
     "LossScale",
+    "PluginContractError",
     "PluginNotFoundError",
     "Precision",
     "RanksDisagreeError",
