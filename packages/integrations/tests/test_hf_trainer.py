@@ -82,22 +82,32 @@ def reference_rank(output_dir: str) -> dict:
 
 
 def zero_rank(output_dir: str, export_dir: str, resume: str | bool | None, stage: int,
-              async_checkpoints: bool = False, die_at: int | None = None) -> dict:
-    """``die_at``: rank 1 is killed (SIGKILL) when the Trainer's save of ``checkpoint-<die_at>`` has written the
-    model files and is about to write zero's (the run then fails on every rank)."""
+              async_checkpoints: bool = False, die_at: tuple[int, str] | None = None, limit: int | None = None) -> dict:
+    """``die_at=(step, method)``: rank 1 is killed (SIGKILL) as the Trainer's save of ``checkpoint-<step>`` calls
+    ``method``: ``"_save_optimizer_and_scheduler"`` (the model files written, zero's not begun) or
+    ``"_save_rng_state"`` (zero's write begun, in the background with ``async_checkpoints``). ``limit``:
+    ``save_total_limit``."""
     from zero_core import ChunkPolicy, ZeroConfig
     from zero_integrations.hf import ZeroTrainer
 
     class DyingTrainer(ZeroTrainer):
-        def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-            if self.state.global_step == die_at:
-                self.finish_pending_save()  # the previous checkpoint complete on both ranks, as a save begins
-            if self.state.global_step == die_at and dist.get_rank() == 1:
+        def _maybe_die(self, method: str) -> None:
+            if die_at is not None and (self.state.global_step, method) == die_at and dist.get_rank() == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+
+        def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+            if die_at is not None and self.state.global_step == die_at[0]:
+                self._wait_pending_save()  # the previous checkpoint complete on both ranks, as a save begins
+            self._maybe_die("_save_optimizer_and_scheduler")
             super()._save_optimizer_and_scheduler(output_dir)
 
+        def _save_rng_state(self, output_dir: str) -> None:
+            self._maybe_die("_save_rng_state")
+            super()._save_rng_state(output_dir)
+
     model = build_model()
-    trainer = DyingTrainer(model=model, args=arguments(output_dir, PER_RANK), train_dataset=dataset(),
+    trainer = DyingTrainer(model=model, args=arguments(output_dir, PER_RANK, save_total_limit=limit),
+                           train_dataset=dataset(),
                           eval_dataset=dataset(8, seed=8),
                           zero_config=ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=8192)),
                           max_shard_size=40_000, async_checkpoints=async_checkpoints)
@@ -294,7 +304,8 @@ def test_a_rank_killed_before_zero_wrote_resumes_from_the_previous_checkpoint(ru
 
     out = runs["root"] / "zero-killed"
     with pytest.raises(DistributedTestError, match=f"rank 1 exited with code {-signal.SIGKILL}"):
-        run_distributed(zero_rank, 2, str(out), "", None, 3, True, 4, timeout=300, env=ENV)
+        run_distributed(zero_rank, 2, str(out), "", None, 3, True, (4, "_save_optimizer_and_scheduler"),
+                        timeout=300, env=ENV)
     torn = out / "checkpoint-4"
     assert (torn / "config.json").is_file() and not (torn / "trainer_state.json").exists()
     assert checkpoint_problems(str(torn))[0].startswith("no zero/")
@@ -304,6 +315,30 @@ def test_a_rank_killed_before_zero_wrote_resumes_from_the_previous_checkpoint(ru
         assert resumed[0]["history"][name] == pytest.approx(uninterrupted["history"][name], abs=1e-6), name
     _assert_close(resumed[0]["params"], uninterrupted["params"], 1e-6)
     assert not checkpoint_problems(str(torn))  # the resumed run's own save of checkpoint-4 is complete
+
+
+def test_a_rank_killed_during_the_background_write_under_save_total_limit_1_leaves_the_previous_checkpoint(runs):
+    """save_total_limit=1 with async_checkpoints: the Trainer rotates while checkpoint-4's zero/ is still being
+    written, so it keeps one checkpoint more (checkpoint-2, the one a resume needs) until the write completed. Rank 1
+    dies once its background write began (rank 0 goes on to write trainer_state.json and rotate); the resume takes
+    checkpoint-2, and once its own checkpoint-4 completed, only that one is left."""
+    from zero_integrations.hf import checkpoint_problems
+
+    out = runs["root"] / "zero-killed-limit"
+    with pytest.raises(DistributedTestError, match=f"rank 1 exited with code {-signal.SIGKILL}"):
+        run_distributed(zero_rank, 2, str(out), "", None, 3, True, (4, "_save_rng_state"), 1, timeout=300, env=ENV)
+    torn = out / "checkpoint-4"
+    assert (torn / "trainer_state.json").is_file()  # rank 0 finished the Trainer's save, rotation included
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4"]
+    problems = checkpoint_problems(str(torn))
+    assert problems[0].startswith("zero/: ") and "incomplete checkpoint" in problems[0], problems
+    assert not (torn / "rng_state_1.pth").exists()
+    resumed = run_distributed(zero_rank, 2, str(out), "", True, 3, True, None, 1, timeout=300, env=ENV)
+    uninterrupted = runs["zero"][0]
+    for name in ("loss", "grad_norm", "eval_loss"):
+        assert resumed[0]["history"][name] == pytest.approx(uninterrupted["history"][name], abs=1e-6), name
+    _assert_close(resumed[0]["params"], uninterrupted["params"], 1e-6)
+    assert sorted(os.listdir(out)) == ["checkpoint-4"] and not checkpoint_problems(str(torn))
 
 
 def test_exported_directory_loads_with_from_pretrained(runs):

@@ -106,6 +106,7 @@ class ZeroTrainer(Trainer):
             raise ConfigError(f"ZeroTrainer(async_checkpoints=...) must be True or False, got {async_checkpoints!r}")
         self.zero_async_checkpoints = async_checkpoints
         self._pending_save: Any = None
+        self._rotate_after: str | None = None  # the run directory to rotate once the pending save completed
         positional = len(args) > 1
         training_args = args[1] if positional else kwargs.get("args")
         model = args[0] if args else kwargs.get("model")
@@ -176,15 +177,40 @@ class ZeroTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         model = self._sharded("save the optimizer")
-        self.finish_pending_save()
+        self._wait_pending_save()  # no rotation here: this save's folder exists already, and is not complete
         self._pending_save = zero_core.save_checkpoint(model, model.engine.optimizer,
                                                        os.path.join(output_dir, ZERO_CHECKPOINT_DIR),
                                                        async_=self.zero_async_checkpoints)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
 
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        limit = self.args.save_total_limit
+        if not self.zero_async_checkpoints or limit is None or limit <= 0:
+            super()._save_checkpoint(model, trial)
+            return
+        # The Trainer rotates while this checkpoint's zero/ is still being written: keep one more, so that the
+        # newest complete checkpoint survives until the new one is (see [Note: background saves under the Trainer])
+        self.args.save_total_limit = limit + 1
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        self._rotate_after = self._get_output_dir(trial=trial)
+
     def finish_pending_save(self) -> None:
-        """Wait for a checkpoint still being written in the background; raise its failure (no-op without one)."""
+        """Wait for a checkpoint still being written in the background; raise its failure (no-op without one). Then,
+        under ``save_total_limit``, remove the checkpoints beyond it: the Trainer's rotation kept one more while the
+        write was pending."""
+        self._wait_pending_save()
+        run_dir, self._rotate_after = self._rotate_after, None
+        if run_dir is not None and self.args.should_save:  # every checkpoint complete: the Trainer's own limit
+            from transformers.trainer_utils import rotate_checkpoints
+
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _wait_pending_save(self) -> None:
         pending, self._pending_save = self._pending_save, None
         if pending is not None:
             pending.wait()
@@ -262,8 +288,10 @@ def _compile_blocks(model: torch.nn.Module, backend: str | None, mode: str | Non
 
 # [Note: background saves under the Trainer]
 # With async_checkpoints=True the Trainer's _save_checkpoint goes on while zero/ is still written: it writes
-# trainer_state.json, the RNG files and may rotate old checkpoints (only older, complete ones: each save first waits
-# for the previous one). zero's metadata file is renamed into place last (see [Note: sharded checkpoint layout]), so a
+# trainer_state.json, the RNG files and rotates old checkpoints. Those are complete (each save first waits for the
+# previous one), but the newest of them is the one a resume needs until the new one completes: under save_total_limit
+# the Trainer's rotation keeps one checkpoint more, and the checkpoints beyond the limit go once the write completed
+# (finish_pending_save, at the end of train()). zero's metadata file is renamed into place last (see [Note: sharded checkpoint layout]), so a
 # run that stops during the write leaves checkpoint-N with a zero/ directory that has no zero_checkpoint.json:
 # load_checkpoint refuses it by name, and resume_from_checkpoint=True skips it for the last complete checkpoint.
 
