@@ -33,8 +33,8 @@ import torch
 
 import zero_core
 from zero_core import LossScale, ZeroConfig, ZeroModule
-from zero_core._log import get_logger
 from zero_core.errors import CheckpointError, ConfigError
+from zero_core.plugin import get_logger
 
 try:
     from transformers import Trainer
@@ -70,13 +70,8 @@ class ZeroTrainer(Trainer):
         async_checkpoints: Write each ``save_steps`` checkpoint's ``zero/`` directory in the
             background (``zero_core.save_checkpoint(..., async_=True)``): the step blocks only
             while this rank's shards are copied into host staging buffers. The next save, the
-            end of ``train()`` and a resume wait for it and raise its failure.
-
-    A checkpoint that a stopped run left incomplete (with or without ``async_checkpoints``: a
-    rank killed anywhere in the Trainer's save) is never resumed from:
-    ``resume_from_checkpoint=True`` skips it, logging what it lacks, for the last complete one,
-    and an explicit path to it raises :class:`~zero_core.CheckpointError` naming what is
-    missing (see :func:`checkpoint_problems`).
+            end of ``train()`` and a resume wait for it and raise its failure. Under
+            ``save_total_limit`` one checkpoint more is kept while a write is pending.
         deepspeed: A DeepSpeed config (a dict or the path of its file) to train by instead of
             ``zero_config``, imported by :func:`zero_core.convert_deepspeed_config` with its
             ``"auto"`` values filled from the training arguments as HF's DeepSpeed integration
@@ -95,6 +90,12 @@ class ZeroTrainer(Trainer):
 
     A setting given twice with different values (``bf16=True`` with a fp32 ``zero_config``, a
     DeepSpeed config whose ``fp16`` differs from the arguments') is refused naming both.
+
+    A checkpoint that a stopped run left incomplete (with or without ``async_checkpoints``: a
+    rank killed anywhere in the Trainer's save) is never resumed from:
+    ``resume_from_checkpoint=True`` skips it, logging what it lacks, for the last complete one,
+    and an explicit path to it raises :class:`~zero_core.CheckpointError` naming what is
+    missing (see :func:`checkpoint_problems`).
     """
 
     def __init__(self, *args: Any, zero_config: ZeroConfig | None = None, max_shard_size: int | str = "5GB",
@@ -291,9 +292,10 @@ def _compile_blocks(model: torch.nn.Module, backend: str | None, mode: str | Non
 # trainer_state.json, the RNG files and rotates old checkpoints. Those are complete (each save first waits for the
 # previous one), but the newest of them is the one a resume needs until the new one completes: under save_total_limit
 # the Trainer's rotation keeps one checkpoint more, and the checkpoints beyond the limit go once the write completed
-# (finish_pending_save, at the end of train()). zero's metadata file is renamed into place last (see [Note: sharded checkpoint layout]), so a
-# run that stops during the write leaves checkpoint-N with a zero/ directory that has no zero_checkpoint.json:
-# load_checkpoint refuses it by name, and resume_from_checkpoint=True skips it for the last complete checkpoint.
+# (finish_pending_save, at the end of train()). zero's metadata file is renamed into place last (see [Note: sharded
+# checkpoint layout]), so a run that stops during the write leaves checkpoint-N with a zero/ directory that has no
+# zero_checkpoint.json: load_checkpoint refuses it by name, and resume_from_checkpoint=True skips it for the last
+# complete checkpoint (see the Note below).
 
 # [Note: a complete Trainer checkpoint under zero]
 # ZeroTrainer's save of checkpoint-N (Trainer._save_checkpoint, transformers 5.x) writes, in this order:
