@@ -12,13 +12,17 @@ from the ``save_steps`` checkpoint, and the exported directory loaded by
 from __future__ import annotations
 
 import functools
+import itertools
 import os
+import shutil
+import signal
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from zero_core.testing import run_distributed
+from zero_core.errors import CheckpointError
+from zero_core.testing import DistributedTestError, run_distributed
 
 VOCAB, SEQ, SAMPLES = 96, 16, 32
 STEPS, ACCUM, PER_RANK = 4, 2, 2
@@ -78,12 +82,32 @@ def reference_rank(output_dir: str) -> dict:
 
 
 def zero_rank(output_dir: str, export_dir: str, resume: str | bool | None, stage: int,
-              async_checkpoints: bool = False) -> dict:
+              async_checkpoints: bool = False, die_at: tuple[int, str] | None = None, limit: int | None = None) -> dict:
+    """``die_at=(step, method)``: rank 1 is killed (SIGKILL) as the Trainer's save of ``checkpoint-<step>`` calls
+    ``method``: ``"_save_optimizer_and_scheduler"`` (the model files written, zero's not begun) or
+    ``"_save_rng_state"`` (zero's write begun, in the background with ``async_checkpoints``). ``limit``:
+    ``save_total_limit``."""
     from zero_core import ChunkPolicy, ZeroConfig
     from zero_integrations.hf import ZeroTrainer
 
+    class DyingTrainer(ZeroTrainer):
+        def _maybe_die(self, method: str) -> None:
+            if die_at is not None and (self.state.global_step, method) == die_at and dist.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+            if die_at is not None and self.state.global_step == die_at[0]:
+                self._wait_pending_save()  # the previous checkpoint complete on both ranks, as a save begins
+            self._maybe_die("_save_optimizer_and_scheduler")
+            super()._save_optimizer_and_scheduler(output_dir)
+
+        def _save_rng_state(self, output_dir: str) -> None:
+            self._maybe_die("_save_rng_state")
+            super()._save_rng_state(output_dir)
+
     model = build_model()
-    trainer = ZeroTrainer(model=model, args=arguments(output_dir, PER_RANK), train_dataset=dataset(),
+    trainer = DyingTrainer(model=model, args=arguments(output_dir, PER_RANK, save_total_limit=limit),
+                           train_dataset=dataset(),
                           eval_dataset=dataset(8, seed=8),
                           zero_config=ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=8192)),
                           max_shard_size=40_000, async_checkpoints=async_checkpoints)
@@ -182,11 +206,139 @@ def test_the_last_complete_checkpoint_is_found(tmp_path):
 
     assert last_complete_checkpoint(str(tmp_path / "absent")) is None
     for name, files in {"checkpoint-2": ["zero/zero_checkpoint.json"], "checkpoint-3": ["trainer_state.json"],
-                        "checkpoint-10": ["zero/x.safetensors", "trainer_state.json"], "runs": []}.items():
+                        "checkpoint-10": ["zero/x.safetensors", "trainer_state.json"], "checkpoint-11": ["config.json"],
+                        "runs": []}.items():
         for f in files:
             (tmp_path / name / f).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / name / f).write_text("{}")
-    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-3")  # 10's zero save is torn
+    # 10's zero save is torn, 11 stopped before zero/ was begun; 3 is a plain Trainer's checkpoint (no zero/)
+    assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-3")
+
+
+# The files of a ZeroTrainer save of checkpoint-N on 2 ranks, by what writes them (see [Note: a complete Trainer
+# checkpoint under zero]), and what each must follow: the order of each rank's own calls, and zero's collectives
+# (zero/ is made once both ranks arrived; its metadata is written once both shard files are). With
+# async_checkpoints the shard files and the metadata are written in the background: the metadata may land after any of
+# the files that follow it on rank 0, and rank 1's RNG file may come before its shard file. A synchronous save is one
+# of these orders too, so every prefix of every real order is a state below.
+_SAVE_PARTS = {  # part: the parts it comes after
+    "model": (), "training_args": ("model",), "zero_begun": ("training_args",), "shard0": ("zero_begun",),
+    "shard1": ("zero_begun",), "metadata": ("shard0", "shard1"), "scheduler": ("zero_begun",),
+    "rng0": ("scheduler",), "rng1": ("zero_begun",), "trainer_state": ("rng0",),
+}
+
+
+def _part_of(name: str) -> str:
+    if name.startswith("zero/"):
+        return "metadata" if name.endswith("zero_checkpoint.json") else "shard0" if ".rank00000-" in name else "shard1"
+    return {"training_args.bin": "training_args", "scheduler.pt": "scheduler", "rng_state_0.pth": "rng0",
+            "rng_state_1.pth": "rng1", "trainer_state.json": "trainer_state"}.get(name, "model")
+
+
+def _reachable_states() -> list[frozenset[str]]:
+    """Every set of parts some interleaving has written when a rank stops: the sets closed under _SAVE_PARTS."""
+    parts = list(_SAVE_PARTS)
+    return [frozenset(chosen) for n in range(len(parts) + 1) for chosen in itertools.combinations(parts, n)
+            if all(set(_SAVE_PARTS[part]) <= set(chosen) for part in chosen)]
+
+
+def test_a_checkpoint_is_complete_only_when_every_file_a_resume_reads_is_whole(runs, tmp_path):
+    """Every state a rank stopped anywhere in the Trainer's save (any interleaving of the ranks, synchronous or
+    asynchronous zero write) can leave: only the whole save is resumed from; every other state is skipped for the
+    previous checkpoint by resume_from_checkpoint=True, and refused by name as an explicit path, before anything is
+    loaded. A file cut short by the kill (the Trainer's JSON and torch.save are not atomic) counts as missing."""
+    from zero_integrations.hf import ZeroTrainer, checkpoint_problems, last_complete_checkpoint
+
+    source = runs["out"] / "checkpoint-2"  # a real save of the shared run (2 ranks), left as it was written
+    files = sorted(str(p.relative_to(source)) for p in source.rglob("*") if p.is_file())
+    parts = {_part_of(name) for name in files}
+    assert parts == set(_SAVE_PARTS) - {"zero_begun"}, files  # the real save wrote every part, and nothing else
+    out = tmp_path / "out"
+    shutil.copytree(source, out / "checkpoint-2")
+    states = _reachable_states()
+    assert len(states) > 40
+    trainer = ZeroTrainer(model=build_model(), args=arguments(str(out), PER_RANK, eval_strategy="no"))
+    for state in states:
+        torn = out / "checkpoint-4"
+        shutil.rmtree(torn, ignore_errors=True)
+        torn.mkdir()
+        if "zero_begun" in state:
+            (torn / "zero").mkdir()
+        for name in files:
+            if _part_of(name) in state:
+                os.link(source / name, torn / name)
+        complete = state == frozenset(_SAVE_PARTS)
+        want = torn if complete else out / "checkpoint-2"
+        assert last_complete_checkpoint(str(out)) == str(want), sorted(state)
+        problems = checkpoint_problems(str(torn))
+        assert bool(problems) != complete, (sorted(state), problems)
+        if not complete:
+            with pytest.raises(CheckpointError, match="not a complete checkpoint") as refused:
+                trainer.train(resume_from_checkpoint=str(torn))
+            missing = set(_SAVE_PARTS) - state
+            if "trainer_state" in missing:
+                assert "no trainer_state.json" in str(refused.value)
+            if "metadata" in missing and "zero_begun" in state:
+                assert "zero_checkpoint.json" in str(refused.value)
+            if "zero_begun" not in state:
+                assert "no zero/" in str(refused.value)
+    # each non-atomic file cut short, the rest whole: skipped, naming the file
+    for name in ("trainer_state.json", "scheduler.pt", "rng_state_1.pth"):
+        shutil.rmtree(torn)
+        shutil.copytree(source, torn)
+        data = (torn / name).read_bytes()
+        (torn / name).write_bytes(data[: len(data) // 2])
+        assert last_complete_checkpoint(str(out)) == str(out / "checkpoint-2"), name
+        assert any(name in problem and "cut short" in problem for problem in checkpoint_problems(str(torn))), name
+    # nothing complete: resume_from_checkpoint=True names each torn checkpoint and what it lacks
+    shutil.rmtree(out / "checkpoint-2")
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint .*checkpoint-4: rng_state_1.pth is cut short"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_a_rank_killed_before_zero_wrote_resumes_from_the_previous_checkpoint(runs):
+    """The issue's case, for real: rank 1 dies in the save of checkpoint-4 after the Trainer wrote the model files
+    there and before zero/ exists; resume_from_checkpoint=True resumes from checkpoint-2 and trains as the
+    uninterrupted run did."""
+    from zero_integrations.hf import checkpoint_problems
+
+    out = runs["root"] / "zero-killed"
+    with pytest.raises(DistributedTestError, match=f"rank 1 exited with code {-signal.SIGKILL}"):
+        run_distributed(zero_rank, 2, str(out), "", None, 3, True, (4, "_save_optimizer_and_scheduler"),
+                        timeout=300, env=ENV)
+    torn = out / "checkpoint-4"
+    assert (torn / "config.json").is_file() and not (torn / "trainer_state.json").exists()
+    assert checkpoint_problems(str(torn))[0].startswith("no zero/")
+    resumed = run_distributed(zero_rank, 2, str(out), "", True, 3, True, timeout=300, env=ENV)
+    uninterrupted = runs["zero"][0]
+    for name in ("loss", "grad_norm", "eval_loss"):  # steps 3-4 trained again from checkpoint-2
+        assert resumed[0]["history"][name] == pytest.approx(uninterrupted["history"][name], abs=1e-6), name
+    _assert_close(resumed[0]["params"], uninterrupted["params"], 1e-6)
+    assert not checkpoint_problems(str(torn))  # the resumed run's own save of checkpoint-4 is complete
+
+
+def test_a_rank_killed_during_the_background_write_under_save_total_limit_1_leaves_the_previous_checkpoint(runs):
+    """save_total_limit=1 with async_checkpoints: the Trainer rotates while checkpoint-4's zero/ is still being
+    written, so it keeps one checkpoint more (checkpoint-2, the one a resume needs) until the write completed. Rank 1
+    dies once its background write began (rank 0 goes on to write trainer_state.json and rotate); the resume takes
+    checkpoint-2, and once its own checkpoint-4 completed, only that one is left."""
+    from zero_integrations.hf import checkpoint_problems
+
+    out = runs["root"] / "zero-killed-limit"
+    with pytest.raises(DistributedTestError, match=f"rank 1 exited with code {-signal.SIGKILL}"):
+        run_distributed(zero_rank, 2, str(out), "", None, 3, True, (4, "_save_rng_state"), 1, timeout=300, env=ENV)
+    torn = out / "checkpoint-4"
+    assert (torn / "trainer_state.json").is_file()  # rank 0 finished the Trainer's save, rotation included
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4"]
+    problems = checkpoint_problems(str(torn))
+    assert problems[0].startswith("zero/: ") and "incomplete checkpoint" in problems[0], problems
+    assert not (torn / "rng_state_1.pth").exists()
+    resumed = run_distributed(zero_rank, 2, str(out), "", True, 3, True, None, 1, timeout=300, env=ENV)
+    uninterrupted = runs["zero"][0]
+    for name in ("loss", "grad_norm", "eval_loss"):
+        assert resumed[0]["history"][name] == pytest.approx(uninterrupted["history"][name], abs=1e-6), name
+    _assert_close(resumed[0]["params"], uninterrupted["params"], 1e-6)
+    assert sorted(os.listdir(out)) == ["checkpoint-4"] and not checkpoint_problems(str(torn))
 
 
 def test_exported_directory_loads_with_from_pretrained(runs):

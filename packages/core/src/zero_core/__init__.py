@@ -43,7 +43,8 @@ _HOME = {
     "CommStats": "zero_core.comm",
     **{name: "zero_core.errors" for name in (
         "CheckpointError", "CollectiveTimeoutError", "ConfigError", "DeepSpeedConfigWarning", "GradientLostError",
-        "PluginNotFoundError", "RanksDisagreeError", "RanksOutOfStepError", "ZeroError", "ZeroSetupError")},
+        "PluginContractError", "PluginNotFoundError", "RanksDisagreeError", "RanksOutOfStepError", "ZeroError",
+        "ZeroSetupError")},
 }
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
@@ -65,6 +66,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
         ConfigError,
         DeepSpeedConfigWarning,
         GradientLostError,
+        PluginContractError,
         PluginNotFoundError,
         RanksDisagreeError,
         RanksOutOfStepError,
@@ -99,6 +101,7 @@ __all__ = [
     "Estimate",
     "GradientLostError",
     "LossScale",
+    "PluginContractError",
     "PluginNotFoundError",
     "Precision",
     "RanksDisagreeError",

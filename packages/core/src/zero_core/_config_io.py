@@ -34,15 +34,16 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
 from zero_core.errors import ConfigError
 
-__all__ = ["FORMATS", "Nested", "dataclass_from_dict", "dataclass_to_dict", "read_file", "write_file"]
+__all__ = ["FORMATS", "KeywordsChecked", "Nested", "dataclass_from_dict", "dataclass_to_dict", "did_you_mean", "read_file",
+           "write_file"]
 
 #: File suffix -> format name.
 FORMATS = {".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml"}
@@ -142,9 +143,34 @@ def dataclass_from_dict(cls: type, data: Any, nested: Nested, prefix: str = "") 
 
 def _unknown_key(key: object, names: list[str], prefix: str) -> ConfigError:
     where = f"in {prefix.rstrip('.')}" if prefix else "at the top level"
-    close = difflib.get_close_matches(str(key), names, n=1)
-    hint = f"; did you mean '{prefix}{close[0]}'?" if close else "."
-    return ConfigError(f"unknown config key '{prefix}{key}'{hint} Valid keys {where}: {', '.join(names)}.")
+    return ConfigError(f"unknown config key '{prefix}{key}'{did_you_mean(key, names, prefix)} "
+                       f"Valid keys {where}: {', '.join(names)}.")
+
+
+def did_you_mean(key: object, names: Iterable[str], prefix: str = "") -> str:
+    """``"; did you mean 'x'?"`` for the name in ``names`` closest to a mistyped ``key`` (``prefix`` before it), else
+    ``"."``: the suggestion of every unknown-name message (config keys and keywords, plugin names)."""
+    close = difflib.get_close_matches(str(key), list(names), n=1)
+    return f"; did you mean '{prefix}{close[0]}'?" if close else "."
+
+
+class KeywordsChecked:
+    """Base of the config dataclasses (frozen, keyword-only): an unknown keyword argument to the constructor
+    (or to ``dataclasses.replace``) raises :class:`~zero_core.ConfigError` with the closest field, as the file and
+    dict loaders do, instead of Python's bare ``TypeError``. It checks in ``__new__``, before the dataclass's own
+    ``__init__`` runs, so that ``__init__`` stays the generated one (type checkers, ``replace`` and pickling, which
+    calls ``__new__`` without arguments, see the plain dataclass)."""
+
+    __slots__ = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        if kwargs:  # (positional arguments are left to __init__'s TypeError: keyword-only is Python's own rule)
+            names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+            for key in kwargs:
+                if key not in names:
+                    raise ConfigError(f"{cls.__name__} has no field {key!r}{did_you_mean(key, names)} "
+                                      f"Its fields: {', '.join(names)}.")
+        return super().__new__(cls)
 
 
 def _blame(cls: type, message: str, prefix: str, names: list[str]) -> str:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
+from zero_core._config_io import did_you_mean
 from zero_core._install import install_command
-from zero_core.errors import PluginNotFoundError, ZeroSetupError
+from zero_core.errors import PluginContractError, PluginNotFoundError, ZeroSetupError
 
 __all__ = ["Registry"]
 
@@ -15,8 +16,10 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     """Names to implementations of one kind (strategies, comm backends or placement policies).
 
-    ``get`` of an unknown name raises :class:`~zero_core.PluginNotFoundError` listing the
-    names that are registered, and which distribution usually provides a missing one.
+    ``get`` of an unknown name raises :class:`~zero_core.PluginNotFoundError` with the closest
+    registered name, the names that are registered, and which distribution usually provides a
+    missing one; ``get`` of a class that leaves an abstract method unimplemented raises
+    :class:`~zero_core.PluginContractError` naming the methods.
     """
 
     def __init__(self, kind: str, *, install_hint: dict[str, str] | None = None) -> None:
@@ -36,14 +39,24 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         try:
-            return self._items[name]
+            item = self._items[name]
         except KeyError:
             available = ", ".join(sorted(self._items)) or "none"
             hint = self._install_hint.get(name)
             extra = f" It is provided by {hint}: {install_command(hint)}." if hint else ""
+            # a name that is not installed but known (its distribution's hint) is no typo: no suggestion then
+            close = "." if hint else did_you_mean(name, self._items)
             raise PluginNotFoundError(
-                f"no {self.kind} named {name!r} is registered (available: {available}).{extra}"
+                f"no {self.kind} named {name!r} is registered (available: {available}){close}{extra}"
             ) from None
+        missing = sorted(getattr(item, "__abstractmethods__", ()))
+        if missing:  # a plugin class that cannot be built: say which methods, not Python's "Can't instantiate"
+            raise PluginContractError(
+                f"the {self.kind} {name!r} ({getattr(item, '__module__', '?')}.{getattr(item, '__qualname__', item)}) "
+                f"does not implement {', '.join(missing)}: a {self.kind} must override every abstract method of its "
+                "base class (see the plugin guide, docs/plugins.md)"
+            )
+        return item
 
     def names(self) -> list[str]:
         return sorted(self._items)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from zero_core._config_io import dataclass_from_dict, dataclass_to_dict, read_file, write_file
+from zero_core._config_io import KeywordsChecked, dataclass_from_dict, dataclass_to_dict, read_file, write_file
 from zero_core.errors import ConfigError
 
 __all__ = ["ChunkPolicy", "LossScale", "Precision", "ZeroConfig"]
@@ -79,7 +79,7 @@ def _check_positive_int(owner: str, field_name: str, value: object, *, allow_non
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ChunkPolicy:
+class ChunkPolicy(KeywordsChecked):
     """How parameters are packed into chunks (used by chunk-based strategies).
 
     Attributes:
@@ -113,7 +113,7 @@ class ChunkPolicy:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LossScale:
+class LossScale(KeywordsChecked):
     """How the loss is scaled for fp16 training (see :meth:`zero_core.ZeroModule.backward`).
 
     Dynamic scaling multiplies the loss by ``scale`` before backward and divides the
@@ -163,7 +163,7 @@ class LossScale:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Precision:
+class Precision(KeywordsChecked):
     """Which dtypes a step computes and reduces in.
 
     The optimizer always updates master shards in the parameters' own dtype (fp32 for
@@ -206,7 +206,7 @@ class Precision:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ZeroConfig:
+class ZeroConfig(KeywordsChecked):
     """What :func:`zero_core.shard` builds.
 
     Attributes:

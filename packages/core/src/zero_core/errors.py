@@ -11,6 +11,7 @@ __all__ = [
     "GradientLostError",
     "OwnershipError",
     "PlanError",
+    "PluginContractError",
     "PluginNotFoundError",
     "RanksDisagreeError",
     "RanksOutOfStepError",
@@ -36,6 +37,12 @@ class PluginNotFoundError(ZeroError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
+
+
+class PluginContractError(ZeroError):
+    """A plugin (placement policy, shard strategy or comm backend) did not do what zero's interface requires of it.
+
+    The message names the plugin, the method to implement or fix, and what that method must do."""
 
 
 class ZeroSetupError(ZeroError, ValueError):

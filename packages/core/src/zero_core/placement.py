@@ -39,7 +39,7 @@ import torch
 from zero_core._ownership import policy_call
 from zero_core._state import MemoryTier, TrainingState
 from zero_core.chunk import Chunk, ChunkSpec, rewrap, to_local
-from zero_core.errors import ConfigError
+from zero_core.errors import ConfigError, PluginContractError
 
 if TYPE_CHECKING:
     from zero_core.api import ZeroConfig
@@ -176,9 +176,22 @@ class PlacementPolicy(ABC):
         return type(self).before_compute is not PlacementPolicy.before_compute
 
     def before_gather(self, chunks: Sequence[Chunk]) -> None:
-        """Make sure these chunks' shards can be gathered on the device (they are about to be)."""
+        """Make sure these chunks' shards can be gathered (they are about to be): each shard is in memory, on the
+        device or in host memory (a gather reads a host shard directly), not an :func:`absent_shard` stand-in.
+
+        Default: every chunk must be on the device tier already. A policy that keeps shards anywhere else overrides
+        it (see the placement policy contract in the plugin guide).
+        """
         for chunk in chunks:
-            assert chunk.tier is MemoryTier.DEVICE, f"{self.name} left chunk {chunk.index} on {chunk.tier.value}"
+            if chunk.tier is not MemoryTier.DEVICE:
+                raise PluginContractError(
+                    f"placement policy {self.name!r} ({type(self).__module__}.{type(self).__qualname__}) left chunk "
+                    f"{chunk.index} on the {chunk.tier.value} tier when it was about to be gathered, and does not "
+                    "override before_gather(chunks), whose default accepts device shards only. A policy that keeps "
+                    "shards off the device must implement before_gather: bring each chunk's shard back into memory "
+                    "(move_shard(chunk, device) and chunk.tier = MemoryTier.DEVICE), or, for a shard it keeps in "
+                    "host memory, which a gather reads directly, do nothing (as zero's 'host' policy does)"
+                )
 
     def after_release(self, chunks: Sequence[Chunk]) -> None:
         """These chunks were just released; the policy may move their shards away."""

@@ -21,7 +21,15 @@ from zero_core._view import EngineView
 from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk, ChunkSpec, ParamInfo, ParamSlot, Segment, rewrap, to_local
 from zero_core.comm import CollectiveCount, CollectiveKind, CommBackend, CommStats, Pending, ring_bytes_sent
-from zero_core.errors import CollectiveTimeoutError, CommError, ConfigError, OwnershipError, PlanError, ZeroError
+from zero_core.errors import (
+    CollectiveTimeoutError,
+    CommError,
+    ConfigError,
+    OwnershipError,
+    PlanError,
+    PluginContractError,
+    ZeroError,
+)
 from zero_core.hookspecs import hookspec
 from zero_core.mesh import MeshSpec, Topology
 from zero_core.placement import (
@@ -68,6 +76,7 @@ __all__ = [
     "PlacementContext",
     "PlacementPolicy",
     "PlanError",
+    "PluginContractError",
     "Reduction",
     "Registry",
     "Segment",

@@ -33,7 +33,8 @@ import torch
 
 import zero_core
 from zero_core import LossScale, ZeroConfig, ZeroModule
-from zero_core.errors import ConfigError
+from zero_core.errors import CheckpointError, ConfigError
+from zero_core.plugin import get_logger
 
 try:
     from transformers import Trainer
@@ -43,7 +44,9 @@ except ImportError as exc:  # pragma: no cover - the [hf] extra installs it
     raise ImportError(f"zero_integrations.hf needs transformers: {install_command('zero-integrations', extra='[hf]')}"
                       ) from exc
 
-__all__ = ["ZERO_CHECKPOINT_DIR", "ZeroTrainer", "last_complete_checkpoint"]
+__all__ = ["ZERO_CHECKPOINT_DIR", "ZeroTrainer", "checkpoint_problems", "last_complete_checkpoint"]
+
+_logger = get_logger("integrations")
 
 #: The sub-directory of a Trainer checkpoint (``checkpoint-N/``) holding zero's sharded checkpoint.
 ZERO_CHECKPOINT_DIR = "zero"
@@ -67,9 +70,8 @@ class ZeroTrainer(Trainer):
         async_checkpoints: Write each ``save_steps`` checkpoint's ``zero/`` directory in the
             background (``zero_core.save_checkpoint(..., async_=True)``): the step blocks only
             while this rank's shards are copied into host staging buffers. The next save, the
-            end of ``train()`` and a resume wait for it and raise its failure. A checkpoint
-            whose background write did not finish is never resumed from by
-            ``resume_from_checkpoint=True``: the last complete one is.
+            end of ``train()`` and a resume wait for it and raise its failure. Under
+            ``save_total_limit`` one checkpoint more is kept while a write is pending.
         deepspeed: A DeepSpeed config (a dict or the path of its file) to train by instead of
             ``zero_config``, imported by :func:`zero_core.convert_deepspeed_config` with its
             ``"auto"`` values filled from the training arguments as HF's DeepSpeed integration
@@ -91,6 +93,12 @@ class ZeroTrainer(Trainer):
 
     A setting given twice with different values (``bf16=True`` with a fp32 ``zero_config``, a
     DeepSpeed config whose ``fp16`` differs from the arguments') is refused naming both.
+
+    A checkpoint that a stopped run left incomplete (with or without ``async_checkpoints``: a
+    rank killed anywhere in the Trainer's save) is never resumed from:
+    ``resume_from_checkpoint=True`` skips it, logging what it lacks, for the last complete one,
+    and an explicit path to it raises :class:`~zero_core.CheckpointError` naming what is
+    missing (see :func:`checkpoint_problems`).
     """
 
     def __init__(self, *args: Any, zero_config: ZeroConfig | None = None, max_shard_size: int | str = "5GB",
@@ -102,6 +110,7 @@ class ZeroTrainer(Trainer):
             raise ConfigError(f"ZeroTrainer(async_checkpoints=...) must be True or False, got {async_checkpoints!r}")
         self.zero_async_checkpoints = async_checkpoints
         self._pending_save: Any = None
+        self._rotate_after: str | None = None  # the run directory to rotate once the pending save completed
         positional = len(args) > 1
         training_args = args[1] if positional else kwargs.get("args")
         model = args[0] if args else kwargs.get("model")
@@ -192,24 +201,55 @@ class ZeroTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         model = self._sharded("save the optimizer")
-        self.finish_pending_save()
+        self._wait_pending_save()  # no rotation here: this save's folder exists already, and is not complete
         self._pending_save = zero_core.save_checkpoint(model, model.engine.optimizer,
                                                        os.path.join(output_dir, ZERO_CHECKPOINT_DIR),
                                                        async_=self.zero_async_checkpoints)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
 
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        limit = self.args.save_total_limit
+        if not self.zero_async_checkpoints or limit is None or limit <= 0:
+            super()._save_checkpoint(model, trial)
+            return
+        # The Trainer rotates while this checkpoint's zero/ is still being written: keep one more, so that the
+        # newest complete checkpoint survives until the new one is (see [Note: background saves under the Trainer])
+        self.args.save_total_limit = limit + 1
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        self._rotate_after = self._get_output_dir(trial=trial)
+
     def finish_pending_save(self) -> None:
-        """Wait for a checkpoint still being written in the background; raise its failure (no-op without one)."""
+        """Wait for a checkpoint still being written in the background; raise its failure (no-op without one). Then,
+        under ``save_total_limit``, remove the checkpoints beyond it: the Trainer's rotation kept one more while the
+        write was pending."""
+        self._wait_pending_save()
+        run_dir, self._rotate_after = self._rotate_after, None
+        if run_dir is not None and self.args.should_save:  # every checkpoint complete: the Trainer's own limit
+            from transformers.trainer_utils import rotate_checkpoints
+
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _wait_pending_save(self) -> None:
         pending, self._pending_save = self._pending_save, None
         if pending is not None:
             pending.wait()
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        if resume_from_checkpoint is True:  # the last checkpoint whose zero save completed, see the note below
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        # Only a complete checkpoint is resumed from: see [Note: a complete Trainer checkpoint under zero]
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = _last_complete_or_raise(self.args.output_dir)
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            problems = checkpoint_problems(os.fspath(resume_from_checkpoint))
+            if problems:
+                raise CheckpointError(f"cannot resume from {os.fspath(resume_from_checkpoint)}: it is not a complete "
+                                      f"checkpoint ({'; '.join(problems)}). Resume from an earlier checkpoint, or "
+                                      "pass resume_from_checkpoint=True for the last complete one")
+            resume_from_checkpoint = os.fspath(resume_from_checkpoint)
         try:
             result = super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException:
@@ -272,30 +312,126 @@ def _compile_blocks(model: torch.nn.Module, backend: str | None, mode: str | Non
 
 # [Note: background saves under the Trainer]
 # With async_checkpoints=True the Trainer's _save_checkpoint goes on while zero/ is still written: it writes
-# trainer_state.json, the RNG files and may rotate old checkpoints (only older, complete ones: each save first waits
-# for the previous one). zero's metadata file is renamed into place last (see [Note: sharded checkpoint layout]), so a
-# run that stops during the write leaves checkpoint-N with a zero/ directory that has no zero_checkpoint.json:
-# load_checkpoint refuses it by name, and resume_from_checkpoint=True skips it for the last complete checkpoint.
+# trainer_state.json, the RNG files and rotates old checkpoints. Those are complete (each save first waits for the
+# previous one), but the newest of them is the one a resume needs until the new one completes: under save_total_limit
+# the Trainer's rotation keeps one checkpoint more, and the checkpoints beyond the limit go once the write completed
+# (finish_pending_save, at the end of train()). zero's metadata file is renamed into place last (see [Note: sharded
+# checkpoint layout]), so a run that stops during the write leaves checkpoint-N with a zero/ directory that has no
+# zero_checkpoint.json: load_checkpoint refuses it by name, and resume_from_checkpoint=True skips it for the last
+# complete checkpoint (see the Note below).
+
+# [Note: a complete Trainer checkpoint under zero]
+# ZeroTrainer's save of checkpoint-N (Trainer._save_checkpoint, transformers 5.x) writes, in this order:
+#   1. save_model: config.json, generation_config.json, the safetensors (and index), training_args.bin (rank 0);
+#   2. _save_optimizer_and_scheduler: zero/ (made by rank 0 once every rank arrived; each rank's shard file; rank 0's
+#      zero_checkpoint.json, renamed into place last, after every rank reported its file), then scheduler.pt (rank 0);
+#      with async_checkpoints the shard files and the metadata are written in the background, so the metadata can land
+#      anywhere in what follows, or never;
+#   3. rng_state_<rank>.pth (rng_state.pth in one process), each rank its own, with no barrier between ranks;
+#   4. trainer_state.json (rank 0), then the Trainer's rotation of older checkpoints.
+# A rank can stop anywhere in this, and only the zero files and the model files are written atomically
+# (torch.save and the Trainer's JSON are not). A checkpoint with zero/ is complete when everything a resume reads is
+# there whole: zero/'s metadata as load_checkpoint reads it (read_metadata: the same check, the same message) with
+# every shard file it names at its recorded size (load_checkpoint also checks their sha256; that reads every byte, so
+# it is left to the load), trainer_state.json that parses, scheduler.pt, and the RNG file of every rank of the saved
+# world size (a complete torch.save archive each: its zip directory, written last, is there). The model files are not
+# read by a resume (zero's shards hold the fp32 masters) and precede zero/ anyway. A checkpoint without zero/ is a plain
+# Trainer's (or save_only_model's) when its trainer_state.json, the Trainer's last file, parses; without it, it is a
+# ZeroTrainer save that stopped before zero/ was begun. resume_from_checkpoint=True takes the newest complete one,
+# logging each newer one it skips with what it lacks; with only torn ones it raises CheckpointError listing them
+# (with none at all, the Trainer's own ValueError); an explicit path that is not complete raises CheckpointError naming
+# what is missing, before anything is loaded.
+_TRAINER_STATE_NAME = "trainer_state.json"
+
+
+def checkpoint_problems(checkpoint: str) -> list[str]:
+    """What keeps the Trainer checkpoint ``checkpoint`` (a ``checkpoint-N`` folder) from being resumed by
+    :class:`ZeroTrainer`; an empty list for a complete one. See [Note: a complete Trainer checkpoint under zero]."""
+    import json
+    import zipfile
+
+    from zero_core._checkpoint import read_metadata
+
+    if not os.path.isdir(checkpoint):
+        return ["the folder does not exist"]
+    problems = []
+    state = os.path.join(checkpoint, _TRAINER_STATE_NAME)
+    if not os.path.isfile(state):
+        problems.append(f"no {_TRAINER_STATE_NAME}, which the Trainer writes last")
+    else:
+        try:
+            with open(state) as f:
+                json.load(f)
+        except (OSError, ValueError) as exc:
+            problems.append(f"{_TRAINER_STATE_NAME} is cut short or damaged ({exc})")
+    zero_dir = os.path.join(checkpoint, ZERO_CHECKPOINT_DIR)
+    if not os.path.isdir(zero_dir):
+        if problems:  # a ZeroTrainer save that stopped before zero/ was begun
+            problems.insert(0, f"no {ZERO_CHECKPOINT_DIR}/ (the save stopped before zero's shards were written)")
+        return problems  # else a plain Trainer's checkpoint (or a save_only_model one)
+    world = None
+    try:
+        metadata = read_metadata(zero_dir)
+    except CheckpointError as exc:
+        problems.insert(0, f"{ZERO_CHECKPOINT_DIR}/: {exc}")
+    else:
+        world = metadata["world_size"]
+        entries = [*metadata["files"], *([metadata["extra"]] if metadata.get("extra") else [])]
+        for entry in entries:
+            path = os.path.join(zero_dir, entry["name"])
+            if not os.path.isfile(path) or os.path.getsize(path) != entry["bytes"]:
+                problems.append(f"{ZERO_CHECKPOINT_DIR}/{entry['name']} is missing or not the size its metadata "
+                                f"records ({entry['bytes']} bytes)")
+    torch_files = [_SCHEDULER_NAME]
+    if world is not None:
+        torch_files += ["rng_state.pth"] if world == 1 else [f"rng_state_{rank}.pth" for rank in range(world)]
+    for name in torch_files:
+        path = os.path.join(checkpoint, name)
+        if not os.path.isfile(path):
+            problems.append(f"no {name}")
+        elif not zipfile.is_zipfile(path):
+            problems.append(f"{name} is cut short (not a complete torch.save archive)")
+    return problems
 
 
 def last_complete_checkpoint(output_dir: str) -> str | None:
-    """The newest ``checkpoint-N`` in ``output_dir`` that can be resumed: its ``zero/`` save completed (or it has none,
-    as a plain Trainer's); ``None`` when there is none."""
+    """The newest ``checkpoint-N`` in ``output_dir`` that can be resumed (see :func:`checkpoint_problems`); ``None``
+    when there is none. Each newer one skipped is logged (logger ``zero.integrations``) with what it lacks."""
+    return _scan(output_dir)[0]
+
+
+def _scan(output_dir: str) -> tuple[str | None, list[tuple[str, list[str]]]]:
+    """The newest complete checkpoint in ``output_dir`` and the newer torn ones, each with its problems."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    from zero_core._checkpoint import METADATA  # renamed into place last: a save that has it completed
-
     if not os.path.isdir(output_dir):
-        return None
+        return None, []
     found = []
     for name in os.listdir(output_dir):
         path = os.path.join(output_dir, name)
         step = name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
         if name.startswith(f"{PREFIX_CHECKPOINT_DIR}-") and step.isdigit() and os.path.isdir(path):
-            zero_dir = _zero_dir(path)
-            if zero_dir is None or os.path.isfile(os.path.join(zero_dir, METADATA)):
-                found.append((int(step), path))
-    return max(found)[1] if found else None
+            found.append((int(step), path))
+    torn = []
+    for _, path in sorted(found, reverse=True):
+        problems = checkpoint_problems(path)
+        if not problems:
+            return path, torn
+        _logger.warning("resume_from_checkpoint=True skips %s, an incomplete checkpoint: %s", path,
+                        "; ".join(problems))
+        torn.append((path, problems))
+    return None, torn
+
+
+def _last_complete_or_raise(output_dir: str) -> str:
+    found, torn = _scan(output_dir)
+    if found is not None:
+        return found
+    if not torn:  # the Trainer's own error for an output directory without checkpoints
+        raise ValueError(f"No valid checkpoint found in output directory ({output_dir})")
+    listed = "; ".join(f"{os.path.basename(path)}: {', '.join(problems)}" for path, problems in torn)
+    raise CheckpointError(f"resume_from_checkpoint=True found no complete checkpoint in {output_dir}, only incomplete "
+                          f"ones ({listed}). Start without resume_from_checkpoint, or restore a complete checkpoint")
 
 
 def _zero_dir(checkpoint: str) -> str | None:
