@@ -23,6 +23,7 @@ _HOME = {
     "AsyncSave": "zero_core._async_save",
     "clip_grad_norm_": "zero_core._clip",
     "DeepSpeedConversion": "zero_core._deepspeed",
+    "environment_report": "zero_core._environment",
     "config_from_deepspeed": "zero_core._deepspeed",
     "convert_deepspeed_config": "zero_core._deepspeed",
     "Estimate": "zero_core._estimate",
@@ -49,6 +50,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from zero_core._async_save import AsyncSave
     from zero_core._clip import clip_grad_norm_
     from zero_core._deepspeed import DeepSpeedConversion, config_from_deepspeed, convert_deepspeed_config
+    from zero_core._environment import environment_report
     from zero_core._estimate import Estimate, estimate
     from zero_core._lazy import lazy_init
     from zero_core._module import ZeroModule
@@ -108,6 +110,7 @@ __all__ = [
     "clip_grad_norm_",
     "config_from_deepspeed",
     "convert_deepspeed_config",
+    "environment_report",
     "estimate",
     "lazy_init",
     "load_checkpoint",
