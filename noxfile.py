@@ -1,5 +1,8 @@
-"""Sessions: ``nox -s tests`` (the test suite), ``nox -s build`` (sdists and wheels into dist/), ``nox -s demo`` (2-rank training of a byte-level GPT on the standard library's sources),
-``nox -s docs`` (strict docs build), ``nox -s docs_screenshots`` (the built site checked in headless Chromium), ``nox -s hf_trainer`` (the HF Trainer example on 2 ranks), ``nox -s soak`` (long fuzz and soak runs), ``nox -s bench`` (every strategy and policy against DDP and FSDP2),
+"""Sessions: ``nox -s tests`` (the test suite), ``nox -s build`` (sdists and wheels into dist/),
+``nox -s demo`` (2-rank training of a byte-level GPT on the standard library's sources),
+``nox -s docs`` (strict docs build), ``nox -s docs_screenshots`` (the built site checked in headless Chromium),
+``nox -s hf_trainer`` (the HF Trainer example on 2 ranks), ``nox -s soak`` (long fuzz and soak runs),
+``nox -s bench`` (every strategy and policy against DDP and FSDP2),
 ``nox -s gpu`` (one GPU's figures into a report; ``-- --dry-run`` on the CPU),
 ``nox -s microbench`` (pytest-benchmark micro-benchmarks of the collectives on 2 gloo ranks;
 pass pytest-benchmark options after ``--``, e.g. ``--benchmark-compare``)."""
@@ -25,9 +28,10 @@ def install_zero(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit tests of every package plus the cross-package parity, counting and demo tests."""
-    # build: tests/test_packaging.py builds the wheels as `nox -s build` does; matplotlib: the bench's plots are tested
+    # build: tests/test_packaging.py builds the wheels as `nox -s build` does; matplotlib: the bench's plots are tested;
+    # benchmarks: the bench's tests run it, and `zero bench` is the command it registers (entry-point group zero.cli)
     install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "rich>=13", "build>=1.2", "matplotlib>=3.8",
-                 "-e", "packages/integrations[hf,lightning]")
+                 "-e", "packages/integrations[hf,lightning]", "-e", "benchmarks")
     session.run("pytest", *session.posargs)
 
 
@@ -112,7 +116,8 @@ def bench(session: nox.Session) -> None:
     Writes benchmarks/results/latest.{json,md,png} and latest-memory.png (``-- --out DIR`` for another folder). Options after
     -- go to the bench, e.g. ``nox -s bench -- --quick`` (under 5 minutes on 2 CPU cores), ``-- --meshes ''``
     to leave the mesh rows out, ``-- --help`` for the rest. The bench is the zero-bench distribution
-    (benchmarks/pyproject.toml), installed editable with its plot and rich extras.
+    (benchmarks/pyproject.toml), installed editable with its plot and rich extras; where it is installed,
+    ``zero bench ARGS`` and ``zero-bench ARGS`` run the same.
     """
     install_zero(session, "-e", "benchmarks[plot,rich]")
     session.run("python", "-m", "zero_bench", *session.posargs)

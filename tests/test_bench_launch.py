@@ -1,21 +1,27 @@
 """The bench's launcher and command line: a failed row names its ranks, how each ended and their last lines;
-``--out`` takes a folder; the bench runs without matplotlib and rich."""
+``--out`` takes a folder; the bench runs without matplotlib and rich; ``zero bench`` is the command zero-bench
+registers with the ``zero`` CLI."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+from zero_bench import command as bench_command  # noqa: E402
 from zero_bench import main as bench_main  # noqa: E402
 from zero_bench.configs import MODELS, BenchConfig  # noqa: E402
 from zero_bench.launch import explain, launch, sigterm_raises  # noqa: E402
 from zero_bench.plot import plot, plot_memory  # noqa: E402
+
+from zero_core._cli import COMMAND_GROUP  # noqa: E402
+from zero_core._cli import main as zero_main  # noqa: E402
 
 # torchrun's summary when rank 1 aborted and torchrun then stopped rank 0 (the shape of the old flaky reference rows)
 ABORT_SUMMARY = """\
@@ -110,8 +116,8 @@ def test_sigterm_raises_inside_only_so_the_ranks_get_stopped():
 
 def test_every_model_preset_builds_its_architecture():
     import torch
-
     from zero_bench.configs import build_model
+
     from zero_core.testing.gpt import GPT
     from zero_core.testing.llama import Llama
 
@@ -125,3 +131,37 @@ def test_every_model_preset_builds_its_architecture():
     # the fused experts, as transformers 5 stores Mixtral's: [experts, 2 * ffn, d_model] and [experts, d_model, ffn]
     assert moe.blocks[0].mlp.gate_up_proj.shape == (8, 1024, 256) and moe.blocks[0].mlp.down_proj.shape == (8, 256, 512)
     assert moe.blocks[0].self_attn.k_proj.weight.shape == (2 * 32, 256)  # grouped-query: 2 key/value heads of 32
+
+
+def _install_bench_entry_points(monkeypatch, tmp_path) -> dict[str, dict[str, str]]:
+    """zero-bench's entry points exactly as benchmarks/pyproject.toml declares them, as if it were installed."""
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "pyproject.toml").read_text())["project"]
+    groups = {"console_scripts": project["scripts"], **project["entry-points"]}
+    info = tmp_path / "zero_bench-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: zero-bench\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("".join(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in points.items())
+                                                   for group, points in groups.items()))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return groups
+
+
+def test_zero_bench_is_the_command_zero_bench_registers(tmp_path, monkeypatch, capsys):
+    groups = _install_bench_entry_points(monkeypatch, tmp_path)
+    assert groups[COMMAND_GROUP] == {"bench": "zero_bench.command:bench"}
+    assert groups["console_scripts"] == {"zero-bench": "zero_bench.command:main"}
+    assert zero_main(["--help"]) == 0
+    top = " ".join(capsys.readouterr().out.split())  # argparse wraps the help lines
+    assert "bench run the benchmark of every strategy and policy against DDP and FSDP2" in top and "(from zero-bench)" in top
+    assert zero_main(["bench", "--help"]) == 0  # the bench's own options, passed through
+    out = capsys.readouterr().out
+    assert "usage: zero bench" in out and "--quick" in out and "--compare" in out
+    assert zero_main(["bench", "--no-such-option"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --no-such-option" in err and err.count("error:") == 1
+
+
+def test_the_console_script_is_the_same_command(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_command.main(["--help"])
+    assert exc.value.code == 0 and "usage: zero-bench" in capsys.readouterr().out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,16 @@ def test_without_a_gpu_it_says_how_to_check_the_command(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "zero_bench.gpu", "--out", str(tmp_path)], env=ENV,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--dry-run" in proc.stderr
+
+
+def test_results_folders_hold_results_and_say_where_they_came_from():
+    """benchmarks/results holds data: no scripts, and every folder's README names a commit and a command."""
+    results = ROOT / "benchmarks" / "results"
+    scripts = sorted(str(p.relative_to(results)) for p in results.rglob("*") if p.suffix in (".py", ".sh", ".ipynb"))
+    assert not scripts, f"scripts under benchmarks/results (move them into zero_bench, or leave them to git): {scripts}"
+    for folder in sorted(p for p in results.iterdir() if p.is_dir() and p.name.startswith("gpu-")):
+        readme = folder / "README.md"
+        assert readme.is_file(), f"{folder.name} has no README.md naming its commit and command"
+        text = readme.read_text()
+        assert re.search(r"\bcommit [0-9a-f]{7,40}\b", text), f"{readme} names no commit"
+        assert "command" in text.lower(), f"{readme} names no command"

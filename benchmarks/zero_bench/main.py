@@ -65,8 +65,8 @@ non_negative_int = _number(int, 0, "a non-negative integer")
 positive_float = _number(float, 1e-9, "a positive number")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="nox -s bench --", description=__doc__.split("\n")[0],
+def parse_args(argv: list[str] | None, prog: str = "nox -s bench --") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
     p.add_argument("--quick", action="store_true", help="the tiny model for 6 steps (under 5 minutes on 2 CPU cores)")
     p.add_argument("--model", choices=sorted(MODELS), default=None, help="model preset (default gpt2-small; tiny with --quick)")
@@ -244,15 +244,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         progress.close()
     reference = check_losses(records, rtol=args.loss_rtol, rtol_16=args.loss_rtol_16)
     add_ratios(records)
-    return {"schema_version": SCHEMA_VERSION, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {"schema_version": SCHEMA_VERSION, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": machine(), "world_size": args.world_size, "steps": args.steps, "warmup": args.warmup,
             "model": {"preset": args.model, **size.options(), "params": num_params},
             "loss_reference": reference, "loss_rtol": args.loss_rtol, "loss_rtol_16": args.loss_rtol_16,
             "wall_s": time.perf_counter() - started, "records": records}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, *, prog: str = "nox -s bench --") -> int:
+    """Run the bench with ``argv`` (default: the process's arguments); ``prog`` names the command in its messages."""
+    args = parse_args(argv, prog)
     if args.compare_only is not None:
         text, regressions = compare_mod.compare(compare_mod.load(args.compare_only), compare_mod.load(args.out),
                                                 threshold=args.threshold)

@@ -19,9 +19,9 @@ def sync(device: torch.device) -> None:
 
 
 def environment(report: Report, device: torch.device) -> dict[str, Any]:
-    from zero_core._cli_env import collect
+    from zero_core import environment_report
 
-    env = collect()
+    env = environment_report()
     facts: dict[str, Any] = {"torch": env["torch"].get("version"), "CUDA build": env["torch"].get("cuda_build"),
                              "cuDNN": env["torch"].get("cudnn"), "NCCL": env["torch"].get("nccl"),
                              "python": env["python"]["version"], "platform": env["platform"],

@@ -1,4 +1,5 @@
-"""The `zero` command: estimate, env, bench and the dispatch, through `main([...])`, and the console script once."""
+"""The `zero` command: estimate, env, commands from other distributions and the dispatch, through `main([...])`,
+and the console script once. `zero bench` itself is tested with the bench (tests/test_bench_launch.py)."""
 
 import ast
 import dataclasses
@@ -13,9 +14,8 @@ import pytest
 import torch
 
 import zero_core
-from zero_core import LossScale, Precision, ZeroConfig, estimate
+from zero_core import LossScale, Precision, ZeroConfig, _cli, estimate
 from zero_core._cli import main
-from zero_core._cli_bench import find_bench
 from zero_core._cli_common import human_bytes
 from zero_core._cli_estimate import parse_count
 
@@ -149,12 +149,9 @@ def test_estimate_compares_the_strategies_side_by_side(capsys, tmp_path):
       "offload_optim_frac=3"], 1, "offload_optim_frac must be a fraction in [0, 1]"),
     (["estimate", "--params", "7B", "--world-size", "8", "--config", "/nowhere/zero.json"], 1, "no such file"),
     (["estimate", "--model", "/nowhere", "--world-size", "8"], 1, "never downloads"),
-    (["bench", "--no-such-option"], 2, "unrecognized arguments: --no-such-option"),
     (["consolidate", "/nowhere", "/nowhere-out"], 1, "does not exist"),
 ])
-def test_bad_input_says_what_is_wrong(capsys, monkeypatch, argv, code, fragment):
-    monkeypatch.chdir(REPO)  # `zero bench` finds the checkout's benchmarks/
-    monkeypatch.setattr(sys, "path", sys.path[:])
+def test_bad_input_says_what_is_wrong(capsys, argv, code, fragment):
     err = run(capsys, *argv, code=code)
     assert fragment in err
     assert err.count("error:") == 1
@@ -183,24 +180,64 @@ def test_env_lists_torch_distributions_and_every_built_in_plugin(capsys):
     assert set(report["packages"]) >= {"transformers", "PyYAML", "rich", "matplotlib"}
 
 
-def test_bench_help_passes_through(capsys, monkeypatch):
-    monkeypatch.chdir(REPO / "docs")  # a sub-directory of the checkout
-    monkeypatch.setattr(sys, "path", sys.path[:])
-    out = run(capsys, "bench", "--help")
-    assert "--quick" in out and "--compare" in out  # the bench's own options
+def register_command(monkeypatch, tmp_path, entry_points: str, module: str = "") -> None:
+    """An installed distribution zero-fake whose entry_points.txt is ``entry_points`` (and module zero_fake_cli)."""
+    info = tmp_path / "zero_fake-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: zero-fake\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    if module:
+        (tmp_path / "zero_fake_cli.py").write_text(module)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "zero_fake_cli", raising=False)
 
 
-def test_bench_outside_a_checkout_says_how_to_install(monkeypatch, tmp_path):
-    for name in ("zero_bench", "zero_bench.main"):  # as if zero-bench were not installed
-        monkeypatch.setitem(sys.modules, name, None)
-    with pytest.raises(Exception, match=r"pip install \./benchmarks") as info:
-        find_bench(tmp_path)
-    assert "nox -s bench" in str(info.value) and info.value.exit_code == 1
+_FAKE = '''
+def hello(argv):
+    """Say hello to every argument.
+
+    More lines the help leaves out.
+    """
+    if argv == ["--help"]:
+        print("hello's own help")
+        raise SystemExit(0)
+    print("hello", *argv)
+    return len(argv)
+
+
+def env(argv):
+    raise AssertionError("a built-in command is never replaced")
+'''
+
+
+def test_a_distribution_adds_a_command_through_the_zero_cli_group(capsys, monkeypatch, tmp_path):
+    # See [Note: commands from other distributions] in zero_core._cli.
+    register_command(monkeypatch, tmp_path, "[zero.cli]\nhello = zero_fake_cli:hello\nenv = zero_fake_cli:env\n"
+                     "broken = zero_fake_cli_gone:run\n", _FAKE)
+    top = run(capsys, "--help")
+    assert re.search(r"^    hello\s+say hello to every argument \(from zero-fake\)$", top, re.M), top
+    assert re.search(r"^    broken\s+from zero-fake; fails to load: ModuleNotFoundError", top, re.M), top
+    assert main(["hello", "--world-size", "x", "estimate"]) == 3  # every argument after the name is the command's
+    assert capsys.readouterr().out == "hello --world-size x estimate\n"
+    assert run(capsys, "hello", "--help") == "hello's own help\n"
+    assert "zero distributions" in run(capsys, "env")  # zero-core's own command, not zero-fake's
+
+
+def test_a_missing_bench_says_how_to_install_it(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(_cli, "_commands", dict)  # as if zero-bench were not installed
+    monkeypatch.chdir(tmp_path)  # outside any checkout
+    top = run(capsys, "--help")
+    assert re.search(r"^    bench\s+run the benchmark against DDP and FSDP2 \(not installed", top, re.M), top
+    err = run(capsys, "bench", "--quick", code=1)
+    assert "comes with the zero-bench distribution, which is not installed" in err
+    assert "pip install --find-links DIST 'zero-bench[plot,rich]'" in err
+    monkeypatch.chdir(REPO)  # from a checkout: its editable install
+    assert f"pip install -e '{REPO / 'benchmarks'}[plot,rich]'" in run(capsys, "bench", code=1)
 
 
 def test_help_everywhere(capsys):
     top = run(capsys, "--help")
-    for command in ("estimate", "env", "bench", "consolidate"):
+    for command in ("estimate", "env", "bench", "consolidate"):  # bench: installed or not, with how to install it
         assert f"    {command}" in top
     for command in ("estimate", "env", "consolidate"):
         assert "examples:" in run(capsys, command, "--help")
@@ -234,6 +271,7 @@ def test_console_script():
 
 _NO_TORCH = """
 import sys
+from zero_core import _cli
 from zero_core._cli import main
 try:
     code = main(sys.argv[1:])

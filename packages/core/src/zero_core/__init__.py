@@ -23,6 +23,7 @@ _HOME = {
     "AsyncSave": "zero_core._async_save",
     "clip_grad_norm_": "zero_core._clip",
     "DeepSpeedConversion": "zero_core._deepspeed",
+    "environment_report": "zero_core._environment",
     "config_from_deepspeed": "zero_core._deepspeed",
     "convert_deepspeed_config": "zero_core._deepspeed",
     "DeepSpeedLRScheduler": "zero_core._deepspeed_lr",
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from zero_core._clip import clip_grad_norm_
     from zero_core._deepspeed import DeepSpeedConversion, config_from_deepspeed, convert_deepspeed_config
     from zero_core._deepspeed_lr import DeepSpeedLRScheduler, deepspeed_lr_scheduler
+    from zero_core._environment import environment_report
     from zero_core._estimate import Estimate, estimate
     from zero_core._lazy import lazy_init
     from zero_core._module import ZeroModule
@@ -116,6 +118,7 @@ __all__ = [
     "config_from_deepspeed",
     "convert_deepspeed_config",
     "deepspeed_lr_scheduler",
+    "environment_report",
     "estimate",
     "lazy_init",
     "load_checkpoint",
