@@ -18,6 +18,7 @@ from zero_core import (
     ConfigError,
     LossScale,
     Precision,
+    RanksOutOfStepError,
     ZeroConfig,
     ZeroError,
     ZeroSetupError,
@@ -148,8 +149,8 @@ def test_a_checkpoint_of_both_resumes_at_another_world_size(tmp_path):
 
 def _left_out() -> dict[object, object]:
     """Each kind of optimizer built before shard() and not passed to it, at every stage: its first step's error.
-    And an fp16 overflow with both optimizers passed (the same spawn)."""
-    out: dict[object, object] = {"overflow": _overflow()}
+    And, with both optimizers passed (the same spawn), an fp16 overflow and ranks that step different ones."""
+    out: dict[object, object] = {"overflow": _overflow(), "diverged": _diverged()}
     for kind in ("adamw", "adafactor"):
         for stage in (1, 2, 3):
             model = _model()
@@ -201,9 +202,29 @@ def test_an_fp16_overflow_skips_both_optimizers_and_moves_the_scale_once(two_ran
         assert "were not loss-scaled" in overflow.get("again", ""), overflow
 
 
+def _diverged() -> str:
+    """Rank 0 steps Muon while rank 1 steps AdamW."""
+    model = _model()
+    muon, adamw = _recipe(model)
+    model, _ = shard(model, (muon, adamw))
+    model(torch.randn(4, 7)).sum().backward()
+    try:
+        (muon if dist.get_rank() == 0 else adamw).step()
+        return "stepped"
+    except RanksOutOfStepError as exc:
+        return str(exc)
+    finally:
+        model.close()
+
+
+def test_ranks_stepping_different_optimizers_raise_on_every_rank(two_ranks):
+    for out in two_ranks:
+        assert "optimizer 0 (Muon)" in out["diverged"] and "optimizer 1 (AdamW)" in out["diverged"], out["diverged"]
+
+
 def test_an_optimizer_left_out_of_shard_is_refused_at_its_first_step(two_ranks):
     for out in two_ranks:
-        messages = {k: v for k, v in out.items() if k != "overflow"}
+        messages = {k: v for k, v in out.items() if k not in ("overflow", "diverged")}
         assert len(messages) == 6
         for (kind, stage), message in messages.items():
             assert "pass it to shard() together: shard(model, (opt_a, opt_b))" in message, (kind, stage, message)

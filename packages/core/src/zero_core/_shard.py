@@ -285,8 +285,9 @@ def _optimizers(optimizer: Any, config: ZeroConfig) -> tuple[torch.optim.Optimiz
     never mixes optimizers. Each is re-pointed at the shards and hooked; each ``step()`` is an engine
     step of its own: a lockstep round naming the optimizer (ranks that step different ones raise
     RanksOutOfStepError), its own whole-tensor exchange when it reads whole tensors (owners balanced
-    over its parameters), and the kept buffers of its chunks published after it. Stepping only one of
-    them in some iteration is therefore what one process does too: the other's parameters keep their
+    over its parameters), and the kept buffers of its chunks published after it (the engine's step count
+    and the plugins' ``zero_after_step`` count each optimizer's step). Stepping only one of them in
+    some iteration is therefore what one process does too: the other's parameters keep their
     gradients. An fp16 overflow check runs once per backward, at the first step after it: an
     overflow drops every gradient, so every optimizer skips that iteration, and the scale is updated
     once. ``zero_grad()`` of one optimizer drops the ``no_sync()`` gradients of its own chunks (and of
