@@ -14,7 +14,9 @@ A checkpoint is a directory. Each save writes, under a fresh save id:
 - ``zero_checkpoint.json``, the metadata: for every parameter its shape, dtype and the
   pieces each rank saved (``[rank, lo, hi]``, or ``[rank, lo, hi, stride, count]``; a metadata that
   has the second form is version 2, which older readers refuse), the files with their sizes and sha256, the optimizer's
-  hyperparameters per group and its scalar states (step counts), the loss scaler, the
+  hyperparameters per group and its scalar states (step counts; with several optimizers, every
+  optimizer's groups in order and ``optimizer_groups``, how many are each one's: parameters are in
+  one optimizer at most, so their states share the keys by name), the loss scaler, the
   engine's step, and an HF-style model's ``config.json`` (for ``zero consolidate``).
 
 Pieces are keyed by parameter name and element range, not by chunk, so any strategy,
@@ -46,12 +48,14 @@ from zero_core._atomic import TMP_MARK, atomic_write, file_sha256, fsync_dir
 from zero_core._hf_layout import model_config_texts
 from zero_core._layout import ModelLayout, check_names, publish_kept
 from zero_core._safetensors_stream import SafetensorsRangeReader, SafetensorsWriter
+from zero_core._setup import group_offsets
 from zero_core._version import __version__
 from zero_core.chunk import to_local
 from zero_core.errors import CheckpointError
 
 if TYPE_CHECKING:
     from zero_core._engine import Engine
+    from zero_core._whole_step import WholeTensorSteps
     from zero_core.chunk import Chunk
 
 __all__ = ["METADATA", "load_checkpoint", "save_checkpoint"]
@@ -85,10 +89,25 @@ def _segment_states(engine: Engine) -> tuple[dict[int, dict[str, Any]], list[dic
     """Each segment parameter's optimizer state as the optimizer holds it (by id: disk-resident values are
     stand-ins of the right shape and dtype, read chunk by chunk while writing); and each param group's
     hyperparameters."""
-    optimizer = engine.optimizer
-    states = {id(seg.param): optimizer.state.get(seg.param, {}) for chunk in engine.chunks for seg in chunk.segments}
-    groups = [{k: _jsonable(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizers = engine.optimizers  # each parameter in one of them at most: states keyed by parameter never clash
+    states = {id(seg.param): next((s for o in optimizers if (s := o.state.get(seg.param)) is not None), {})
+              for chunk in engine.chunks for seg in chunk.segments}
+    groups = [{k: _jsonable(v) for k, v in group.items() if k != "params"}
+              for optimizer in optimizers for group in optimizer.param_groups]
     return states, groups
+
+
+def _optimizer_of(engine: Engine, chunk: Chunk) -> tuple[Any, WholeTensorSteps | None, int | None] | None:
+    """The optimizer that steps ``chunk``'s parameters, its whole-tensor steps and the chunk's group in it; ``None``
+    for a chunk in no optimizer when there are several (one optimizer takes every chunk, as it always did)."""
+    bridge = engine.bridge
+    if len(bridge.optimizers) == 1:
+        return bridge.optimizers[0], bridge.wholes[0], chunk.param_group
+    if chunk.param_group is None:
+        return None
+    offsets = group_offsets(bridge.optimizers)
+    i = max(k for k, at in enumerate(offsets) if at <= chunk.param_group)
+    return bridge.optimizers[i], bridge.wholes[i], chunk.param_group - offsets[i]
 
 
 def _pieces(chunk: Chunk) -> list[tuple[int, str, list[Any]]]:
@@ -243,12 +262,12 @@ def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_opt
     scalars: dict[str, dict[str, Any]] = {}
     state_keys: dict[str, list[str]] = {}
     segment_of = {(chunk.index, seg.slot): seg for chunk in engine.chunks for seg in chunk.segments}
-    whole = engine.bridge.whole if with_optimizer else None
+    wholes = [w for w in engine.bridge.wholes if w is not None] if with_optimizer else []
     # A whole-tensor optimizer's states: saved whole by the parameter's owner (see [Note: whole-tensor optimizer
     # steps]), under w/<name>/<key>, and read back by whichever rank owns the parameter at the load.
     whole_keys: dict[str, list[str]] = {}
     whole_states: list[tuple[str, torch.Tensor]] = []
-    if whole is not None:
+    for whole in wholes:
         for entry in whole.entries:
             if entry.owner != rank:
                 continue
@@ -303,7 +322,9 @@ def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_opt
             placement.before_gather([chunk])  # a shard on disk is read in for the save, and dropped after
             try:
                 # states kept out of memory are read back one chunk at a time, and dropped after it
-                readable = placement.optimizer_states(chunk) if with_optimizer else {}
+                # (several optimizers are only on the device placement, which keeps their states as they are)
+                readable = (placement.optimizer_states(chunk) if len(engine.optimizers) == 1 else states) \
+                    if with_optimizer else {}
                 for slot, name, ranges in chunk_pieces:
                     yield f"p/{name}", chunk.held(slot)[: _numel(ranges)]
                     seg = segment_of.get((chunk.index, slot))
@@ -324,6 +345,9 @@ def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_opt
             yield "rng/cuda", cuda_rng
 
     description = {
+        # with several optimizers, how many of the groups are each one's (see [Note: sharded checkpoint layout])
+        **({"optimizer_groups": [len(o.param_groups) for o in engine.optimizers]}
+           if with_optimizer and len(engine.optimizers) > 1 else {}),
         "pieces": pieces, "scalars": scalars, "state_keys": state_keys, "whole_keys": whole_keys, "groups": groups,
         "params": {s.name: {"shape": list(s.shape), "dtype": _dtype_name(c.master_dtype), "group": c.param_group,
                             "requires_grad": c.requires_grad}
@@ -373,7 +397,8 @@ def assemble_metadata(base: dict[str, Any], save_id: str, descriptions: list[dic
         "optimizer": None if first["groups"] is None else
         {"param_groups": first["groups"], "state_keys": state_keys, "scalars": scalars,
          # states of a whole-tensor optimizer: the rank whose file holds each parameter's, and their keys
-         "whole": whole},
+         "whole": whole,
+         **({"optimizer_groups": first["optimizer_groups"]} if "optimizer_groups" in first else {})},
         "loss_scaler": base["loss_scaler"],
         "model_configs": base["model_configs"],
     }
@@ -524,13 +549,7 @@ def load_checkpoint(
                     f"the checkpoint at {directory} was saved without optimizer states (save_checkpoint(model, None, "
                     "...)); pass optimizer=None to load_checkpoint to load the parameters only"
                 )
-            saved_groups = len(metadata["optimizer"]["param_groups"])
-            if saved_groups != len(engine.optimizer.param_groups):
-                raise CheckpointError(
-                    f"the checkpoint's optimizer has {saved_groups} param group(s) but this optimizer has "
-                    f"{len(engine.optimizer.param_groups)}; build the optimizer with the same groups, or pass "
-                    "optimizer=None to load_checkpoint to load the parameters only"
-                )
+            _check_groups(engine, metadata["optimizer"])
             for value in metadata["optimizer"]["scalars"].values():
                 for entry in value.values():
                     if "tensor" in entry:
@@ -611,8 +630,25 @@ def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, st
         if name is not None:
             buf.copy_(reader.tensor(0, f"b/{name}").view(buf.shape))
     if load_optimizer:
-        for group, hyper in zip(engine.optimizer.param_groups, metadata["optimizer"]["param_groups"]):
+        groups = [group for optimizer in engine.optimizers for group in optimizer.param_groups]
+        for group, hyper in zip(groups, metadata["optimizer"]["param_groups"]):
             group.update({k: v for k, v in hyper.items() if k != "params"})
+
+
+def _check_groups(engine: Engine, saved: dict[str, Any]) -> None:
+    """The checkpoint's optimizers have the groups of this engine's (one optimizer: as many groups)."""
+    ours = [len(o.param_groups) for o in engine.optimizers]
+    theirs = saved.get("optimizer_groups", [len(saved["param_groups"])])
+    if theirs == ours:
+        return
+    if len(theirs) == 1 and len(ours) == 1:
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {theirs[0]} param group(s) but this optimizer has {ours[0]}; build the "
+            "optimizer with the same groups, or pass optimizer=None to load_checkpoint to load the parameters only")
+    raise CheckpointError(
+        f"the checkpoint was saved with {len(theirs)} optimizer(s) of {theirs} param group(s), and this model was "
+        f"sharded with {len(ours)} of {ours}; pass shard() the same optimizers in the same order (a tuple for "
+        "several), or optimizer=None to load_checkpoint to load the parameters only")
 
 
 def _check_whole_states(engine: Engine, metadata: dict[str, Any], directory: Path) -> set[int]:
@@ -620,24 +656,31 @@ def _check_whole_states(engine: Engine, metadata: dict[str, Any], directory: Pat
     states are of the other kind (element-wise pieces for a whole-tensor optimizer, or the reverse)."""
     saved = metadata["optimizer"]
     held = saved.get("whole", {})
-    whole = engine.bridge.whole
-    if whole is None:
-        if held:
+    bridge = engine.bridge
+    several = len(bridge.optimizers) > 1
+    needed: set[int] = set()
+    for optimizer, whole, chunks in zip(bridge.optimizers, bridge.wholes, bridge.chunks_of or [engine.chunks]):
+        if whole is None:
+            names = {slot.name for chunk in chunks for slot in chunk.slots}
+            found = next((name for name in held if name in names or not several), None)
+            if found is not None:
+                raise CheckpointError(
+                    f"the checkpoint at {directory} holds the states of an optimizer stepped whole per parameter "
+                    f"(Muon, Adafactor, ...; for example {found!r}), and this optimizer "
+                    f"({type(optimizer).__name__}) is element-wise; load it with the same optimizer, or pass "
+                    "optimizer=None to load the parameters only")
+            continue
+        pieces = [e.name for e in whole.entries if saved["state_keys"].get(e.name)]
+        if pieces:
             raise CheckpointError(
-                f"the checkpoint at {directory} holds the states of an optimizer stepped whole per parameter (Muon, "
-                f"Adafactor, ...; for example {next(iter(held))!r}), and this optimizer is element-wise; load it "
-                "with the same optimizer, or pass optimizer=None to load the parameters only")
-        return set()
-    pieces = [e.name for e in whole.entries if saved["state_keys"].get(e.name)]
-    if pieces:
-        raise CheckpointError(
-            f"the checkpoint at {directory} holds element-wise optimizer states (for example of {pieces[0]!r}), and "
-            f"this optimizer ({type(engine.optimizer).__name__}) is stepped whole per parameter; load it with the "
-            "same optimizer, or pass optimizer=None to load the parameters only")
-    for entry in whole.entries:
-        if entry.owner == engine.comm.rank and entry.name in held and held[entry.name]["rank"] >= len(metadata["files"]):
-            raise CheckpointError(f"the metadata names a missing file for {entry.name!r}: the checkpoint is damaged")
-    return {held[e.name]["rank"] for e in whole.entries if e.owner == engine.comm.rank and e.name in held}
+                f"the checkpoint at {directory} holds element-wise optimizer states (for example of {pieces[0]!r}), "
+                f"and this optimizer ({type(optimizer).__name__}) is stepped whole per parameter; load it with the "
+                "same optimizer, or pass optimizer=None to load the parameters only")
+        for entry in whole.entries:
+            if entry.owner == engine.comm.rank and entry.name in held and held[entry.name]["rank"] >= len(metadata["files"]):
+                raise CheckpointError(f"the metadata names a missing file for {entry.name!r}: the checkpoint is damaged")
+        needed |= {held[e.name]["rank"] for e in whole.entries if e.owner == engine.comm.rank and e.name in held}
+    return needed
 
 
 def _load_states(engine: Engine, chunk: Chunk, reader: _Reader, where: dict[int, str],
@@ -645,11 +688,13 @@ def _load_states(engine: Engine, chunk: Chunk, reader: _Reader, where: dict[int,
     """Replace the optimizer states of ``chunk``'s segments by the saved ones, as torch's
     ``load_state_dict`` places them: per-element states on the segment's device and dtype, step counts
     on the CPU (on the device for fused and capturable groups)."""
-    optimizer = engine.optimizer
+    stepped_by = _optimizer_of(engine, chunk)
+    if stepped_by is None:  # in no optimizer: it has no states
+        return
+    optimizer, whole, index = stepped_by
     saved = metadata["optimizer"]
-    group = optimizer.param_groups[chunk.param_group] if chunk.param_group is not None else {}
+    group = optimizer.param_groups[index] if index is not None else {}
     on_device = bool(group.get("fused") or group.get("capturable"))
-    whole = engine.bridge.whole
     for seg in chunk.segments:
         found = where.get(seg.slot)
         owner = whole.owner_of(seg.param) if whole is not None else None

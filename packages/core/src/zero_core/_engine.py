@@ -155,7 +155,7 @@ class Engine:
         self,
         *,
         module: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizers: Sequence[torch.optim.Optimizer],
         chunks: list[Chunk],
         comm: CommBackend,
         reduce_comm: CommBackend,
@@ -171,7 +171,10 @@ class Engine:
     ) -> None:
         # What was built at setup; fixed for the engine's life.
         self.module = module
-        self.optimizer = optimizer
+        # Every optimizer passed to shard(); ``optimizer`` is the first (the only one, usually). See [Note: several
+        # optimizers] in zero_core._shard.
+        self.optimizers = tuple(optimizers)
+        self.optimizer = self.optimizers[0]
         self.chunks = chunks
         self.comm = comm
         # Reduce-scatters run on their own process group, asynchronously: they are ordered by
@@ -228,19 +231,26 @@ class Engine:
 
         self._module_hooks.install()
         # zero_grad() drops what a no_sync() window accumulated, as in DDP; refused only during backward
-        self.zero_grad_hook = ZeroGradHook(optimizer, settle=functools.partial(self.settle, "zero_grad()", in_forward=True),
-                                           discard=reducer.discard_unreduced)
-        self._handles: list[Any] = [
-            optimizer.register_step_pre_hook(self._before_step),
-            optimizer.register_step_post_hook(self._after_step),
-            self.zero_grad_hook,
-        ]
+        self._handles: list[Any] = self._hook_optimizers(reducer)
         self.params.use_sharded()
         # A user who never calls close() still gets it before the interpreter tears torch down: process
         # groups and work handles freed that late can abort the exit ("terminate called without an active exception").
         self._closed = False
         ref = weakref.ref(self)
         atexit.register(lambda: (engine := ref()) is not None and engine.close())
+
+    def _hook_optimizers(self, reducer: GradientReducer) -> list[Any]:
+        """Each optimizer's step and zero_grad hooks; ``zero_grad_hook`` is what ``model.zero_grad()`` runs."""
+        settle = functools.partial(self.settle, "zero_grad()", in_forward=True)
+        handles: list[Any] = []
+        for optimizer in self.optimizers:
+            clears = self.bridge.chunks_cleared_by(optimizer, self.chunks)
+            hook = ZeroGradHook(optimizer, settle=settle, discard=functools.partial(reducer.discard_unreduced, chunks=clears))
+            handles += [optimizer.register_step_pre_hook(self._before_step),
+                        optimizer.register_step_post_hook(self._after_step), hook]
+        self.zero_grad_hook = handles[2] if len(self.optimizers) == 1 else \
+            ZeroGradHook(None, settle=settle, discard=reducer.discard_unreduced)
+        return handles
 
     def close(self) -> None:
         """Remove every hook, stop the reduction waiter and let the placement policy free what it holds (disk files).
@@ -430,6 +440,7 @@ class Engine:
             # The modules keep the sharded parameters in backward (autograd reads the unsharded ones it saved), so a
             # backward that raises leaves them as they are between steps; only a recomputation swaps (_pre_forward).
             self._set_state(TrainingState.BACKWARD)
+            self.bridge.backward_began()
             self.reducer.begin(forwards=forwards)
             self._capture_only, self._create_graph = not self.reducer.accumulates(), torch.is_grad_enabled()
             self.residency.scheduler.begin_pass(reverse=True)
@@ -591,8 +602,8 @@ class Engine:
                 "optimizer.step() after a backward inside model.no_sync(): the accumulated gradients were never "
                 "reduced. Run the last micro-batch's forward and backward outside no_sync(), then step"
             )
-        self._lockstep.begin("optimizer.step()", self.step_count)
-        self.bridge.begin()
+        self._lockstep.begin(self._step_name(optimizer), self.step_count)
+        self.bridge.begin(optimizer)
         self.placement.before_step(self.chunks)
 
     @engine_work
@@ -600,11 +611,18 @@ class Engine:
         if self.bridge.in_substep:
             return
         skipped = self.bridge.end()
-        self.residency.after_step(publish=not skipped)
+        self.residency.after_step(publish=not skipped, chunks=self.bridge.chunks_stepped_by(optimizer))
         self.reducer.forget_graphs()  # graphs built before the step cannot be backwarded after it
         self._exposed = set()
         self.step_count += 1
         finished = self.comm.stats.end_step()
         view = EngineView(step=self.step_count, config=self.config, rank=self.comm.rank, world_size=self.comm.world_size,
-                          chunks=tuple(self.chunks), comm_stats=self.comm.stats, _optimizer=self.optimizer)
+                          chunks=tuple(self.chunks), comm_stats=self.comm.stats, _optimizer=self.optimizers)
         self.plugin_hooks.zero_after_step(engine=view, stats=self.comm.stats.summary(finished))
+
+    def _step_name(self, optimizer: torch.optim.Optimizer) -> str:
+        """What a step's lockstep round is named: which optimizer, when there are several (ranks stepping different
+        ones raise RanksOutOfStepError instead of exchanging mismatched pieces)."""
+        if len(self.optimizers) == 1:
+            return "optimizer.step()"
+        return f"optimizer.step() of optimizer {self.bridge.index_of(optimizer)} ({type(optimizer).__name__})"

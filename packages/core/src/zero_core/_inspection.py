@@ -7,6 +7,7 @@ only :func:`iter_full_chunks` communicates.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -40,7 +41,8 @@ def device_bytes(chunks: Sequence[Chunk], comms: Sequence[CommBackend] = ()) -> 
             total += chunk.grads.kept.untyped_storage().nbytes()
     return total
 
-def model_state_bytes(chunks: Sequence[Chunk], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def model_state_bytes(chunks: Sequence[Chunk],
+                      optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> dict[str, int]:
     """Bytes of model states this rank holds now, by kind (exact, from tensor storages).
 
     ``params`` counts master shards and the full buffers stages 1 and 2 keep, each
@@ -74,7 +76,7 @@ def model_state_bytes(chunks: Sequence[Chunk], optimizer: torch.optim.Optimizer)
         for seg in chunk.segments:
             if seg.param.grad is not None:
                 add(grad_storages, to_local(seg.param.grad))
-            for value in optimizer.state.get(seg.param, {}).values():
+            for value in _state_of(optimizer, seg.param).values():
                 if isinstance(value, torch.Tensor):
                     per_element = isinstance(value, DTensor) or value.dim() > 0
                     value = to_local(value)
@@ -84,7 +86,8 @@ def model_state_bytes(chunks: Sequence[Chunk], optimizer: torch.optim.Optimizer)
     report["grads"] = sum(grad_storages.values())
     return report
 
-def memory_by_kind(chunks: Sequence[Chunk], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def memory_by_kind(chunks: Sequence[Chunk],
+                   optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> dict[str, int]:
     """Every byte the engine holds now, by what it is for (exact, each storage once, any tier).
 
     ``params``, ``grads`` and ``optimizer_states`` are the model states the ZeRO formulas count
@@ -123,7 +126,7 @@ def memory_by_kind(chunks: Sequence[Chunk], optimizer: torch.optim.Optimizer) ->
             grad = seg.param.grad
             if grad is not None:
                 add(grads, to_local(grad))
-            for value in list(optimizer.state.get(seg.param, {}).values()):
+            for value in list(_state_of(optimizer, seg.param).values()):
                 if isinstance(value, torch.Tensor) and (isinstance(value, DTensor) or value.dim() > 0):
                     value = to_local(value)
                     if value.stride() and value.stride(0) == 0:
@@ -169,3 +172,11 @@ def full_parameters(chunks: Sequence[Chunk], *, placement: PlacementPolicy, comm
         for slot in chunk.slots:
             result[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).to("cpu", copy=True)
     return result
+
+
+def _state_of(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], param: torch.Tensor) -> dict[Any, Any]:
+    """``param``'s optimizer state, in whichever of the optimizers holds it (one at most: see [Note: several
+    optimizers] in ``zero_core._shard``)."""
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return optimizers.state.get(param, {})
+    return next((state for o in optimizers if (state := o.state.get(param)) is not None), {})

@@ -189,13 +189,13 @@ class ZeroModule:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameter shards, gradient shards and optimizer states this rank holds now."""
         engine = self._zero_engine
-        return model_state_bytes(engine.chunks, engine.optimizer)
+        return model_state_bytes(engine.chunks, engine.optimizers)
 
     def memory_by_kind(self) -> dict[str, int]:
         """Every byte zero holds on this rank now, by kind: the model states and the working buffers
         (gathered chunks, gradient buffers in flight, idle pooled buffers), each storage once."""
         engine = self._zero_engine
-        return memory_by_kind(engine.chunks, engine.optimizer)
+        return memory_by_kind(engine.chunks, engine.optimizers)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, on the CPU. Collective: call on every rank."""

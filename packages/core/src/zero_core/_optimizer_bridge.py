@@ -36,10 +36,15 @@ class ZeroGradHook:
 
     The instance attribute shadows the class's method; ``remove()`` takes it away again."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, settle: Callable[[], None],
+    def __init__(self, optimizer: torch.optim.Optimizer | None, *, settle: Callable[[], None],
                  discard: Callable[..., None]) -> None:
+        # ``discard(set_to_none=...)`` drops the no_sync() gradients this optimizer's zero_grad() clears (with
+        # several optimizers, those of its own chunks: see [Note: several optimizers] in zero_core._shard)
         self._optimizer = optimizer
         self._settle, self._discard = settle, discard
+        self._installed: Any = None
+        if optimizer is None:  # run() alone: model.zero_grad() with several optimizers clears every chunk
+            return
         original = optimizer.zero_grad
 
         @functools.wraps(original)
@@ -56,24 +61,37 @@ class ZeroGradHook:
         self._discard(set_to_none=set_to_none)
 
     def remove(self) -> None:
-        if self._optimizer.__dict__.get("zero_grad") is self._installed:
+        if self._optimizer is not None and self._optimizer.__dict__.get("zero_grad") is self._installed:
             del self._optimizer.__dict__["zero_grad"]
 
 
 class OptimizerBridge:
-    """The step's own state: an fp16 overflow check, early steps of a placement policy, an open step."""
+    """The step's own state: an fp16 overflow check, early steps of a placement policy, an open step.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, reducer: GradientReducer, comm: CommBackend,
-                 device: torch.device, scaler: LossScaler | None, whole: WholeTensorSteps | None = None) -> None:
-        self.optimizer = optimizer
-        # A whole-tensor optimizer's owners and stand-ins (see [Note: whole-tensor optimizer steps]); None: element-wise.
-        self.whole = whole
+    With several optimizers (see [Note: several optimizers] in ``zero_core._shard``) each step is one
+    optimizer's: :meth:`begin` names it, and ``optimizer`` and ``whole`` are that one's until the next."""
+
+    def __init__(self, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], *,
+                 reducer: GradientReducer, comm: CommBackend, device: torch.device, scaler: LossScaler | None,
+                 wholes: Sequence[WholeTensorSteps | None] | None = None,
+                 chunks: Sequence[Sequence[Chunk]] | None = None) -> None:
+        self.optimizers = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
+        # Each optimizer's whole-tensor owners and stand-ins (see [Note: whole-tensor optimizer steps]); None:
+        # element-wise. And the chunks its parameters are in (every chunk, with one optimizer).
+        self.wholes = tuple(wholes) if wholes is not None else (None,) * len(self.optimizers)
+        self.chunks_of = tuple(tuple(c) for c in chunks) if chunks is not None else None
+        # The optimizer stepping now (or last), and its whole-tensor steps.
+        self.optimizer = self.optimizers[0]
+        self.whole = self.wholes[0]
         self._reducer = reducer  # its order is the trainable chunks, whose segments get gradients
         self._comm = comm
         self._device = device
         self.scaler = scaler
         # Set by ZeroModule.backward: the losses of this step were scaled by the scaler.
         self.loss_scaled = False
+        # The optimizers that stepped since this backward's overflow check (None: no check since the last
+        # backward). See [Note: one overflow check per step].
+        self._checked: set[int] | None = None
         # Segments a placement policy already stepped in this optimizer step (see step_chunks), with their
         # gradients, which the user's own step must skip and which come back after it.
         self._stepped: list[tuple[nn.Parameter, torch.Tensor]] = []
@@ -89,10 +107,38 @@ class OptimizerBridge:
         """What this step's losses were multiplied by (1 without a loss scaler)."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def begin(self) -> None:
+    def index_of(self, optimizer: torch.optim.Optimizer) -> int:
+        return next(i for i, o in enumerate(self.optimizers) if o is optimizer)
+
+    def chunks_stepped_by(self, optimizer: torch.optim.Optimizer) -> Sequence[Chunk] | None:
+        """The chunks ``optimizer``'s step changes (``None``: every chunk, with one optimizer)."""
+        return None if self.chunks_of is None or len(self.optimizers) == 1 else self.chunks_of[self.index_of(optimizer)]
+
+    def chunks_cleared_by(self, optimizer: torch.optim.Optimizer, chunks: Sequence[Chunk]) -> Sequence[Chunk] | None:
+        """The chunks whose no_sync() gradients ``optimizer.zero_grad()`` drops: its own and those of parameters in
+        no optimizer (``None``: every chunk, with one optimizer)."""
+        if self.chunks_of is None or len(self.optimizers) == 1:
+            return None
+        others = {c.index for i, mine in enumerate(self.chunks_of) if self.optimizers[i] is not optimizer for c in mine}
+        return [c for c in chunks if c.index not in others]
+
+    def backward_began(self) -> None:
+        """A backward began: the next step checks its gradients for an overflow again."""
+        self._checked = None
+
+    def begin(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """The user's ``optimizer.step()`` begins (the engine settled and agreed first)."""
+        if optimizer is not None:
+            i = self.index_of(optimizer)
+            self.optimizer, self.whole = self.optimizers[i], self.wholes[i]
         if self.scaler is not None:
-            self._check_overflow()
+            # Once per backward: a second optimizer stepping the same gradients takes the first one's verdict
+            # (an overflow dropped every gradient, and the scale moves once), while an optimizer stepping
+            # twice without a backward between is refused as before.
+            if self._checked is None or id(self.optimizer) in self._checked:
+                self._check_overflow()
+                self._checked = set()
+            self._checked.add(id(self.optimizer))
         self.step_open = True  # before the policy's own early steps, which abort() must undo too
         # [Note: foreach over sharded parameters]
         # torch picks its foreach implementation by default on CUDA only, and steps CPU parameters one

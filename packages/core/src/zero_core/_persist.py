@@ -24,6 +24,9 @@ from zero_core._hf_layout import (
 from zero_core._module import ZeroModule
 from zero_core.errors import CheckpointError, ConfigError
 
+# one optimizer, or the tuple or list of them that zero_core.shard was given
+Optimizers = torch.optim.Optimizer | tuple[torch.optim.Optimizer, ...] | list[torch.optim.Optimizer]
+
 __all__ = ["load_checkpoint", "save_checkpoint", "save_full_state_dict"]
 
 
@@ -31,12 +34,24 @@ def _engine(model: Any, optimizer: Any, verb: str) -> Any:
     if not isinstance(model, ZeroModule):
         raise CheckpointError(f"{verb} takes the model returned by zero_core.shard, got {type(model).__name__}")
     engine = model.engine
-    if optimizer is not None and optimizer is not engine.optimizer:
+    if optimizer is None:
+        return engine
+    given = tuple(optimizer) if isinstance(optimizer, (tuple, list)) else (optimizer,)
+    if len(given) != len(engine.optimizers) or any(a is not b for a, b in zip(given, engine.optimizers)):
+        if len(engine.optimizers) > 1:
+            raise CheckpointError(
+                f"{verb} got {_described(given)}, but this model was sharded with {len(engine.optimizers)} optimizers "
+                f"({_described(engine.optimizers)}); pass all of them, in the tuple zero_core.shard returned, or None "
+                "for the parameters only")
         raise CheckpointError(f"{verb} got an optimizer that is not the one zero_core.shard returned with this model")
     return engine
 
 
-def save_checkpoint(model: ZeroModule, optimizer: torch.optim.Optimizer | None, directory: str | os.PathLike[str],
+def _described(optimizers: Any) -> str:
+    return ", ".join(type(o).__name__ for o in optimizers)
+
+
+def save_checkpoint(model: ZeroModule, optimizer: Optimizers | None, directory: str | os.PathLike[str],
                     *, extra: Any = None, async_: bool = False) -> AsyncSave | None:
     """Save a sharded checkpoint into ``directory``. Collective: call on every rank.
 
@@ -46,7 +61,9 @@ def save_checkpoint(model: ZeroModule, optimizer: torch.optim.Optimizer | None, 
     saved too, and ``extra`` (any picklable object: scheduler state, data position), by
     rank 0. Saving again into the same directory replaces the checkpoint atomically: until
     the new one is complete, the previous one stays loadable. ``optimizer=None`` saves the
-    parameters only.
+    parameters only. A model sharded with several optimizers takes them all, as ``shard()``
+    returned them (``save_checkpoint(model, (muon, adamw), path)``); a checkpoint of one
+    optimizer is written as it always was.
 
     With ``async_=True`` it blocks only while this rank's values are copied into a reused host
     staging buffer, and returns an :class:`~zero_core.AsyncSave`: the files, their checksums and
@@ -66,13 +83,14 @@ def save_checkpoint(model: ZeroModule, optimizer: torch.optim.Optimizer | None, 
     return None
 
 
-def load_checkpoint(model: ZeroModule, optimizer: torch.optim.Optimizer | None, directory: str | os.PathLike[str],
+def load_checkpoint(model: ZeroModule, optimizer: Optimizers | None, directory: str | os.PathLike[str],
                     *, strict: bool = True, load_rng: bool = True) -> Any:
     """Load a checkpoint written by :func:`save_checkpoint`, at any world size, strategy or chunk size. Collective.
 
     Every rank validates first (metadata, keys and shapes, each file's size and checksum);
     any problem on any rank raises :class:`~zero_core.CheckpointError` on every rank with
-    nothing changed. ``optimizer=None`` loads the parameters only. ``load_rng`` restores
+    nothing changed. ``optimizer=None`` loads the parameters only; several optimizers are passed
+    as ``shard()`` returned them, the same ones in the same order as at the save. ``load_rng`` restores
     each rank's random state (when the rank existed in the saved run). Returns the saved
     ``extra`` object, or ``None``.
     """

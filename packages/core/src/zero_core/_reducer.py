@@ -179,12 +179,13 @@ class GradientReducer:
         for group in self._groups:
             group.end_backward()
 
-    def discard_unreduced(self, *, set_to_none: bool = True) -> None:
+    def discard_unreduced(self, *, set_to_none: bool = True, chunks: Sequence[Chunk] | None = None) -> None:
         """``zero_grad()``: gradients a ``no_sync()`` window accumulated and never reduced are dropped, as in DDP.
 
         With ``set_to_none=False``, a parameter the window gave a gradient on this rank keeps a
-        zero gradient, as its ``.grad`` would in one process (momentum then still acts on it)."""
-        for chunk in self._chunks:
+        zero gradient, as its ``.grad`` would in one process (momentum then still acts on it).
+        ``chunks``: only these (the chunks one of several optimizers clears); every chunk when None."""
+        for chunk in self._chunks if chunks is None else chunks:
             if not chunk.grads.unreduced:
                 continue
             if not set_to_none:

@@ -122,18 +122,22 @@ class Residency:
             comm.free()
 
     @engine_work
-    def after_step(self, *, publish: bool) -> None:
+    def after_step(self, *, publish: bool, chunks: Sequence[Chunk] | None = None) -> None:
         """An optimizer step ended (returned, or raised after the engine prepared it): the kept full buffers are
         refreshed from the masters (so forward sees what the optimizer holds) unless ``publish`` is False (an
-        fp16 overflow skipped the step), idle buffers go, and the placement policy puts shards back."""
-        if publish and self._refresh_after_step:
+        fp16 overflow skipped the step), idle buffers go, and the placement policy puts shards back. ``chunks``:
+        the only ones the step changed (one of several optimizers; the same on every rank), else every chunk."""
+        changed = None if chunks is None else {c.index for c in chunks}
+        refresh = self._refresh_after_step if changed is None else \
+            [g for g in self._refresh_after_step if any(c.index in changed for c in g.chunks)]
+        if publish and refresh:
             with torch.profiler.record_function("ZeRO::publish_parameters"):
                 # one group at a time: each all-gather's receive buffer is free again before the next one takes it
-                for group in self._refresh_after_step:
+                for group in refresh:
                     for pending in publish_group(group, self._comm):
                         if pending is not None:
                             pending.wait()
-        stepped = [c for c in self._group_sharded if c.requires_grad]
+        stepped = [c for c in self._group_sharded if c.requires_grad and (changed is None or c.index in changed)]
         if publish and stepped:
             with torch.profiler.record_function("ZeRO::publish_group_shards"):
                 for chunk in stepped:
@@ -141,7 +145,7 @@ class Residency:
         self.free_idle_buffers()
         self._placement.after_step(self.chunks)
         if publish:
-            self.mark_published([c for g in self._refresh_after_step for c in g.refreshed] + stepped)
+            self.mark_published([c for g in refresh for c in g.refreshed] + stepped)
 
     # -- writes outside the optimizer -------------------------------------------------------------------
     def _mirrors(self) -> list[Chunk]:

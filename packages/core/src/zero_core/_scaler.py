@@ -7,7 +7,10 @@ inf or NaN survives that division, so the check runs once, just before the optim
 step, over this rank's gradient shards; one all-reduce (max) of a single flag makes
 every rank reach the same verdict. On overflow every segment's gradient is dropped,
 so the optimizer skips every parameter exactly as it skips unused ones: no parameter,
-moment or step counter changes, on any rank.
+moment or step counter changes, on any rank. With several optimizers (see [Note: several
+optimizers] in ``zero_core._shard``) the check runs at the first step after a backward and the
+others that step the same gradients take its verdict: the scale moves once per iteration, and
+an overflow skips every optimizer's step.
 """
 
 from __future__ import annotations

@@ -129,42 +129,69 @@ def optimizer_updates(optimizer: torch.optim.Optimizer, config: ZeroConfig) -> s
         "Declare it: ZeroConfig(optimizer_updates='elementwise') or ZeroConfig(optimizer_updates='whole')")
 
 
-def collect_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[ParamInfo]:
+def group_offsets(optimizers: Sequence[torch.optim.Optimizer]) -> list[int]:
+    """Where each optimizer's param groups begin in the numbering across all of them (see :func:`collect_params`)."""
+    offsets, at = [], 0
+    for optimizer in optimizers:
+        offsets.append(at)
+        at += len(optimizer.param_groups)
+    return offsets
+
+
+def collect_params(model: nn.Module, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list[ParamInfo]:
     """The model's unique parameters in registration order, each with its optimizer group.
 
-    Raises :class:`ZeroSetupError` when the optimizer holds a tensor that is not one of
-    the model's parameters, already has state, or the model has nothing to shard.
+    With several optimizers a parameter's group is numbered across all of them, in order (the first
+    optimizer's groups, then the second's, ...; see :func:`group_offsets`), so chunks never mix
+    optimizers. Raises :class:`ZeroSetupError` when an optimizer holds a tensor that is not one of
+    the model's parameters, a parameter is in two optimizers, an optimizer already has state, or
+    the model has nothing to shard.
     """
     if not isinstance(model, nn.Module):
         raise ZeroSetupError(f"zero_core.shard needs an nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ZeroSetupError(
-            f"zero_core.shard needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
-            "build it with e.g. torch.optim.AdamW(model.parameters())"
-        )
+    optimizers = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
+    for optimizer in optimizers:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ZeroSetupError(
+                f"zero_core.shard needs a torch.optim.Optimizer (or a tuple or list of them), got "
+                f"{type(optimizer).__name__}; build it with e.g. torch.optim.AdamW(model.parameters())"
+            )
     named = list(model.named_parameters(remove_duplicate=True))
     if not named:
         raise ZeroSetupError(f"{type(model).__name__} has no parameters to shard")
     by_id = {id(p): name for name, p in named}
     group_of: dict[int, int] = {}
-    for g, group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(group["params"]):
-            if id(p) not in by_id:
-                raise ZeroSetupError(
-                    f"optimizer param group {g}, parameter {i} (shape {tuple(p.shape)}) is not a parameter of the "
-                    "model being sharded; build the optimizer from this model's parameters"
-                )
-            group_of[id(p)] = g
+    optimizer_of: dict[int, int] = {}
+    several = len(optimizers) > 1
+    offsets = group_offsets(optimizers)
+    for o, optimizer in enumerate(optimizers):
+        which = f"optimizer {o} ({type(optimizer).__name__}) " if several else "optimizer "
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if id(p) not in by_id:
+                    raise ZeroSetupError(
+                        f"{which}param group {g}, parameter {i} (shape {tuple(p.shape)}) is not a parameter of the "
+                        "model being sharded; build the optimizer from this model's parameters"
+                    )
+                if optimizer_of.get(id(p), o) != o:
+                    first = optimizer_of[id(p)]
+                    raise ZeroSetupError(
+                        f"parameter {by_id[id(p)]!r} is in optimizer {first} ({type(optimizers[first]).__name__}) "
+                        f"and in optimizer {o} ({type(optimizer).__name__}); each parameter may be stepped by one "
+                        "optimizer only: split the parameters between them (e.g. matrices to Muon, the rest to AdamW)"
+                    )
+                group_of[id(p)] = offsets[o] + g
+                optimizer_of[id(p)] = o
     # Eagerly initialised state (Adagrad's accumulators, with step 0) is carried over to the shards;
     # state of an optimizer that already stepped is not.
-    if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for state in optimizer.state.values()
-           for v in state.values()):
+    states = [state for optimizer in optimizers for state in optimizer.state.values()]
+    if any(isinstance(v, torch.Tensor) and v.device.type == "meta" for state in states for v in state.values()):
         raise ZeroSetupError(
             "the optimizer created its state eagerly on the meta parameters of a lazily built model (Adagrad does), "
             "and those values cannot be replayed; build such a model eagerly, or use an optimizer that creates "
             "its state at the first step (SGD, Adam, AdamW, RMSprop, ...)"
         )
-    if any(state and float(state.get("step", 1)) > 0 for state in optimizer.state.values()):
+    if any(state and float(state.get("step", 1)) > 0 for state in states):
         raise ZeroSetupError(
             "the optimizer already has state (it has stepped); create the optimizer fresh and call "
             "zero_core.shard before the first optimizer.step()"

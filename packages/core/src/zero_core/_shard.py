@@ -14,22 +14,24 @@ from torch import nn
 from zero_core._agreement import raise_if_any_failed
 from zero_core._collectives import broadcast_from_rank0
 from zero_core._engine import Engine
+from zero_core._group import build_groups
+from zero_core._host_memory import return_freed_host_memory
 from zero_core._inspection import device_bytes
 from zero_core._layout import ModelLayout, check_names, fill_from_source, publish_kept
-from zero_core._log import logger
 from zero_core._lazy import LazyRecording, find_recording, release_if_unused
+from zero_core._log import logger
 from zero_core._materialize import materialize
 from zero_core._meshes import MeshGroups
 from zero_core._module import ZeroModule, adopt
 from zero_core._optimizer_bridge import OptimizerBridge
 from zero_core._plugins import ZeroPlugins
-from zero_core._group import build_groups
 from zero_core._reducer import GradientReducer
 from zero_core._scaler import LossScaler
 from zero_core._setup import (
     check_ranks_agree,
     collect_params,
     first_use_order,
+    group_offsets,
     optimizer_updates,
     resolve_device,
     resolve_group,
@@ -37,7 +39,6 @@ from zero_core._setup import (
 )
 from zero_core._sources import open_source
 from zero_core._whole_step import WholeTensorSteps, guard_unregistered_optimizers
-from zero_core._host_memory import return_freed_host_memory
 from zero_core.api import ZeroConfig
 from zero_core.chunk import BufferPool, Chunk, ChunkSpec
 from zero_core.comm import CommBackend
@@ -49,16 +50,20 @@ from zero_core.strategy import ChunkPlan, ShardPlan, ShardStrategy
 __all__ = ["Sharded", "shard"]
 
 
+Optimizers = torch.optim.Optimizer | tuple[torch.optim.Optimizer, ...] | list[torch.optim.Optimizer]
+
+
 class Sharded(NamedTuple):
-    """What :func:`shard` returns: train ``model`` and step ``optimizer`` as usual."""
+    """What :func:`shard` returns: train ``model`` and step ``optimizer`` as usual (the optimizers as passed: one,
+    or the same tuple or list)."""
 
     model: ZeroModule
-    optimizer: torch.optim.Optimizer
+    optimizer: Any
 
 
 def shard(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizers,
     *,
     config: ZeroConfig | None = None,
     process_group: Any = None,
@@ -75,7 +80,14 @@ def shard(
     Args:
         model: The model, built on every rank (same structure everywhere).
         optimizer: Any ``torch.optim`` optimizer over ``model``'s parameters, not yet stepped.
-            It is re-pointed, in place, at this rank's parameter shards and returned.
+            It is re-pointed, in place, at this rank's parameter shards and returned. Or a tuple
+            or list of them, every optimizer the training loop steps (the Muon recipe: Muon over
+            the matrices, AdamW over the rest, ``shard(model, (muon, adamw))``): each parameter in
+            at most one of them; each is re-pointed and stepped as it would be alone (whole-tensor
+            or element-wise, see ``ZeroConfig.optimizer_updates``), and the same tuple or list is
+            returned. An optimizer that holds the model's parameters and was not passed here
+            raises :class:`~zero_core.ZeroError` at its first ``step()``. Several optimizers need
+            ``placement="device"``. See [Note: several optimizers].
         config: What to build; defaults to ``ZeroConfig()`` (chunked ZeRO-3 on the compute device).
         process_group: The data-parallel group; default: the world group, or a single
             process when ``torch.distributed`` is not initialised. The same as a 1-D ``mesh``.
@@ -105,19 +117,19 @@ def shard(
 
     Returns:
         The sharded ``(model, optimizer)`` pair: use them in an ordinary loop (forward,
-            ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``).
+            ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``); with several
+            optimizers ``optimizer`` is the tuple or list passed, step and zero each as usual.
     """
     config = ZeroConfig() if config is None else config
     if not isinstance(config, ZeroConfig):
         raise ConfigError(f"config must be a zero_core.ZeroConfig, got {type(config).__name__}")
     if isinstance(model, ZeroModule) or getattr(model, "_zero_sharded", False):
         raise ZeroSetupError("this model is already sharded by zero_core.shard; wrap the original model only once")
-    if getattr(optimizer, "_zero_sharded", False):
-        raise ZeroSetupError("this optimizer was already re-pointed by zero_core.shard; create a new optimizer")
+    optimizers = _optimizers(optimizer, config)
     if config.release_host_memory:  # before any chunk buffer exists. See [Note: host memory that is freed is returned]
         return_freed_host_memory()
-    params = collect_params(model, optimizer)
-    updates = optimizer_updates(optimizer, config)
+    params = collect_params(model, optimizers)
+    updates = [optimizer_updates(opt, config) for opt in optimizers]
     # Parameters built under lazy_init() are meta tensors; their values come from replaying the recording.
     metas = {id(p.param): p.param.data for p in params if p.param.device.type == "meta"}
     recording = None
@@ -215,7 +227,8 @@ def shard(
                 if config.sync_module_states:
                     broadcast_from_rank0(buf, comm)
                 module._buffers[name] = buf
-    _repoint_optimizer(optimizer, chunks)
+    for opt in optimizers:
+        _repoint_optimizer(opt, chunks)
     # Built in an order without cycles: the reducer and the optimizer bridge exist before the placement policy,
     # which receives the bridge's step_chunks; the engine last, holding all of them.
     mesh_comms = _mesh_comms(chunks, comm, reduce_comm)
@@ -227,24 +240,28 @@ def shard(
     gather_groups = build_groups(chunks, groups, pool)
     reducer = GradientReducer(gather_groups, reduce_comm=reduce_comm, mesh_comms=mesh_comms, agree=not config.static_graph)
     loss_scale = config.precision.loss_scale
-    whole = _whole_steps(optimizer, chunks, comm, device, config, mesh_comms) if updates == "whole" else None
+    chunks_of = _chunks_by_optimizer(optimizers, chunks)
+    wholes = [_whole_steps(opt, mine, comm, device, config, mesh_comms) if how == "whole" else None
+              for opt, mine, how in zip(optimizers, chunks_of, updates)]
     # see [Note: a whole-tensor optimizer zero was not given]
-    guard_unregistered_optimizers(optimizer, chunks, whole_reads)
-    bridge = OptimizerBridge(optimizer, reducer=reducer, comm=comm, device=device,
-                             scaler=LossScaler(loss_scale) if loss_scale is not None else None, whole=whole)
+    guard_unregistered_optimizers(optimizers, chunks, whole_reads)
+    bridge = OptimizerBridge(optimizers, reducer=reducer, comm=comm, device=device,
+                             scaler=LossScaler(loss_scale) if loss_scale is not None else None, wholes=wholes,
+                             chunks=chunks_of)
     placement.setup(PlacementContext(
-        optimizer=optimizer, device=device, comm=comm, config=config, gather_groups=groups,
+        optimizer=optimizers[0], device=device, comm=comm, config=config, gather_groups=groups,
         step_chunks=bridge.step_chunks, device_bytes=functools.partial(device_bytes, tuple(chunks), comms),
     ))
     placement.attach(chunks)  # after the optimizer holds the segments: states created eagerly (Adagrad) move too
 
     engine = Engine(
-        module=model, optimizer=optimizer, chunks=chunks, comm=comm, reduce_comm=reduce_comm, mesh_comms=mesh_comms,
+        module=model, optimizers=optimizers, chunks=chunks, comm=comm, reduce_comm=reduce_comm, mesh_comms=mesh_comms,
         groups=gather_groups, reducer=reducer, bridge=bridge, strategy=strategy, placement=placement,
         config=config, plugin_hooks=plugins_.manager.hook, device=device,
     )
     if bridge.scaler is not None:
-        _attach_scaler_state(optimizer, bridge.scaler)
+        for opt in optimizers:  # each one's state_dict() carries it: whichever is loaded restores it
+            _attach_scaler_state(opt, bridge.scaler)
     comm.stats.end_setup()
     used = sum(c.used for c in chunks)
     size = sum(c.size for c in chunks)
@@ -253,8 +270,57 @@ def shard(
                 100.0 * (size - used) / max(size, 1), comm.world_size, config.stage, config.strategy, comm_cls.name,
                 config.placement)
     model._zero_sharded = True  # type: ignore[attr-defined]
-    optimizer._zero_sharded = True  # type: ignore[attr-defined]
+    for opt in optimizers:
+        opt._zero_sharded = True  # type: ignore[attr-defined]
     return Sharded(adopt(model, engine), optimizer)
+
+
+def _optimizers(optimizer: Any, config: ZeroConfig) -> tuple[torch.optim.Optimizer, ...]:
+    """The optimizers passed to shard(): one, or a tuple or list of them (see [Note: several optimizers]).
+
+    [Note: several optimizers]
+    A recipe may step several optimizers over one model: Muon over the matrices and AdamW over the
+    embeddings, norms, biases and head, both built before shard() and passed together. Each parameter
+    belongs to at most one of them, and their param groups are numbered across all of them, so a chunk
+    never mixes optimizers. Each is re-pointed at the shards and hooked; each ``step()`` is an engine
+    step of its own: a lockstep round naming the optimizer (ranks that step different ones raise
+    RanksOutOfStepError), its own whole-tensor exchange when it reads whole tensors (owners balanced
+    over its parameters), and the kept buffers of its chunks published after it (the engine's step count
+    and the plugins' ``zero_after_step`` count each optimizer's step). Stepping only one of them in
+    some iteration is therefore what one process does too: the other's parameters keep their
+    gradients. An fp16 overflow check runs once per backward, at the first step after it: an
+    overflow drops every gradient, so every optimizer skips that iteration, and the scale is updated
+    once. ``zero_grad()`` of one optimizer drops the ``no_sync()`` gradients of its own chunks (and of
+    parameters in no optimizer), as in one process it zeroes its own parameters' gradients. Placement
+    policies see one optimizer (``PlacementContext.optimizer``) and may step chunks early through
+    it, so several optimizers need ``placement="device"``. Any other optimizer that holds the model's
+    parameters as they were before shard() is refused at its step (see [Note: a whole-tensor
+    optimizer zero was not given]).
+    """
+    several = isinstance(optimizer, (tuple, list))
+    optimizers = tuple(optimizer) if several else (optimizer,)
+    if not optimizers:
+        raise ZeroSetupError("zero_core.shard got an empty tuple of optimizers; pass the optimizer(s) the loop steps")
+    if len({id(o) for o in optimizers}) != len(optimizers):
+        raise ZeroSetupError("zero_core.shard got the same optimizer twice; pass each optimizer once")
+    if any(getattr(o, "_zero_sharded", False) for o in optimizers):
+        raise ZeroSetupError("this optimizer was already re-pointed by zero_core.shard; create a new optimizer")
+    if len(optimizers) > 1 and config.placement != "device":
+        raise ConfigError(
+            f"{len(optimizers)} optimizers were passed to zero_core.shard with placement={config.placement!r}, whose "
+            "policy sees and steps one optimizer (it may step chunks early or move optimizer states). Use "
+            "placement='device', or one optimizer with a param group per setting (an element-wise optimizer can "
+            "take every parameter)")
+    return optimizers
+
+
+def _chunks_by_optimizer(optimizers: Sequence[torch.optim.Optimizer], chunks: list[Chunk]) -> list[list[Chunk]]:
+    """Each optimizer's chunks (by the param groups numbered across the optimizers); one optimizer has them all."""
+    if len(optimizers) == 1:
+        return [list(chunks)]
+    offsets = [*group_offsets(optimizers), sum(len(o.param_groups) for o in optimizers)]
+    return [[c for c in chunks if c.param_group is not None and offsets[i] <= c.param_group < offsets[i + 1]]
+            for i in range(len(optimizers))]
 
 
 def _mesh_comms(chunks: list[Chunk], comm: CommBackend, reduce_comm: CommBackend) -> list[CommBackend]:

@@ -10,6 +10,8 @@ import torch
 from zero_core._inspection import memory_by_kind, model_state_bytes
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from zero_core.api import ZeroConfig
     from zero_core.chunk import Chunk
     from zero_core.comm import CommStats
@@ -38,7 +40,7 @@ class EngineView:
     world_size: int
     chunks: tuple[Chunk, ...]
     comm_stats: CommStats
-    _optimizer: torch.optim.Optimizer = field(repr=False)
+    _optimizer: Sequence[torch.optim.Optimizer] = field(repr=False)  # every optimizer shard() was given
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of parameter shards, gradients and optimizer states this rank holds now, by kind (exact)."""

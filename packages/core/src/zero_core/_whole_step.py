@@ -53,16 +53,26 @@ from zero_core.errors import RanksOutOfStepError, ZeroError
 __all__ = ["WholeTensorSteps", "assign_owners", "guard_unregistered_optimizers"]
 
 # [Note: a whole-tensor optimizer zero was not given]
-# zero steps a whole-tensor optimizer whole only when it is the one passed to shard(): only that one's step is
+# zero steps a whole-tensor optimizer whole only when it was passed to shard(): only those optimizers' steps are
 # hooked. Another one over the sharded parameters (built after shard(), FSDP2's recipe, or a second optimizer)
-# would step each rank's pieces and train another model, silently. A process-wide step pre-hook, registered once
-# by the first shard(), refuses that at the call: it costs a class check per optimizer step, and a scan of the
-# parameters only for a whole-tensor class.
+# would step each rank's pieces and train another model, silently. And any optimizer built before shard() but not
+# passed to it (the Muon recipe's AdamW over the embeddings, norms and biases) holds the parameter objects shard()
+# replaced: empty at stage 3, never given a gradient, so they never move, silently, whatever the optimizer's kind.
+# A process-wide step pre-hook, registered once by the first shard(), refuses both at the call, naming the fix. Its
+# verdict per optimizer is cached with what it was reached on (the param groups' lists and lengths, and how many
+# shard() calls there have been), so a step costs a membership test and that key; the parameters are scanned
+# only when the groups change.
 # every engine's sharded parameters, by id, each to the chunk that holds it (a tensor's == is elementwise, so no
 # weak set can hold them; and a weak reference to a parameter would make torch.utils.swap_tensors refuse it, which
 # moving a DTensor parameter's shard to another device does)
 _SHARDED: dict[int, weakref.ref[Chunk]] = {}
+# the parameters shard() replaced (each chunk's slot parameters, which the modules hold only inside a forward), by
+# id, each to its chunk and slot: held the same way, without a reference to the parameter
+_REPLACED: dict[int, tuple[weakref.ref[Chunk], int]] = {}
 _REGISTERED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # the optimizers passed to shard()
+# each other optimizer that stepped: (what its verdict was reached on, the error it raises or None)
+_VERDICTS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, str | None]] = weakref.WeakKeyDictionary()
+_shards = 0  # shard() calls so far: a verdict reached before the last one is reached again
 _guard: Any = None
 
 
@@ -76,33 +86,68 @@ class _Entry:
     owner: int
 
 
-def guard_unregistered_optimizers(optimizer: torch.optim.Optimizer, chunks: Sequence[Chunk],
+def guard_unregistered_optimizers(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+                                  chunks: Sequence[Chunk],
                                   is_whole: Callable[[torch.optim.Optimizer], str | None]) -> None:
-    """Remember ``optimizer`` (the one shard() hooks) and the sharded parameters of ``chunks`` (its engine's), and
-    install the process-wide guard of [Note: a whole-tensor optimizer zero was not given] once. ``is_whole`` names
-    what a whole-tensor optimizer reads (``None`` for any other)."""
-    global _guard
-    _REGISTERED.add(optimizer)
+    """Remember ``optimizers`` (the ones shard() hooks), the sharded parameters of ``chunks`` (their engine's) and the
+    parameters they replaced, and install the process-wide guard of [Note: a whole-tensor optimizer zero was not
+    given] once. ``is_whole`` names what a whole-tensor optimizer reads (``None`` for any other)."""
+    global _guard, _shards
+    for optimizer in (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else optimizers:
+        _REGISTERED.add(optimizer)
     for dead in [key for key, ref in _SHARDED.items() if ref() is None]:
         del _SHARDED[dead]
+    for dead in [key for key, (ref, _) in _REPLACED.items() if ref() is None]:
+        del _REPLACED[dead]
     _SHARDED.update({id(seg.param): weakref.ref(chunk) for chunk in chunks for seg in chunk.segments})
+    _REPLACED.update({id(slot.param): (weakref.ref(chunk), i) for chunk in chunks for i, slot in enumerate(chunk.slots)})
+    _shards += 1
     if _guard is not None:
         return
 
     def refuse(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if opt in _REGISTERED:
             return
-        reads = is_whole(opt)
-        if reads is None or not any(_is_sharded(p) for group in opt.param_groups for p in group["params"]):
-            return
-        raise ZeroError(
-            f"{type(opt).__name__} {reads}, and it steps parameters sharded by zero without having been passed to "
-            "zero_core.shard: each rank would step its pieces and train another model. Build the optimizer before "
-            "shard() and pass it there (zero then steps each parameter whole on one rank), and step that one")
+        key = (_shards, tuple((id(group["params"]), len(group["params"])) for group in opt.param_groups))
+        cached = _VERDICTS.get(opt)
+        if cached is None or cached[0] != key:
+            cached = (key, _verdict(opt, is_whole))
+            _VERDICTS[opt] = cached
+        if cached[1] is not None:
+            raise ZeroError(cached[1])
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     _guard = register_optimizer_step_pre_hook(refuse)
+
+
+def _verdict(opt: torch.optim.Optimizer, is_whole: Callable[[torch.optim.Optimizer], str | None]) -> str | None:
+    """Why ``opt`` (not passed to shard()) must not step, or ``None``."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    replaced = next((name for p in params if (name := _replaced_name(p)) is not None), None)
+    if replaced is not None:
+        return (
+            f"{type(opt).__name__} holds parameter {replaced!r} (and maybe more) as it was before zero_core.shard "
+            "replaced it: that object is empty or stale and never gets a gradient, so this optimizer would train "
+            "nothing. Build every optimizer the loop steps before shard() and pass it to shard() together: "
+            "shard(model, (opt_a, opt_b)) (it returns them re-pointed, in the same tuple)")
+    reads = is_whole(opt)
+    if reads is not None and any(_is_sharded(p) for p in params):
+        return (
+            f"{type(opt).__name__} {reads}, and it steps parameters sharded by zero without having been passed to "
+            "zero_core.shard: each rank would step its pieces and train another model. Build the optimizer before "
+            "shard() and pass it there (zero then steps each parameter whole on one rank; several optimizers go "
+            "together: shard(model, (opt_a, opt_b))), and step that one")
+    return None
+
+
+def _replaced_name(param: torch.Tensor) -> str | None:
+    """The name of the parameter ``param`` was before shard() replaced it, if it was one."""
+    found = _REPLACED.get(id(param))
+    chunk = found[0]() if found is not None else None
+    if chunk is None or chunk.slots[found[1]].param is not param:  # type: ignore[index]
+        return None
+    return chunk.slots[found[1]].name  # type: ignore[index]
 
 
 def _is_sharded(param: torch.Tensor) -> bool:
