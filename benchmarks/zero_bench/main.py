@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         progress.close()
     reference = check_losses(records, rtol=args.loss_rtol, rtol_16=args.loss_rtol_16)
     add_ratios(records)
-    return {"schema_version": SCHEMA_VERSION, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {"schema_version": SCHEMA_VERSION, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": machine(), "world_size": args.world_size, "steps": args.steps, "warmup": args.warmup,
             "model": {"preset": args.model, **size.options(), "params": num_params},
             "loss_reference": reference, "loss_rtol": args.loss_rtol, "loss_rtol_16": args.loss_rtol_16,

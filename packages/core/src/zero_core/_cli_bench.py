@@ -60,7 +60,7 @@ def _missing_dependency(exc: ModuleNotFoundError) -> CommandError:
 def run(argv: Sequence[str]) -> int:
     bench = find_bench()
     if "-h" in argv or "--help" in argv:
-        print(f"zero bench runs the benchmark in {Path(bench.__file__).parent} with every argument after `bench`; "
+        print(f"zero bench runs the benchmark in {Path(str(bench.__file__)).parent} with every argument after `bench`; "
               "these are its options (`nox -s bench -- ARGS` is `zero bench ARGS`):\n")
     try:
         return bench.main(list(argv)) or 0
