@@ -5,7 +5,10 @@
 ``nox -s bench`` (every strategy and policy against DDP and FSDP2),
 ``nox -s gpu`` (one GPU's figures into a report; ``-- --dry-run`` on the CPU),
 ``nox -s microbench`` (pytest-benchmark micro-benchmarks of the collectives on 2 gloo ranks;
-pass pytest-benchmark options after ``--``, e.g. ``--benchmark-compare``)."""
+pass pytest-benchmark options after ``--``, e.g. ``--benchmark-compare``),
+``nox -s lint`` (``ruff check .`` with pyproject.toml's rules; ruff options after ``--``) and
+``nox -s typecheck`` (mypy over the six libraries, settings in pyproject.toml's ``[tool.mypy]``;
+mypy options after ``--``). CI (.ci/run) runs tests, docs, lint and typecheck."""
 
 from __future__ import annotations
 
@@ -134,3 +137,32 @@ def microbench(session: nox.Session) -> None:
     install_zero(session, "pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2.3")
     session.run("pytest", "benchmarks/micro", "-p", "no:cacheprovider", "--benchmark-json", "benchmarks/results/micro.json",
                 "--benchmark-autosave", "--benchmark-storage", "benchmarks/results/micro", *session.posargs)
+
+
+# Exact linter and checker versions: a new release brings new rules and new inferences, so moving to one is a
+# change of its own (fix what it finds, then raise the pin).
+RUFF = "ruff>=0.17.6,<0.18"
+MYPY = "mypy==2.4.1"
+
+
+@nox.session(default=False)
+def lint(session: nox.Session) -> None:
+    """``ruff check .`` with the rules of pyproject.toml's ``[tool.ruff]``: every Python file in the repository.
+
+    Needs nothing but ruff (no torch, no zero). Options after -- go to ruff, e.g. ``nox -s lint -- --fix``.
+    """
+    session.install(RUFF)
+    session.run("ruff", "check", ".", *session.posargs)
+
+
+@nox.session(default=False)
+def typecheck(session: nox.Session) -> None:
+    """mypy over the six libraries (zero_core, zero_comm, the two strategies, zero_offload, zero_integrations).
+
+    The packages, search path and strictness are pyproject.toml's ``[tool.mypy]``; torch, pluggy,
+    safetensors and numpy are typed and installed here, the integrations' optional frameworks
+    (transformers, lightning) are not: mypy treats them as untyped. Options after -- go to mypy,
+    e.g. ``nox -s typecheck -- --no-incremental``. The cache lives in the session's virtual environment.
+    """
+    install_zero(session, MYPY, "types-PyYAML", "-e", "packages/integrations")
+    session.run("mypy", "--cache-dir", f"{session.virtualenv.location}/mypy-cache", *session.posargs)

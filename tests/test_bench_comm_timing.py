@@ -57,8 +57,7 @@ def test_rows_carry_a_memory_timeline_that_adds_up(tmp_path):
     accounting by kind. Zero's kinds at the last sample are exactly its model states and idle buffers; the
     breakdown at the peak adds up to the RSS there; the table and the plot show them."""
     from zero_bench.plot import plot_memory
-    from zero_bench.report import peak_table, table
-    from zero_bench.report import add_ratios
+    from zero_bench.report import add_ratios, peak_table, table
 
     configs = [BenchConfig(name="ddp", kind="ddp").as_dict(),
                BenchConfig(name="chunk-s2", kind="zero", strategy="chunk", stage=2).as_dict()]

@@ -13,7 +13,20 @@ import pytest
 import torch
 
 from zero_core import ChunkPolicy, ConfigError, Precision, ZeroConfig, estimate
-from zero_core.plugin import ChunkPlan, ChunkSpec, CollectiveKind, MeshSpec, Reduction, ShardPlan, ShardStrategy, Topology, ZeroPlugins, hookimpl, ring_bytes_sent, round_up
+from zero_core.plugin import (
+    ChunkPlan,
+    ChunkSpec,
+    CollectiveKind,
+    MeshSpec,
+    Reduction,
+    ShardPlan,
+    ShardStrategy,
+    Topology,
+    ZeroPlugins,
+    hookimpl,
+    ring_bytes_sent,
+    round_up,
+)
 from zero_core.testing import run_distributed, train_sharded
 from zero_core.testing.gpt import GPT, GPTConfig
 from zero_core.testing.parity import make_optimizer

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
+
 # A test dependency (installed by ``nox -s tests``), not an optional one: no importorskip.
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 

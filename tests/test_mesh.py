@@ -50,7 +50,7 @@ def _check(results, runs, precisions):
         # every replica holds bit-identical shards after every step (the last one checked here)
         by_coordinates: dict = {}
         for result in per_rank:
-            for chunk, (shape, (_, shard_rank), digest) in enumerate(result.shards):
+            for chunk, (_shape, (_, shard_rank), digest) in enumerate(result.shards):
                 by_coordinates.setdefault((chunk, shard_rank), set()).add(digest)
         assert all(len(d) == 1 for d in by_coordinates.values()), f"{case} {kwargs}: replicas differ"
 

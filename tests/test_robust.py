@@ -173,7 +173,7 @@ def _train_backward_raises(setup, world, rank, *, directory=None):
                 error = KeyboardInterrupt if variant == "interrupt" else Boom
                 if world > 1 or variant != "keep":
                     handle = model.mid.register_forward_hook(
-                        lambda m, a, out: out.register_hook(_raiser(error)) and None)
+                        lambda m, a, out, error=error: out.register_hook(_raiser(error)) and None)
                     loss = _loss(model, step, world, rank)
                     handle.remove()
                     with pytest.raises(error):

@@ -65,7 +65,7 @@ def _sharded(stage: int, placement: str) -> dict:
         except ZeroError:
             refused = True
     losses += _train(model, opt, world, rank)
-    summed = [float(sum(t.item() for t in _gather(l))) / world for l in losses]
+    summed = [float(sum(t.item() for t in _gather(loss))) / world for loss in losses]
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
     return {"placements": placements, "losses": summed, "params": full, "refused": refused,
             "moments": str(opt.state[scale]["exp_avg"].device)}
@@ -85,7 +85,7 @@ def _reference() -> dict:
     with torch.no_grad():
         model.logit_scale.fill_(0.25)
     losses += _train(model, opt, 1, 0)
-    return {"losses": [float(l) for l in losses], "params": dict(model.named_parameters())}
+    return {"losses": [float(loss) for loss in losses], "params": dict(model.named_parameters())}
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -19,6 +19,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+
 # A test dependency (installed by ``nox -s tests``), not an optional one: no importorskip.
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 

@@ -149,9 +149,9 @@ def peak_table(records: list[dict[str, Any]]) -> str:
 
 def table(records: list[dict[str, Any]]) -> str:
     """One row per configuration, in run order (references, strategies by stage, variants, then mesh rows)."""
-    head = ("| config | status | step ms | tokens/s | peak mem/rank MiB | peak in use MiB | above start | step vs DDP | step vs FSDP2 | mem vs DDP | mem vs FSDP2 "
-            "| model state/rank MiB | state vs theory | sent/step/rank MiB | sent vs theory | shard / replicate MiB | vs estimate "
-            "| collectives/step |")
+    head = ("| config | status | step ms | tokens/s | peak mem/rank MiB | peak in use MiB | above start | step vs DDP | step vs FSDP2 "
+            "| mem vs DDP | mem vs FSDP2 | model state/rank MiB | state vs theory | sent/step/rank MiB | sent vs theory "
+            "| shard / replicate MiB | vs estimate | collectives/step |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         if r.get("median_step_s") is None:
@@ -161,8 +161,8 @@ def table(records: list[dict[str, Any]]) -> str:
         above = max(p - s for p, s in zip(r["peak_memory_mib"], r["start_memory_mib"]))
         rows.append(
             f"| {r['name']} | {r['status']} | {1000 * r['median_step_s']:.1f} | {r['tokens_per_s']:,.0f} "
-            f"| {max(r['peak_memory_mib']):.0f} | {_in_use(r)} | {above:.0f} | {_x(q['step_vs_ddp'])} | {_x(q['step_vs_fsdp2'])} | {_x(q['memory_vs_ddp'])} "
-            f"| {_x(q['memory_vs_fsdp2'])} | {max(r['model_state_bytes']) / MiB:.2f} | {_x(q['state_vs_theory'])} "
+            f"| {max(r['peak_memory_mib']):.0f} | {_in_use(r)} | {above:.0f} | {_x(q['step_vs_ddp'])} | {_x(q['step_vs_fsdp2'])} "
+            f"| {_x(q['memory_vs_ddp'])} | {_x(q['memory_vs_fsdp2'])} | {max(r['model_state_bytes']) / MiB:.2f} | {_x(q['state_vs_theory'])} "
             f"| {max(r['bytes_sent_per_step']) / MiB:.2f} | {_x(q['sent_vs_theory'])} | {_groups(r)} | {_vs_estimate(r)} | {_calls(r)} |")
     return "\n".join(rows)
 

@@ -20,8 +20,8 @@ import zero_strategy_nodelocal.plugin  # noqa: E402
 from torch import nn  # noqa: E402
 from zero_strategy_nodelocal import DEFAULT_CHUNK_SIZE, SHARD_SIZE_ENV, NodeLocalStrategy  # noqa: E402
 
-from zero_core import ChunkPolicy, ConfigError, ZeroConfig
-from zero_core.plugin import MeshSpec, ParamInfo, Reduction, Topology, ZeroPlugins
+from zero_core import ChunkPolicy, ConfigError, ZeroConfig  # noqa: E402
+from zero_core.plugin import MeshSpec, ParamInfo, Reduction, Topology, ZeroPlugins  # noqa: E402
 from zero_core.testing import ShardStrategyConformance  # noqa: E402
 
 ENV = (SHARD_SIZE_ENV, "LOCAL_WORLD_SIZE")

@@ -177,4 +177,4 @@ def test_conflicting_precisions_are_refused() -> None:
     strategy = zl.ZeroStrategy(config=zero_core.ZeroConfig(precision=zero_core.Precision(compute=torch.bfloat16)))
     pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="32-true", logger=False)
     with pytest.raises(zero_core.ConfigError, match="disagrees with"):
-        strategy.zero_config
+        strategy.zero_config  # noqa: B018 - the property raises

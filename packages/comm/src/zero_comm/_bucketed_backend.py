@@ -89,7 +89,7 @@ class BucketedCommBackend(TorchCommBackend):
             filled += numel
         return calls + (filled > 0)
 
-    @property  # type: ignore[override]
+    @property
     def stats(self) -> CommStats:
         return self._stats
 

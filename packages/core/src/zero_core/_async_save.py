@@ -158,7 +158,7 @@ def save_async(engine: Engine, directory: str | os.PathLike[str], *, extra: Any,
         extra_bytes = None
         if rank == 0 and extra is not None:
             collected = _Collector()
-            torch.save(extra, collected)  # serialized now: the object may change while the file is written
+            torch.save(extra, collected)  # type: ignore[arg-type]  # save() needs write/flush only; serialized now: the object may change while the file is written
             extra_bytes = collected.data()
     except Exception as exc:  # noqa: BLE001 - every rank must learn it before any thread starts
         error = f"{type(exc).__name__}: {exc}"

@@ -45,7 +45,7 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[HashingWriter], None]) -> tuple[int, str]:
+def atomic_write(path: Path, write: Callable[[HashingWriter], object]) -> tuple[int, str]:
     """Write ``path`` through ``write(stream)`` so that it appears complete or not at all.
 
     The bytes go to a temporary name beside ``path``, are fsynced and renamed over it; a

@@ -59,7 +59,8 @@ def on_first_gradient(tensors: Sequence[torch.Tensor], fn: Callable[..., Any]) -
 def reachable_params(outputs: Sequence[torch.Tensor]) -> set[int]:
     """Ids of the leaf tensors whose gradient the autograd graph of ``outputs`` can reach."""
     found: set[int] = set()
-    stack = list({t.grad_fn for t in outputs if t.grad_fn is not None})
+    # Any: the node classes carry their own attributes (AccumulateGrad's variable) that torch's Node type does not declare
+    stack: list[Any] = list({t.grad_fn for t in outputs if t.grad_fn is not None})
     seen: set[Any] = set(stack)
     # Every node is pushed once (marked when pushed, not when popped): this walk runs after every forward, over
     # a graph of thousands of nodes on a deep model.

@@ -8,9 +8,14 @@ share one description of the bytes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from zero_core._slots import ChunkSpec, ParamSlot, layout_slots, rewrap, to_local
 
@@ -160,7 +165,7 @@ def dense(t: torch.Tensor) -> bool:
     return True
 
 
-def dtensor(local: torch.Tensor, spec: object) -> DTensor:
+def dtensor(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """A DTensor over ``local`` (a view into a chunk's buffer) that ``copy.deepcopy``, ``pickle`` and ``torch.save``
     accept.
 
@@ -169,8 +174,8 @@ def dtensor(local: torch.Tensor, spec: object) -> DTensor:
     past the start of its chunk makes non-null: they then copy the wrapper's invalid storage and fail
     ("invalid python storage"). A wrapper at offset 0 is treated as what it is: its local tensor is
     copied or saved (the whole chunk shard once, which the pieces share)."""
-    out = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-        DTensor, spec.shape, strides=spec.stride, storage_offset=0, dtype=local.dtype,  # type: ignore[attr-defined]
+    out = torch.Tensor._make_wrapper_subclass(
+        DTensor, spec.shape, strides=spec.stride, storage_offset=0, dtype=local.dtype,
         device=local.device, layout=local.layout, requires_grad=False)
     out._spec = spec
     out._local_tensor = local
@@ -182,13 +187,13 @@ def repoint(param: nn.Parameter, local: torch.Tensor) -> None:
     if not isinstance(param, DTensor):
         param.data = local
         return
-    if param._local_tensor.device == local.device:  # type: ignore[attr-defined]
-        param._local_tensor = local  # type: ignore[attr-defined]
+    if param._local_tensor.device == local.device:
+        param._local_tensor = local
         return
     # A DTensor's device is fixed when it is made, and a shard that moved to another device (host offload) needs
     # a wrapper there: a new one is swapped into the same object, with its attributes and its gradient moved along.
     attrs, grad = dict(param.__dict__), param.grad
-    fresh = nn.Parameter(DTensor(local, param._spec, requires_grad=False), requires_grad=param.requires_grad)  # type: ignore[attr-defined]
+    fresh = nn.Parameter(DTensor(local, param._spec, requires_grad=False), requires_grad=param.requires_grad)
     torch.utils.swap_tensors(param, fresh)
     param.__dict__.update(attrs)
     if grad is not None:

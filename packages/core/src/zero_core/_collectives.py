@@ -243,6 +243,7 @@ class _CopiesOut:
 
     def __init__(self, group: GatherGroup, received: torch.Tensor, parts: Sequence[int],
                  targets: Sequence[Chunk]) -> None:
+        self._received: torch.Tensor | None  # None once waited for
         self._group, self._received = group, received
         self._parts, self._targets = list(parts), {id(c) for c in targets}
         self.pending: Pending | None = None
@@ -332,6 +333,7 @@ class Reduction:
         divisor: float, *, replicate: CommBackend | None = None, all_reduce: CommBackend | None = None,
         outer: CommBackend | None = None,
     ) -> None:
+        self._reduced: torch.Tensor | None  # None once landed in chunk.grads
         self._chunk, self._pending, self._reduced, self._pooled = chunk, pending, reduced, pooled
         self._divisor = divisor
         self._replicate, self._all_reduce, self._outer = replicate, all_reduce, outer

@@ -165,6 +165,8 @@ def consolidate(checkpoint: str | os.PathLike[str], output: str | os.PathLike[st
             held.drop(block.nbytes)
             del block, out
 
+    files: tuple[str, ...]
+    configs_written: tuple[str, ...]
     try:
         if plain_file:
             def write(stream: Any) -> None:

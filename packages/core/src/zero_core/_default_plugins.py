@@ -7,8 +7,8 @@ stays, so it is listed and blocked (``ZERO_BLOCKED_PLUGINS=zero-core``) like any
 
 from __future__ import annotations
 
-from zero_core.hookspecs import hookimpl
 from zero_core._registry import Registry
+from zero_core.hookspecs import hookimpl
 from zero_core.placement import DevicePlacementPolicy, HostPlacementPolicy, PlacementPolicy
 
 

@@ -183,8 +183,11 @@ class _Layout:
     strided: bool = False
 
 
-def _bytes(dtype: torch.dtype | None, default: int) -> int:
-    return default if dtype is None else dtype.itemsize
+def _bytes(dtype: torch.dtype | str | None, default: int) -> int:
+    if dtype is None:
+        return default
+    assert isinstance(dtype, torch.dtype)  # a Precision's str dtypes are torch.dtypes once it is constructed
+    return dtype.itemsize
 
 
 def estimate(
@@ -334,6 +337,7 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: MeshS
     default = ChunkPlan(mesh=mesh, reshard_after_forward=config.reshard_after_forward)
     chunk_plans = plan.plans(default)
     for i, cp in enumerate(chunk_plans):
+        assert cp.reduction is not None  # ChunkPlan fills it in
         if cp.mesh != mesh or cp.reduction is not Reduction.for_mesh(mesh):
             raise ConfigError(f"estimate predicts chunks on the one mesh it is given ({mesh}, {Reduction.for_mesh(mesh).value}); "
                               f"strategy {config.strategy!r} planned chunk {i} on {cp.mesh} with {cp.reduction.value}")
@@ -359,7 +363,7 @@ def _plan(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: MeshS
     return chunks, groups, plan.numel
 
 
-def _real(chunk: _Layout, rank: int, shard: float) -> float:
+def _real(chunk: _Layout, rank: int, shard: int | Fraction) -> int | Fraction:
     """Elements of ``rank``'s shard that are parameters, not padding."""
     if chunk.real is not None:
         return chunk.real[rank]
@@ -368,7 +372,7 @@ def _real(chunk: _Layout, rank: int, shard: float) -> float:
 
 def _rank_bytes(chunks: Sequence[_Layout], compute_bytes: Sequence[int], rank: int, world: int, stage: int,
                 opt_bytes: int, *, reduce_bytes: int, exact: bool = True, separate: Sequence[bool] | None = None) -> dict[str, int]:
-    out = dict.fromkeys(_KINDS, 0)
+    out: dict[str, int | Fraction] = dict.fromkeys(_KINDS, 0)
     for i, (chunk, b) in enumerate(zip(chunks, compute_bytes)):
         m = chunk.master_bytes
         shard = chunk.size // world if exact else Fraction(chunk.size, world)

@@ -95,7 +95,7 @@ def save_full_state_dict(engine: Engine, path: str | os.PathLike[str], *, format
             state = full_state_dict(engine, rank0_only=True)
             if rank0:
                 state = {k: v.to(cast_dtype(v.dtype, dtype)) for k, v in state.items()}
-                atomic_write(path, lambda stream: torch.save(state, stream))
+                atomic_write(path, lambda stream: torch.save(state, stream))  # type: ignore[arg-type]  # save() needs write/flush only
         else:
             _stream_safetensors(engine, layout, path, rank0, dtype)
     except Exception as exc:  # noqa: BLE001 - any failure on rank 0 must reach the other ranks

@@ -64,7 +64,7 @@ def return_freed_host_memory() -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # glibc only: other C libraries' mallopt takes other parameters
+        libc.gnu_get_libc_version  # noqa: B018 - glibc only: other C libraries' mallopt takes other parameters
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

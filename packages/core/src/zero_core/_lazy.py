@@ -112,7 +112,7 @@ class LazyRecording:
         if key is None:
             key = self._key_of[storage._cdata] = len(self.storages)
             self.storages.append(storage)
-        return _Ref(key, tensor.dtype, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset())
+        return _Ref(key, tensor.dtype, tuple(tensor.size()), tuple(tensor.stride()), int(tensor.storage_offset()))
 
     def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         known = set(self._key_of)
@@ -156,7 +156,7 @@ class LazyRecording:
 
     # -- replay ---------------------------------------------------------------------------
     def replay(
-        self, *, device: torch.device, finals: dict[int, Callable[[torch.UntypedStorage], None]],
+        self, *, device: torch.device, finals: dict[int, Callable[[torch.UntypedStorage], object]],
         rng_state: torch.Tensor, run_all: bool = True,
     ) -> None:
         """Run the log on ``device``; call ``finals[key](storage)`` when storage ``key`` holds its final value.

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -32,14 +33,14 @@ def materialize(
     gives eager models). With ``params_loaded`` the parameters' values come from a state dict
     next, so only the buffers are computed.
     """
-    finals: dict[int, list] = {}
+    finals: dict[int, list[Callable[[torch.UntypedStorage], object]]] = {}
     if not params_loaded:
         for chunk in chunks:
             for i, slot in enumerate(chunk.slots):
                 meta = metas[id(slot.param)]
-                finals.setdefault(recording.key(meta), []).append(
-                    lambda storage, chunk=chunk, i=i, like=meta: chunk.fill(
-                        i, _view(storage, like).reshape(-1).to(chunk.master_dtype)))
+                param_key = recording.key(meta)
+                assert param_key is not None  # find_recording chose the recording that made every meta parameter
+                finals.setdefault(param_key, []).append(functools.partial(_fill_slot, chunk, i, meta))
     for owner in module.modules():
         for name, buf in owner._buffers.items():
             if buf is None or buf.device.type != "meta":
@@ -50,13 +51,28 @@ def materialize(
                     f"buffer {name!r} of {type(owner).__name__} is on the meta device but was not built under "
                     "zero_core.lazy_init(); build the whole model inside the context"
                 )
-            finals.setdefault(key, []).append(
-                lambda storage, owner=owner, name=name, like=buf: owner._buffers.__setitem__(name, _view(storage, like)))
+            finals.setdefault(key, []).append(functools.partial(_set_buffer, owner, name, buf))
     rng_state = recording.rng_state
     if from_rank0:
         rng_state = rank0_value(comm, rng_state)
     recording.replay(
         device=torch.device("cpu"),
-        finals={key: (lambda storage, calls=calls: [call(storage) for call in calls]) for key, calls in finals.items()},
+        finals={key: _call_each(calls) for key, calls in finals.items()},
         rng_state=rng_state, run_all=not params_loaded,
     )
+
+
+def _fill_slot(chunk: Chunk, i: int, like: torch.Tensor, storage: torch.UntypedStorage) -> None:
+    chunk.fill(i, _view(storage, like).reshape(-1).to(chunk.master_dtype))
+
+
+def _set_buffer(owner: nn.Module, name: str, like: torch.Tensor, storage: torch.UntypedStorage) -> None:
+    owner._buffers[name] = _view(storage, like)
+
+
+def _call_each(calls: list[Callable[[torch.UntypedStorage], object]]) -> Callable[[torch.UntypedStorage], None]:
+    def call_each(storage: torch.UntypedStorage) -> None:
+        for call in calls:
+            call(storage)
+
+    return call_each

@@ -104,6 +104,7 @@ class MeshGroups:
     def _mesh(self, spec: MeshSpec) -> tuple[Any, CommBackend, CommBackend, CommBackend | None]:
         if spec in self._meshes:
             return self._meshes[spec]
+        built: tuple[Any, CommBackend, CommBackend, CommBackend | None]
         if spec == self._default and spec.ndim == 1:
             built = (self._default_mesh, *self._default_comms, None)
         elif spec.size == 1:

@@ -67,7 +67,7 @@ class ReleasedParameter(nn.Parameter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # built by __new__ alone
         pass
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # Tensor.__repr__'s tensor_contents has no meaning here
         return f"ReleasedParameter({self._zero_chunk.slots[self._zero_slot].name!r}, chunk {self._zero_chunk.index} not gathered)"
 
     def __reduce_ex__(self, protocol: Any) -> Any:

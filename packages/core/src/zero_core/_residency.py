@@ -95,7 +95,8 @@ class Residency:
         if not for_backward or self._stage != 3:
             self.release(chunks)
             return
-        now, with_copy = [], []
+        now: list[Chunk] = []
+        with_copy: list[Chunk] = []
         for chunk in chunks:
             policy = chunk.plan.reshard_after_forward if chunk.plan is not None else True
             if policy is False and chunk.requires_grad:

@@ -63,7 +63,7 @@ class SafetensorsWriter:
             raise CheckpointError(f"expected tensor {expected!r} of {nbytes} bytes next, got {name!r} of "
                              f"{data.numel() * data.element_size()} bytes")
         if nbytes:
-            self._stream.write(memoryview(data.view(torch.uint8).numpy()))
+            self._stream.write(data.view(torch.uint8).numpy().data)
         self._next += 1
 
     def write_parts(self, name: str, parts: Any) -> None:
@@ -79,7 +79,7 @@ class SafetensorsWriter:
             if written + size > nbytes:
                 raise CheckpointError(f"tensor {name!r} got more than its {nbytes} bytes")
             if size:
-                self._stream.write(memoryview(data.view(torch.uint8).numpy()))
+                self._stream.write(data.view(torch.uint8).numpy().data)
             written += size
             del data, part
         if written != nbytes:
@@ -125,7 +125,7 @@ class SafetensorsRangeReader:
         direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
         target = out if direct else torch.empty(out.numel(), dtype=dtype)
         self._file.seek(self._start + begin + start * dtype.itemsize)
-        view = memoryview(target.view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
+        view = target.view(torch.uint8).numpy().data if target.numel() else memoryview(b"")
         if view.nbytes and self._file.readinto(view) != view.nbytes:
             raise CheckpointError(f"tensor {name!r} ends early")
         if target is not out:

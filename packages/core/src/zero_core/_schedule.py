@@ -191,7 +191,7 @@ class GatherScheduler:
                 continue
             while not group.is_gathered:  # serving another rank may prefetch this very group
                 proposal = self._proposal(group)
-                agreed = self._agree_min(proposal)
+                agreed = self._agreed_min(proposal)
                 self._cursor = agreed
                 if agreed == proposal:
                     self._issue(group, "own")
@@ -209,12 +209,17 @@ class GatherScheduler:
         if todo or consumed:
             self._prefetch_replayed()
 
+    def _agreed_min(self, proposal: int) -> int:
+        """The smallest proposal over ranks; called only where ``self.agree``."""
+        assert self._agree_min is not None
+        return self._agree_min(proposal)
+
     def drain(self) -> None:
         """This rank's pass is over: keep serving other ranks until none needs anything."""
         if not self.agree:
             return
         self._replay_rest()
-        while (agreed := self._agree_min(_NOTHING)) != _NOTHING:
+        while (agreed := self._agreed_min(_NOTHING)) != _NOTHING:
             self._cursor = agreed
             self._serve(self._group_at(agreed))
         self._open = False

@@ -265,7 +265,7 @@ class Segment:
 
 def to_local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor; any other tensor itself."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # type: ignore[attr-defined]
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -274,5 +274,5 @@ def rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     For code that moves an optimizer state's local values (placement policies): the state
     must stay a DTensor like its parameter."""
     if isinstance(like, DTensor):
-        return DTensor(local, like._spec, requires_grad=False)  # type: ignore[attr-defined]
+        return DTensor(local, like._spec, requires_grad=False)
     return local

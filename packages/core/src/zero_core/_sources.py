@@ -166,7 +166,7 @@ def open_source(source: Any) -> StateDictSource:
         files = {name: path.parent / file for name, file in weight_map.items()}
         if all(_is_safetensors(f) for f in files.values()):
             return _SafetensorsSource(files, str(path))
-        merged: dict[str, torch.Tensor] = {}
+        merged = {}
         for file in sorted(set(files.values())):
             merged.update(_torch_load(file))
         return StateDictSource(merged, str(path))

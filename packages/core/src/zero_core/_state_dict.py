@@ -31,7 +31,7 @@ def param_keys(engine: Engine) -> dict[str, tuple[Chunk, int]]:
     cached = getattr(engine, "_param_keys", None)
     if cached is not None:
         return cached
-    where = {id(m): [] for m, _, _, _ in engine.params.registrations}
+    where: dict[int, list[tuple[str, Chunk, int]]] = {id(m): [] for m, _, _, _ in engine.params.registrations}
     for m, name, chunk, i in engine.params.registrations:
         where[id(m)].append((name, chunk, i))
     keys: dict[str, tuple[Chunk, int]] = {}

@@ -30,7 +30,12 @@ class ReductionWaiter:
         # A waiter thread still alive while the interpreter tears torch down aborts the process
         # ("terminate called without an active exception"), so stop it before that.
         ref = weakref.ref(self)
-        atexit.register(lambda: (w := ref()) is not None and w.close(timeout=10.0))
+
+        def close_at_exit() -> None:
+            if (waiter := ref()) is not None:
+                waiter.close(timeout=10.0)
+
+        atexit.register(close_at_exit)
 
     def _run(self) -> None:
         while True:

@@ -234,7 +234,7 @@ class Chunk:
         placements = (Replicate(),) * (self.mesh.ndim - 1) + ((Replicate(),) if slot.replicated else (Shard(slot.dim),))
         made = DTensor.from_local(local, self.mesh, placements, run_check=False, shape=slot.shape,
                                   stride=torch.empty(slot.shape, device="meta").stride())
-        return dtensor(made._local_tensor, made._spec)  # type: ignore[attr-defined]
+        return dtensor(made._local_tensor, made._spec)
 
     @property
     def shard(self) -> torch.Tensor:
@@ -453,6 +453,7 @@ class Chunk:
         """SHARDED_POST_FORWARD -> SHARDED: hand over the kept part (to the all-gather that uses it)."""
         self.check_state(ChunkState.SHARDED_POST_FORWARD)
         copy, self._post_forward_copy = self._post_forward_copy, None
+        assert copy is not None  # kept in every SHARDED_POST_FORWARD
         self.state = ChunkState.SHARDED
         return copy
 

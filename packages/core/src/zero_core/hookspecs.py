@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from zero_core._view import EngineView
     from zero_core._registry import Registry
+    from zero_core._view import EngineView
     from zero_core.api import ZeroConfig
     from zero_core.comm import CommBackend
     from zero_core.placement import PlacementPolicy

@@ -14,8 +14,9 @@ shards stay fp32, fp16 has zero's loss scaler), so this plugin has no autocast a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
@@ -53,7 +54,7 @@ class ZeroPrecision(LightningPrecision):
     def __init__(self, precision: str) -> None:
         super().__init__()
         zero_precision_for(precision)  # validates
-        self.precision = _ALIASES.get(precision, precision)  # type: ignore[assignment]
+        self.precision = _ALIASES.get(precision, precision)
         self._model: Any = None
 
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[Any, list[Any], list[Any]]:

@@ -129,7 +129,7 @@ class ZeroStrategy(DDPStrategy):
             if sharded_optimizer is not optimizer:  # zero re-points in place today; schedulers hold the original
                 raise ZeroSetupError("zero_core.shard returned a new optimizer; ZeroStrategy expects it re-pointed in place")
             allow_nested_calls(module)
-            self.model = module
+            self.model: Any = module  # DDPStrategy's property (lightning is read as Any)
         elif fitting:
             # the module was sharded by an earlier fit/validate: its optimizer was re-pointed then
             self.setup_optimizers(trainer)
@@ -218,7 +218,7 @@ class ZeroStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a directory :meth:`save_checkpoint` wrote into the sharded module (and optimizer, when fitting)."""
         module = self._sharded_module("load a checkpoint")
-        trainer = module._trainer  # the property raises when no Trainer is attached
+        trainer = module._trainer  # type: ignore[attr-defined]  # the LightningModule's; the property raises when no Trainer is attached
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         optimizer = module.engine.optimizer if fitting else None
         extra = zero_core.load_checkpoint(module, optimizer, checkpoint_path)

@@ -17,7 +17,7 @@ __all__ = ["DiskStore"]
 
 
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.view(torch.uint8).numpy())
+    return tensor.view(torch.uint8).numpy().data
 
 
 class DiskStore:

@@ -254,6 +254,7 @@ class Tiers:
             self.staged.discard(i)
             chunk.replace_shard(absent_shard(chunk))
             return
+        host: torch.Tensor | None
         if src is DISK and i not in self.staged:
             assert self.disk is not None
             host = self._host_buffer(chunk)

@@ -7,8 +7,7 @@ from torch import nn
 from zero_core import ChunkPolicy, ZeroConfig
 from zero_core.plugin import ParamInfo
 from zero_core.testing import ShardStrategyConformance
-from zero_strategy_chunk import ChunkStrategy, pack_chunks, search_chunk_size
-from zero_strategy_chunk import block_of
+from zero_strategy_chunk import ChunkStrategy, block_of, pack_chunks, search_chunk_size
 from zero_strategy_chunk._search import per_block_waste
 
 

@@ -44,7 +44,9 @@ def _params(case: str) -> list[ParamInfo]:
 
 def _chunks(world_size: int = 1, rank: int = 0, case: str = "gpt") -> list[Chunk]:
     params = _params(case)
-    specs, current, used = [], [], 0
+    specs: list[ChunkSpec] = []
+    current: list[ParamInfo] = []
+    used = 0
     for info in params:  # simple packing: a new chunk whenever 300 elements are exceeded or the key changes
         if current and (used + info.numel > 300 or current[-1].key != info.key):
             specs.append(ChunkSpec(tuple(current), -(-used // world_size) * world_size))

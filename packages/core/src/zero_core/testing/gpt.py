@@ -58,6 +58,7 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
+        self.mask: torch.Tensor
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -94,12 +95,13 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        blocks = [Block(cfg) for _ in range(cfg.n_layer)]
+        self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied
         self.apply(self._init)
-        for block in self.blocks:
+        for block in blocks:
             nn.init.normal_(block.out.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod

@@ -29,7 +29,7 @@ import copy
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -214,7 +214,7 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
     if batch_size % world:
         raise ValueError(f"global batch {batch_size} must divide evenly over {world} ranks")
     local = batch_size // world
-    model = _build(case)
+    built = _build(case)
     device = resolve_device(config)
     example = case.batch(0, batch_size)[0][:local].to(device) if config.chunk.param_order == "first_use" else None
     meshes = {}
@@ -222,11 +222,12 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         meshes["mesh"] = _device_mesh(mesh_shape)
     if module_meshes:
         meshes["module_meshes"] = {name: _device_mesh(shape) for name, shape in module_meshes.items()}
-    model, opt = shard(model, make_optimizer(case, model, optimizer, lr), config=config, example_inputs=example,
+    model, opt = shard(built, make_optimizer(case, built, optimizer, lr), config=config, example_inputs=example,
                        reduce_process_group=reduce_process_group, plugins=plugins, **meshes)
     if local % micro_batches:
         raise ValueError(f"{local} samples per rank do not split into {micro_batches} micro-batches")
     micro = local // micro_batches
+    module = cast(torch.nn.Module, model)  # the same object: a ZeroModule is also the model's own nn.Module class
     losses, norms, scales = [], [], []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -242,14 +243,14 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
                 model.backward(micro_loss)
             loss += micro_loss.detach()
         if clip is not None and clip_with == "torch":  # the user's own call, on the sharded parameters
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type)))
+            norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), clip, norm_type)))
         elif clip is not None:
             norms.append(clip_grad_norm_(model, clip, norm_type))
         if model.loss_scaler is not None:
             scales.append(model.loss_scaler.scale)
         opt.step()
         if after_step is not None:
-            after_step(model, step)
+            after_step(module, step)
         reported = loss.detach().clone()
         if world > 1:  # reporting only: not part of the engine's counted traffic
             dist.all_reduce(reported)

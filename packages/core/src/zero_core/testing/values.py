@@ -31,9 +31,9 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     sharded = [(d, p) for d, p in enumerate(tensor.placements) if not isinstance(p, Replicate)]
     if not sharded:
         return local.cpu().clone()
-    if len(sharded) > 1 or not isinstance(sharded[0][1], Shard):
-        raise NotImplementedError(f"full_value over gloo on CUDA reads one Shard placement, got {tensor.placements}")
     mesh_dim, placement = sharded[0]
+    if len(sharded) > 1 or not isinstance(placement, Shard):
+        raise NotImplementedError(f"full_value over gloo on CUDA reads one Shard placement, got {tensor.placements}")
     group = mesh.get_group(mesh_dim)
     pieces: list[torch.Tensor | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(pieces, local.cpu(), group=group)

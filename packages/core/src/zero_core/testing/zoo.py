@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +93,8 @@ class Buffers(nn.Module):
         super().__init__()
         self.inp = nn.Linear(6, 8)
         self.out = nn.Linear(8, 3)
+        self.scale: torch.Tensor
+        self.calls: torch.Tensor
         self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
@@ -162,7 +165,7 @@ def _frozen_groups(model: nn.Module) -> list[dict[str, object]]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-_TINY_GPT = dict(vocab_size=37, seq_len=8, d_model=18, n_layer=2, n_head=2, qkv_bias=False)
+_TINY_GPT: dict[str, Any] = dict(vocab_size=37, seq_len=8, d_model=18, n_layer=2, n_head=2, qkv_bias=False)
 
 
 @dataclass(frozen=True)
