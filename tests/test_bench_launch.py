@@ -19,7 +19,6 @@ from zero_bench import main as bench_main  # noqa: E402
 from zero_bench.configs import MODELS, BenchConfig  # noqa: E402
 from zero_bench.launch import explain, launch, sigterm_raises  # noqa: E402
 from zero_bench.plot import plot, plot_memory  # noqa: E402
-
 from zero_core._cli import COMMAND_GROUP  # noqa: E402
 from zero_core._cli import main as zero_main  # noqa: E402
 
@@ -116,8 +115,8 @@ def test_sigterm_raises_inside_only_so_the_ranks_get_stopped():
 
 def test_every_model_preset_builds_its_architecture():
     import torch
-    from zero_bench.configs import build_model
 
+    from zero_bench.configs import build_model
     from zero_core.testing.gpt import GPT
     from zero_core.testing.llama import Llama
 
