@@ -90,8 +90,9 @@ def _segment_states(engine: Engine) -> tuple[dict[int, dict[str, Any]], list[dic
     stand-ins of the right shape and dtype, read chunk by chunk while writing); and each param group's
     hyperparameters."""
     optimizers = engine.optimizers  # each parameter in one of them at most: states keyed by parameter never clash
-    states = {id(seg.param): next((s for o in optimizers if (s := o.state.get(seg.param)) is not None), {})
-              for chunk in engine.chunks for seg in chunk.segments}
+    states: dict[int, dict[str, Any]] = {
+        id(seg.param): next((s for o in optimizers if (s := o.state.get(seg.param)) is not None), {})
+        for chunk in engine.chunks for seg in chunk.segments}
     groups = [{k: _jsonable(v) for k, v in group.items() if k != "params"}
               for optimizer in optimizers for group in optimizer.param_groups]
     return states, groups
@@ -186,7 +187,7 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra:
         description = _write_rank_file(engine, directory, save_id, rank, world, with_optimizer)
         if rank == 0 and extra is not None:
             name = f"{save_id}.extra.pt"
-            size, digest = atomic_write(directory / name, lambda stream: torch.save(extra, stream))
+            size, digest = atomic_write(directory / name, lambda stream: torch.save(extra, stream))  # type: ignore[arg-type]  # save() needs write/flush only
             description["extra"] = {"name": name, "bytes": size, "sha256": digest}
         error = None
     except Exception as exc:  # noqa: BLE001 - any failure here must reach the other ranks, not leave them waiting
@@ -626,9 +627,9 @@ def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, st
         finally:
             placement.after_load([chunk])
     for key, buf in layout.buffers.items():
-        name = layout.source_name(key, reader.metadata["buffers"])
-        if name is not None:
-            buf.copy_(reader.tensor(0, f"b/{name}").view(buf.shape))
+        source = layout.source_name(key, reader.metadata["buffers"])
+        if source is not None:
+            buf.copy_(reader.tensor(0, f"b/{source}").view(buf.shape))
     if load_optimizer:
         groups = [group for optimizer in engine.optimizers for group in optimizer.param_groups]
         for group, hyper in zip(groups, metadata["optimizer"]["param_groups"]):
@@ -698,7 +699,7 @@ def _load_states(engine: Engine, chunk: Chunk, reader: _Reader, where: dict[int,
     for seg in chunk.segments:
         found = where.get(seg.slot)
         owner = whole.owner_of(seg.param) if whole is not None else None
-        if owner is not None and owner != whole.rank:  # another rank steps it and holds its states
+        if whole is not None and owner is not None and owner != whole.rank:  # another rank steps it and holds its states
             optimizer.state.pop(seg.param, None)
             continue
         if found is None and owner is None:

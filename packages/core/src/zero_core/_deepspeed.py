@@ -486,9 +486,8 @@ def _number(path: str, value: object, *, minimum: float = 0.0) -> float:
 
 
 def _int(path: str, value: object, *, minimum: int = 0) -> int:
-    whole = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= minimum
-             and value == int(value))
-    if not whole:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value >= minimum
+            or value != int(value)):
         raise ConfigError(f"DeepSpeed key {path} must be a whole number >= {minimum}, got {value!r}.")
     return int(value)
 
@@ -522,8 +521,11 @@ class _Converter:
     def set(self, field: str, value: Any, ds_path: str, text: str | None = None) -> None:
         """Record one mapped key: ``field`` is the zero field path it set (``precision.compute``)."""
         target, _, name = field.rpartition(".")
-        {"": self.fields, "precision": self.precision, "precision.loss_scale": self.loss_scale,
-         "placement_options": self.options}[target][name] = value
+        tables = {"": self.fields, "precision": self.precision, "precision.loss_scale": self.loss_scale,
+                  "placement_options": self.options}
+        table = tables[target]
+        assert table is not None, field  # _fp16 makes the loss_scale table before it sets any of its fields
+        table[name] = value
         self.origin[field] = ds_path
         self.mapped[ds_path] = text or f"{field}={value!r}"
 

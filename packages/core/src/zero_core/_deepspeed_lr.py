@@ -117,7 +117,8 @@ class DeepSpeedLRScheduler(torch.optim.lr_scheduler.LRScheduler):
             return i / steps
         return math.log(i + 1) / math.log(steps)  # "log", and DeepSpeed's fallback for any other value
 
-    def _lr(self, i: int, base_lr: float, group: int) -> float:
+    def _lr(self, i: int, base_lr: float | torch.Tensor, group: int) -> float | torch.Tensor:
+        # a tensor where the optimizer's lr is one: base_lr, and self.base_lrs[0] (WarmupLR without warmup_max_lr)
         p, kind = self.params, self.kind
         if kind in ("WarmupLR", "WarmupDecayLR"):
             low = _per_group(p["warmup_min_lr"], group)
@@ -198,10 +199,10 @@ class DeepSpeedLRScheduler(torch.optim.lr_scheduler.LRScheduler):
 
     # -- torch's LRScheduler ------------------------------------------------------------------------------------
 
-    def get_lr(self) -> list[float]:  # type: ignore[override]
+    def get_lr(self) -> list[float | torch.Tensor]:
         return [self._lr(self.last_epoch - 1, base, index) for index, base in enumerate(self.base_lrs)]
 
-    def step(self, epoch: int | None = None) -> None:  # type: ignore[override]
+    def step(self, epoch: int | None = None) -> None:
         if self.skip_step is not None and self.last_epoch >= 0 and self.skip_step():
             return  # DeepSpeed does not step its scheduler after a step an fp16 overflow skipped
         super().step(epoch)

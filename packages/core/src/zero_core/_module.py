@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ class ZeroModule:
             # at the graph break. (torch._dynamo is loaded whenever something is compiling.)
             torch._dynamo.disable(_refuse_whole_model_compile, reason="zero refuses whole-model compile")(self)
         engine = self._zero_engine
-        compute = engine.config.precision.compute
+        compute = cast("torch.dtype | None", engine.config.precision.compute)  # Precision made a name a dtype
         if compute is not None:  # the model runs in the compute dtype: floating inputs follow its parameters
             args, kwargs = tree_map(functools.partial(_cast_floating, compute), (args, kwargs))
         engine.pre_forward_root()

@@ -155,6 +155,7 @@ class OptimizerBridge:
 
     def _check_overflow(self) -> None:
         """See [Note: one overflow check per step]."""
+        assert self.scaler is not None  # begin() checks only with a loss scaler
         if not self.loss_scaled:
             raise ZeroError(
                 "this step's gradients were not loss-scaled: with Precision(loss_scale=...) call "

@@ -225,6 +225,7 @@ class WholeTensorSteps:
             slot = entry.slot
             whole = torch.empty(slot.shape, dtype=entry.param.dtype, device=self._device)
             whole.copy_(slot.whole(values.view(self.world_size, width)[:, at:at + slot.piece]))
+            assert entry.param.grad is not None  # _agree_live keeps only the parameters with a gradient
             grad = torch.empty(slot.shape, dtype=entry.param.grad.dtype, device=self._device)
             grad.copy_(slot.whole(grads.view(self.world_size, width)[:, at:at + slot.piece]))
             whole.grad = grad

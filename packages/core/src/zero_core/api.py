@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from zero_core._config_io import KeywordsChecked, dataclass_from_dict, dataclass_to_dict, read_file, write_file
+from zero_core._config_io import KeywordsChecked, Nested, dataclass_from_dict, dataclass_to_dict, read_file, write_file
 from zero_core.errors import ConfigError
 
 __all__ = ["ChunkPolicy", "LossScale", "Precision", "ZeroConfig"]
@@ -354,7 +354,7 @@ class ZeroConfig(KeywordsChecked):
                 "(world_size,))); an offloading placement keeps or moves shards off the device. Switch the option off, "
                 "or use stage=3 with placement='device'.")
 
-    def replace(self, **changes: object) -> ZeroConfig:
+    def replace(self, **changes: Any) -> ZeroConfig:
         """Return a copy with ``changes`` applied (validated like a new config)."""
         return dataclasses.replace(self, **changes)
 
@@ -414,4 +414,4 @@ class ZeroConfig(KeywordsChecked):
 
 
 # The fields that hold another config dataclass, per class: nested tables in a config file.
-_NESTED = {ZeroConfig: {"precision": Precision, "chunk": ChunkPolicy}, Precision: {"loss_scale": LossScale}}
+_NESTED: Nested = {ZeroConfig: {"precision": Precision, "chunk": ChunkPolicy}, Precision: {"loss_scale": LossScale}}

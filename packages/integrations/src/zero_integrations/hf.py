@@ -27,7 +27,7 @@ import copy
 import dataclasses
 import os
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -101,6 +101,12 @@ class ZeroTrainer(Trainer):
     missing (see :func:`checkpoint_problems`).
     """
 
+    # The Trainer's attributes this class reads and sets (transformers is untyped here). The model is the plain one
+    # until _wrap_model shards it: then the sharded one, a subclass of both its own class and ZeroModule.
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
+
     def __init__(self, *args: Any, zero_config: ZeroConfig | None = None, max_shard_size: int | str = "5GB",
                  save_dtype: torch.dtype | None = None, deepspeed: Any = None, async_checkpoints: bool = False,
                  **kwargs: Any) -> None:
@@ -160,17 +166,18 @@ class ZeroTrainer(Trainer):
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # an already prepared one: its inner one
         if self.args.torch_compile:
             _compile_blocks(self.model, self.args.torch_compile_backend, self.args.torch_compile_mode)
-        self.model, optimizer = zero_core.shard(self.model, optimizer, config=self.zero_config)
+        sharded, optimizer = zero_core.shard(self.model, optimizer, config=self.zero_config)
+        self.model = cast(torch.nn.Module, sharded)  # the model's own class too (see the attributes above)
         self.optimizer = optimizer
         # Accelerate would wrap the model in DDP; ≥1.14 leaves a model marked prepared as it is.
-        self.model._is_accelerate_prepared = True
-        if self.model.loss_scaler is not None:
+        self.model._is_accelerate_prepared = True  # type: ignore[assignment]  # Module.__setattr__ takes any value
+        if sharded.loss_scaler is not None:
             # fp16: the loss must be scaled by zero's scaler; Accelerate's backward is a plain loss.backward()
             self.accelerator.backward = self._scaled_backward
         return self.model
 
     def _scaled_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        self.model.backward(loss, **kwargs)
+        cast(ZeroModule, self.model).backward(loss, **kwargs)  # installed by _wrap_model once it sharded the model
 
     # -- clipping and the logged norm -----------------------------------------------------
 
@@ -186,11 +193,12 @@ class ZeroTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write ``output_dir`` as ``save_pretrained`` would. Collective once training started: call on every rank."""
-        if self.zero_model is None:  # not sharded yet: the plain model, saved by the Trainer as usual
+        model = self.zero_model
+        if model is None:  # not sharded yet: the plain model, saved by the Trainer as usual
             super().save_model(output_dir, _internal_call=_internal_call)
             return
         output_dir = self.args.output_dir if output_dir is None else output_dir
-        zero_core.save_full_state_dict(self.model, output_dir, max_shard_size=self.zero_max_shard_size,
+        zero_core.save_full_state_dict(model, output_dir, max_shard_size=self.zero_max_shard_size,
                                        dtype=self.zero_save_dtype)
         if self.args.should_save:
             if self.processing_class is not None:
@@ -268,7 +276,7 @@ class ZeroTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         directory = None if checkpoint is None else _zero_dir(checkpoint)
-        if directory is None:
+        if checkpoint is None or directory is None:
             super()._load_optimizer_and_scheduler(checkpoint)
             return
         model = self._sharded("resume from a checkpoint")
@@ -281,15 +289,17 @@ class ZeroTrainer(Trainer):
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
         directory = None if best is None else _zero_dir(best)
-        if directory is None or self.zero_model is None:
+        model = self.zero_model
+        if directory is None or model is None:
             super()._load_best_model()
             return
-        zero_core.load_checkpoint(self.model, None, directory, load_rng=False)
+        zero_core.load_checkpoint(model, None, directory, load_rng=False)
 
     def _sharded(self, what: str) -> ZeroModule:
-        if self.zero_model is None:
+        model = self.zero_model
+        if model is None:
             raise ConfigError(f"ZeroTrainer cannot {what} before training has sharded the model; call train() first")
-        return self.model  # type: ignore[return-value]
+        return model
 
 
 def _compile_blocks(model: torch.nn.Module, backend: str | None, mode: str | None) -> None:
@@ -412,7 +422,7 @@ def _scan(output_dir: str) -> tuple[str | None, list[tuple[str, list[str]]]]:
         step = name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
         if name.startswith(f"{PREFIX_CHECKPOINT_DIR}-") and step.isdigit() and os.path.isdir(path):
             found.append((int(step), path))
-    torn = []
+    torn: list[tuple[str, list[str]]] = []
     for _, path in sorted(found, reverse=True):
         problems = checkpoint_problems(path)
         if not problems:
@@ -477,7 +487,7 @@ def _map_arguments(args: Any, zero_config: ZeroConfig | None, deepspeed: Any,
         config, scheduler = _from_deepspeed(deepspeed, args, model)
     bf16, fp16 = bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))
     wanted = "bf16" if bf16 else "fp16" if fp16 else None
-    compute = config.precision.compute
+    compute = cast("torch.dtype | None", config.precision.compute)  # Precision made a name a dtype
     have = None if compute is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute, str(compute))
     if wanted is not None and have is None:  # a config that left the compute dtype unset takes the arguments'
         precision = config.precision
