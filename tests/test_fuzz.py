@@ -8,8 +8,14 @@ gradient clipping, freezing and unfreezing a parameter, saving and loading a che
 writes outside the registered optimizer (a second optimizer's step, ``nn.init`` on a layer,
 an in-place clamp, an EMA copied into the model), a gradient penalty (``autograd.grad`` with
 ``create_graph`` before the backward), a ``copy.deepcopy`` of the state dict restored later,
-and an exception injected in forward, in backward or in the optimizer step. The short
-sequences end with a forward that raises on one rank only, which skips its batch: every rank
+and an exception injected in forward, in backward or in the optimizer step. Per-rank divergent
+actions (``diverge:*``) have rank 0 alone clear its gradients between backward and step, assign a
+``.grad``, skip the clip the others run, or run an extra micro-batch (with and without
+``no_sync()``): every rank must raise ``RanksOutOfStepError`` with nothing stepped, then every rank
+clears its gradients and the run goes on in step (see [Note: what a step round agrees on] in
+``zero_core._step_state``). Each sequence holds every kind at least once. The sequences end with
+a rank that leaves the others for good: a forward that raises on one rank only, which skips its
+batch, or (every other configuration) a rank that skips ``optimizer.step()``: every rank
 must then raise ``RanksOutOfStepError`` instead of averaging different batches or aborting. After every action every parameter
 must equal the plain model's (fp32, 1e-5 of each tensor's largest magnitude), and every
 loss the plain loss. A rule-based generator keeps the sequence meaningful (no
@@ -18,11 +24,15 @@ step inside an open ``no_sync()`` window is generated on purpose and must raise.
 
 A sequence is a list of action names drawn up front from a seed, identical on every rank
 and in the failure message, so a failing seed replays exactly. ``nox -s soak``
-(``ZERO_SOAK=1``) runs more seeds and longer sequences.
+(``ZERO_SOAK=1``) runs more seeds and longer sequences: the suite runs 1 seed x 5
+configurations x 90 actions (5 to 8 divergent ones per sequence, each kind at least once, and
+the two endings over the configurations), the soak 6 seeds x 5 configurations x 400 actions
+(about 20 divergent ones per sequence).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import random
@@ -68,7 +78,15 @@ class Boom(Exception):
     pass
 
 
-def generate(seed: int, n: int) -> list[str]:
+# rank 0 alone does something else in the step; the kind each needs: "grads" (gradients set, no open window) or "idle"
+# (no open window). See the module docstring.
+DIVERGENT = {"diverge:zero_grad": "grads", "diverge:grad_set": "idle", "diverge:clip": "grads",
+             "diverge:extra_micro_batch": "idle", "diverge:extra_micro_batch_no_sync": "idle"}
+DIVERGE_EVERY = 12  # a divergent action not drawn yet is forced in about this often, so every sequence has each
+ENDINGS = ("one_rank_skip", "diverge:skip_step")
+
+
+def generate(seed: int, n: int, ending: str = "one_rank_skip") -> list[str]:
     """A random action sequence that a correct training loop could run (see the module docstring)."""
     rng = random.Random(seed)
     actions: list[str] = []
@@ -86,7 +104,13 @@ def generate(seed: int, n: int) -> list[str]:
             choices += ["clip", "second_optimizer_step"]
         if not grads and not window:
             choices += ["freeze", "unfreeze", "save", "load", "snapshot_state_dict", "restore_state_dict"]
-        action = rng.choice(choices)
+        eligible = [a for a, need in DIVERGENT.items() if not window and (grads or need == "idle")]
+        if rng.random() < 0.3:  # about one action in 20 diverges: the others keep most of the sequence
+            choices += eligible
+        missing = [a for a in eligible if a not in actions]
+        drawn = len(set(actions) & set(DIVERGENT))
+        force = missing and len(actions) >= DIVERGE_EVERY * (drawn + 1)
+        action = rng.choice(missing) if force else rng.choice(choices)
         if action == "freeze":
             options = [n for n in FREEZABLE if n not in frozen]
             if not options:
@@ -107,11 +131,14 @@ def generate(seed: int, n: int) -> list[str]:
         elif action.startswith("zero_grad"):
             grads = action.endswith("zeros") and grads  # zeroed gradients still count as present
             window = False
+        elif action in DIVERGENT:
+            grads = window = False  # every rank clears after the error
         actions.append(action)
-    # Every sequence ends with a one-rank skip (after it the ranks are out of step for good, see drive). In long
-    # (soak) sequences a pass replays its gather sequence by then: the rank that left the forward finishes its
-    # all-gathers first (see [Note: a forward that raises finishes its gathers]).
-    actions[-1] = "one_rank_skip"
+    # Every sequence ends with a rank leaving the others for good (a one-rank skip of a batch or of a step: after it
+    # the ranks are out of step, see drive). In long (soak) sequences a pass replays its gather sequence by then: the
+    # rank that left the forward finishes its all-gathers first (see [Note: a forward that raises finishes its
+    # gathers]).
+    actions[-1] = ending
     return actions
 
 
@@ -280,6 +307,36 @@ def drive(actions: list[str], *, stage: int, strategy: str, directory: str, acro
                 loss.backward()
                 opt.step()
             return len(actions)  # the ranks cannot be brought back in step: the run ends here
+        elif action == "diverge:skip_step":  # rank 0 skips a step: its next round is a step behind, on every rank
+            with pytest.raises(zero_core.RanksOutOfStepError, match="out of step"):
+                for j in (i, i + 1):
+                    loss = F.cross_entropy(model(_batch(j, world, rank)[0]), _batch(j, world, rank)[1])
+                    loss.backward()
+                    if rank != 0 or j != i:
+                        opt.step()
+                    opt.zero_grad()
+            return len(actions)
+        elif action in DIVERGENT:  # rank 0 alone does something else: every rank raises, nothing is stepped
+            lone = rank == 0
+            with pytest.raises(zero_core.RanksOutOfStepError, match="out of step"):
+                if action == "diverge:zero_grad" and lone:
+                    opt.zero_grad()
+                elif action == "diverge:grad_set" and lone:
+                    bias = model.get_parameter("mid.bias")
+                    bias.grad = torch.ones_like(bias)
+                elif action == "diverge:clip" and not lone:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                elif action.startswith("diverge:extra_micro_batch"):
+                    if lone:  # one micro-batch more than its peers
+                        with model.no_sync() if action.endswith("no_sync") else contextlib.nullcontext():
+                            x, y = _batch(i + 1000, world, rank)
+                            F.cross_entropy(model(x), y).backward()
+                    x, y = _batch(i, world, rank)
+                    F.cross_entropy(model(x), y).backward()
+                opt.step()
+            opt.zero_grad()  # every rank clears: the ranks are in step again, and the plain model follows
+            plain_opt.zero_grad()
+            window = False
         elif action == "raise_in_step":  # a step pre-hook raises after the engine prepared the step: nothing changes
             handle = opt.register_step_pre_hook(_raise_in_step)
             with pytest.raises(Boom):
@@ -309,7 +366,9 @@ CONFIGS.append(pytest.param(3, "chunk", True, id="chunk-stage3-2x2-optimizer-acr
 @pytest.mark.parametrize(("stage", "strategy", "across_replicas"), CONFIGS)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_user_actions_match_plain_pytorch(stage, strategy, across_replicas, seed, tmp_path):
-    actions = generate(seed, ACTIONS_PER_RUN)
+    # the ending alternates over configurations and seeds, so each kind runs in the suite's single seed
+    ending = ENDINGS[(seed + stage + (strategy == "tensor") + across_replicas) % len(ENDINGS)]
+    actions = generate(seed, ACTIONS_PER_RUN, ending)
     world = 4 if across_replicas else WORLD
     applied = run_distributed(drive, world, actions, stage=stage, strategy=strategy, directory=str(tmp_path),
                               across_replicas=across_replicas, timeout=600 if SOAK else 120)

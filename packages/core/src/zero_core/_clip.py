@@ -38,6 +38,9 @@ def clip_grad_norm_(model: ZeroModule, max_norm: float, norm_type: float = 2.0) 
     if engine.state is TrainingState.BACKWARD and torch._C._current_graph_task_id() != -1:
         raise ZeroError("clip_grad_norm_ was called during backward; call it after loss.backward() returns")
     engine.settle()  # a backward that raised earlier is undone first: it contributes nothing
+    # its sum pairs by order on the engine's group: a rank that skipped the clip must meet a round, not the sum
+    # (see [Note: lockstep rounds] in zero_core._lockstep)
+    engine.collective_round("zero_core.clip_grad_norm_")
     # each element of a Shard(0) gradient belongs to exactly one rank of its shard group, and counts in the first
     # replica only (HSDP's other replicas hold the same shard, unless the shards are cut over the replicas too);
     # a replicated (0-dim) one counts on rank 0 only

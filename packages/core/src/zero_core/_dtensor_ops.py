@@ -10,23 +10,80 @@ working on sharded parameters, as they do in one process.
 ``torch.nn.utils.clip_grad_norm_`` (and ``get_total_norm``) takes each gradient's norm with
 ``torch._foreach_norm`` and stacks the norms into one tensor. With module meshes the norms are
 DTensors on different meshes, and DTensor refuses ops whose operands span meshes
-("All operands in aten.stack.default must have the same mesh"). So, once a model is sharded
-over several meshes, a stack of one-element DTensors on several meshes (the per-tensor norms)
-returns the plain stack of their global values: the norms of each mesh and placement are
+("All operands in aten.stack.default must have the same mesh"). So a stack of one-element
+DTensors on several meshes (the per-tensor norms) returns the plain stack of their global
+values: the norms of each mesh and placement are
 reduced together, one collective per group, in operand order (identical on every rank), and
 the result is an ordinary tensor. torch then multiplies every gradient by a one-element plain
 tensor, which DTensor takes as replicated on each gradient's own mesh: the clip is the one
 process's; a ``_foreach_mul_`` over gradients of several meshes (the clip's foreach path) runs once per
 mesh. Every other stack and ``_foreach_mul_`` goes through DTensor's own dispatch unchanged.
+
+[Note: a round before torch's clip]
+torch's clip all-reduces the gradient norms on the DTensors' mesh, a group of zero's own (see
+[Note: torch's collectives on a group of their own] in ``zero_core._shard``). A rank that skips the
+clip goes on to ``optimizer.step()``, whose lockstep round runs on the engine's group: the two
+collectives never pair, and each rank would wait out the timeout, the clipping one inside torch's
+all-reduce with a backend's ``RuntimeError``. So the same stack that sees every norm first (a stack of
+one-element DTensors with a partial placement, on a mesh an engine registered with
+:func:`register_mesh_round`) begins with a lockstep round, "torch.nn.utils.clip_grad_norm_", when its
+engine is between steps. Then a rank that skips the clip meets it with its step's round, and every
+rank raises ``RanksOutOfStepError`` at once naming both. The round is one more two-word all-reduce
+per clip, counted with zero's traffic; torch's own all-reduce of the norms is not zero's and is not
+counted. With ``static_graph=True`` there is no round: a rank skipping the clip then waits out
+``collective_timeout_s`` (a ``RuntimeError`` from the backend inside torch's all-reduce on the
+clipping rank, ``CollectiveTimeoutError`` on the others).
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["register_cross_mesh_stack", "register_fused_optimizer_ops"]
+__all__ = ["register_cross_mesh_stack", "register_fused_optimizer_ops", "register_mesh_round",
+           "register_torch_collective_rounds"]
+
+# The round an engine runs before torch's collectives over its DTensors' meshes, by the mesh object's id; weak, so a
+# closed engine's meshes (and ids reused by later ones) find nothing. See [Note: a round before torch's clip].
+_rounds: dict[int, tuple[weakref.ref[Any], list[weakref.WeakMethod[Callable[[str], None]]]]] = {}
+
+
+def register_mesh_round(meshes: Iterable[Any], round_: Callable[[str], None]) -> None:
+    """Torch's norm stacks over DTensors on ``meshes`` begin with ``round_(what)`` (a bound method of an engine).
+
+    Models sharded over the same ranks share a mesh: the latest engine still open runs the round."""
+    for mesh in meshes:
+        if mesh is None:
+            continue
+        found = _rounds.get(id(mesh))
+        if found is None or found[0]() is not mesh:
+            found = _rounds[id(mesh)] = (weakref.ref(mesh), [])
+        found[1].append(weakref.WeakMethod(round_))  # type: ignore[arg-type]
+
+
+def _round_of(mesh: Any) -> Callable[[str], None] | None:
+    found = _rounds.get(id(mesh))
+    if found is None or found[0]() is not mesh:
+        return None
+    found[1][:] = [m for m in found[1] if (bound := m()) is not None and not getattr(bound.__self__, "_closed", False)]
+    return found[1][-1]() if found[1] else None
+
+
+def _rounds_before(tensors: list[Any]) -> list[Callable[[str], None]]:
+    """The rounds to run before stacking ``tensors``: one per engine whose mesh holds a partial one-element DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    found: list[Callable[[str], None]] = []
+    for t in tensors:
+        if not isinstance(t, DTensor) or t.numel() != 1 or not any(p.is_partial() for p in t.placements):
+            continue
+        round_ = _round_of(t.device_mesh)
+        if round_ is not None and round_ not in found:
+            found.append(round_)
+    return found
 
 _done = False
 _stack_done = False
@@ -54,8 +111,14 @@ def register_fused_optimizer_ops() -> None:
                 _register_single_dim_pointwise(op)
 
 
+def register_torch_collective_rounds() -> None:
+    """See [Note: a round before torch's clip]. Idempotent; the handler is the cross-mesh stack's."""
+    register_cross_mesh_stack()
+
+
 def register_cross_mesh_stack() -> None:
-    """See [Note: torch's clip over several meshes]. Idempotent; a torch without the handler table keeps its error."""
+    """See [Note: torch's clip over several meshes] and [Note: a round before torch's clip]. Idempotent; a torch
+    without the handler table keeps its error (and runs no round)."""
     global _stack_done
     if _stack_done:
         return
@@ -83,6 +146,8 @@ def register_cross_mesh_stack() -> None:
 
     def stack(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tensors = list(args[0])
+        for round_ in _rounds_before(tensors):
+            round_("torch.nn.utils.clip_grad_norm_ (a stack of gradient norms)")
         if len(by_mesh(tensors)) < 2 or any(t.numel() != 1 for t in tensors):
             return own_dispatch(op_call, stack, args, kwargs)
         return _stack_global_values(tensors, *args[1:], **kwargs)

@@ -116,6 +116,7 @@ from torch import nn
 
 from zero_core._accounting import engine_work
 from zero_core._autograd import in_backward, on_first_gradient, reachable_params, tensors_of
+from zero_core._dtensor_ops import register_mesh_round
 from zero_core._group import GatherGroup
 from zero_core._lockstep import Lockstep
 from zero_core._module_hooks import ModuleHooks
@@ -124,6 +125,7 @@ from zero_core._optimizer_bridge import OptimizerBridge, ZeroGradHook
 from zero_core._reducer import GradientReducer
 from zero_core._residency import Residency
 from zero_core._state import ChunkState, TrainingState
+from zero_core._step_state import GradientState
 from zero_core._view import EngineView
 from zero_core.chunk import Chunk
 from zero_core.errors import CollectiveTimeoutError, GradientLostError, RanksOutOfStepError, ZeroError
@@ -229,10 +231,16 @@ class Engine:
         self._hold_gathered = False
         self.step_count = 0
 
+        # What the step's round compares beyond the phase: see [Note: what a step round agrees on].
+        self._gradient_state = GradientState(lambda: self.reducer.order)
+
         self._module_hooks.install()
         # zero_grad() drops what a no_sync() window accumulated, as in DDP; refused only during backward
         self._handles: list[Any] = self._hook_optimizers(reducer)
         self.params.use_sharded()
+        # torch's clip over the sharded parameters' meshes begins with a round: see [Note: a round before torch's clip]
+        register_mesh_round({id(c.mesh): c.mesh for c in chunks if c.mesh is not None}.values(),
+                            self.collective_round)
         # A user who never calls close() still gets it before the interpreter tears torch down: process
         # groups and work handles freed that late can abort the exit ("terminate called without an active exception").
         self._closed = False
@@ -245,11 +253,11 @@ class Engine:
         handles: list[Any] = []
         for optimizer in self.optimizers:
             clears = self.bridge.chunks_cleared_by(optimizer, self.chunks)
-            hook = ZeroGradHook(optimizer, settle=settle, discard=functools.partial(reducer.discard_unreduced, chunks=clears))
+            hook = ZeroGradHook(optimizer, settle=settle, discard=functools.partial(self._discard_for_zero_grad, chunks=clears))
             handles += [optimizer.register_step_pre_hook(self._before_step),
                         optimizer.register_step_post_hook(self._after_step), hook]
         self.zero_grad_hook = handles[2] if len(self.optimizers) == 1 else \
-            ZeroGradHook(None, settle=settle, discard=reducer.discard_unreduced)
+            ZeroGradHook(None, settle=settle, discard=self._discard_for_zero_grad)
         return handles
 
     def close(self) -> None:
@@ -435,8 +443,11 @@ class Engine:
             # a no_sync() window's gradients share this backward's buffers: a failure here loses them too
             self._window_open = self.reducer.has_unreduced
             raised, self._raised_forwards = self._raised_forwards, 0
+            # inside no_sync() or not is part of the phase: a rank accumulating while its peers reduce would leave
+            # their reduce-scatters unpaired (an extra micro-batch under no_sync() on one rank)
             self._lockstep.begin(f"backward after {forwards} forward(s) with gradients"
-                                 + (f" and {raised} that raised" if raised else ""), self.step_count)
+                                 + (f" and {raised} that raised" if raised else "")
+                                 + ("" if self.reducer.sync else " inside no_sync()"), self.step_count)
             # The modules keep the sharded parameters in backward (autograd reads the unsharded ones it saved), so a
             # backward that raises leaves them as they are between steps; only a recomputation swaps (_pre_forward).
             self._set_state(TrainingState.BACKWARD)
@@ -482,6 +493,7 @@ class Engine:
                 self.reducer.complete()
                 self.placement.after_backward(self.chunks)
                 self.reducer.publish()
+                self._gradient_state.mark(published=True)
             if not keep:
                 self.residency.release(self.chunks)
             if reduce:
@@ -584,6 +596,21 @@ class Engine:
         if collective and self._lockstep.begin(what or "a collective call", self.step_count, flag=self.residency.written()):
             self.residency.refresh()  # a verb reads or writes kept buffers: see [Note: writes outside the optimizer]
 
+    def collective_round(self, what: str) -> None:
+        """torch is about to reduce over the sharded parameters' mesh (see [Note: a round before torch's clip] in
+        ``zero_core._dtensor_ops``): between steps, every rank must be doing the same."""
+        if self._closed:
+            return
+        self.settle()
+        if self.state is TrainingState.IDLE:
+            self._lockstep.begin(what, self.step_count)
+
+    def _discard_for_zero_grad(self, *, set_to_none: bool = True, chunks: Sequence[Chunk] | None = None) -> None:
+        """``zero_grad()`` runs (after settling): see [Note: what a step round agrees on], then the no_sync() window
+        (of ``chunks`` only: those one of several optimizers clears)."""
+        self._gradient_state.cleared()
+        self.reducer.discard_unreduced(set_to_none=set_to_none, chunks=chunks)
+
     # -- the optimizer's hooks ------------------------------------------------------------
     @engine_work
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -602,7 +629,8 @@ class Engine:
                 "optimizer.step() after a backward inside model.no_sync(): the accumulated gradients were never "
                 "reduced. Run the last micro-batch's forward and backward outside no_sync(), then step"
             )
-        self._lockstep.begin(self._step_name(optimizer), self.step_count)
+        self._lockstep.begin(self._step_name(optimizer), self.step_count, state=self._gradient_state.state,
+                             explain=self._gradient_state.explain)
         self.bridge.begin(optimizer)
         self.placement.before_step(self.chunks)
 
@@ -611,6 +639,7 @@ class Engine:
         if self.bridge.in_substep:
             return
         skipped = self.bridge.end()
+        self._gradient_state.mark()  # a step may replace gradients (whole-tensor steps): the engine's, on every rank
         self.residency.after_step(publish=not skipped, chunks=self.bridge.chunks_stepped_by(optimizer))
         self.reducer.forget_graphs()  # graphs built before the step cannot be backwarded after it
         self._exposed = set()

@@ -181,7 +181,7 @@ def shard(
     keep_alone = placement.keep_gathered_alone()
     chunks = []
     pool = BufferPool()
-    default_mesh = mesh if mesh is not None and mesh.ndim == 1 else _data_parallel_mesh(group, device)
+    default_mesh = mesh if mesh is not None and mesh.ndim == 1 else _data_parallel_mesh(group, device, comm)
     mesh_groups = MeshGroups(
         world_comm=comm, world_reduce_comm=reduce_comm, default=topology.default, default_mesh=default_mesh,
         make_comm=lambda g: _shared_stats(comm_cls.from_config(g, timeout=timeout, config=config), comm),
@@ -537,16 +537,43 @@ def _new_group_like(group: Any, comm: Any) -> Any:
     return dist.new_group(ranks, backend=dist.get_backend(group), timeout=comm.timeout)
 
 
-def _data_parallel_mesh(group: Any, device: torch.device) -> Any:
-    """The 1-D device mesh of the sharded parameters' DTensors; ``None`` in one process without torch.distributed."""
+def _data_parallel_mesh(group: Any, device: torch.device, comm: Any) -> Any:
+    """The 1-D device mesh of the sharded parameters' DTensors; ``None`` in one process without torch.distributed.
+
+    [Note: torch's collectives on a group of their own]
+    torch's own collectives over the sharded parameters (the all-reduce of
+    ``torch.nn.utils.clip_grad_norm_``, ``full_tensor()``, ``redistribute``) run on the process group of
+    the DTensors' mesh. Built over the engine's group, they would pair with zero's lockstep rounds
+    whenever ranks differ: one rank clipping while another starts its step paired a float all-reduce
+    with the round's int64 one, and gloo aborted the process (``EnforceNotMet ... 8 vs 4``). So the
+    mesh gets a group of its own over the same ranks, with zero's ``collective_timeout_s``: a torch
+    collective that its peers never join times out there (a ``RuntimeError`` from the backend, inside
+    torch), while the peers' next round times out as a ``CollectiveTimeoutError``; nothing aborts.
+
+    One such mesh serves every model sharded over the same ranks with the same timeout: torch
+    compares meshes by their ranks and names, not their groups, and caches sharding decisions by
+    that, so two equal meshes on different groups could send one rank's collective to the other
+    group (a hang, after a rank ran ops its peers did not). A user's ``mesh`` is used as given (its
+    groups are the user's; a 1-D one is also the engine's group), so there a lone ``full_tensor()``
+    still meets zero's rounds. torch's clip is fronted by a round of its own either way (see [Note: a
+    round before torch's clip] in ``zero_core._dtensor_ops``), so a rank skipping it fails at once
+    on every rank."""
     if group is None:
         return None
     from torch.distributed.device_mesh import DeviceMesh
 
-    from zero_core._dtensor_ops import register_fused_optimizer_ops
+    from zero_core._dtensor_ops import register_fused_optimizer_ops, register_torch_collective_rounds
 
     register_fused_optimizer_ops()
-    return DeviceMesh.from_group(group, device.type)
+    register_torch_collective_rounds()
+    key = (_group_ranks(group, comm), device.type, comm.timeout)
+    if key not in _DTENSOR_MESHES:  # every rank shards the same models in the same order: hits agree
+        _DTENSOR_MESHES[key] = DeviceMesh.from_group(_new_group_like(group, comm), device.type)
+    return _DTENSOR_MESHES[key]
+
+
+# See [Note: torch's collectives on a group of their own]: by (ranks, device type, timeout).
+_DTENSOR_MESHES: dict[tuple[Any, ...], Any] = {}
 
 
 def _repoint_optimizer(optimizer: torch.optim.Optimizer, chunks: list[Chunk]) -> None:
