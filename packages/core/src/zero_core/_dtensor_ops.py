@@ -61,14 +61,16 @@ def register_mesh_round(meshes: Iterable[Any], round_: Callable[[str], None]) ->
         found = _rounds.get(id(mesh))
         if found is None or found[0]() is not mesh:
             found = _rounds[id(mesh)] = (weakref.ref(mesh), [])
-        found[1].append(weakref.WeakMethod(round_))  # type: ignore[arg-type]
+        found[1].append(weakref.WeakMethod(round_))
 
 
 def _round_of(mesh: Any) -> Callable[[str], None] | None:
     found = _rounds.get(id(mesh))
     if found is None or found[0]() is not mesh:
         return None
-    found[1][:] = [m for m in found[1] if (bound := m()) is not None and not getattr(bound.__self__, "_closed", False)]
+    # a bound method's engine: a closed one runs no more rounds
+    found[1][:] = [m for m in found[1]
+                   if (bound := m()) is not None and not getattr(getattr(bound, "__self__", None), "_closed", False)]
     return found[1][-1]() if found[1] else None
 
 

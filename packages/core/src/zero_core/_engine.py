@@ -245,7 +245,7 @@ class Engine:
         # groups and work handles freed that late can abort the exit ("terminate called without an active exception").
         self._closed = False
         ref = weakref.ref(self)
-        atexit.register(lambda: (engine := ref()) is not None and engine.close())
+        atexit.register(lambda: None if (engine := ref()) is None else engine.close())
 
     def _hook_optimizers(self, reducer: GradientReducer) -> list[Any]:
         """Each optimizer's step and zero_grad hooks; ``zero_grad_hook`` is what ``model.zero_grad()`` runs."""

@@ -6,7 +6,7 @@ import functools
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -200,8 +200,8 @@ def shard(
         if spec.size % world:
             spec = ChunkSpec(spec.params, -(-spec.size // world) * world)
         chunk = Chunk(index, spec, rank=rank, world_size=world,
-                      device=device, pool=pool, stage=config.stage, compute_dtype=config.precision.compute,
-                      reduce_dtype=config.precision.reduce,
+                      device=device, pool=pool, stage=config.stage, compute_dtype=cast("torch.dtype | None", config.precision.compute),
+                      reduce_dtype=cast(torch.dtype, config.precision.reduce),
                       gradient_predivide_factor=config.precision.gradient_predivide_factor, keep_gathered=index in keep,
                       keep_alone=keep_alone,
                       mesh=chunk_comms.device_mesh, replicas=1 if cut else mesh_spec.replicate_ranks, outer=outer)
@@ -269,7 +269,7 @@ def shard(
                 "%r, comm %r, placement %r", sum(len(c.slots) for c in chunks), len(chunks), size,
                 100.0 * (size - used) / max(size, 1), comm.world_size, config.stage, config.strategy, comm_cls.name,
                 config.placement)
-    model._zero_sharded = True  # type: ignore[attr-defined]
+    model._zero_sharded = True  # type: ignore[assignment]  # Module.__setattr__'s stub takes tensors and modules only
     for opt in optimizers:
         opt._zero_sharded = True  # type: ignore[attr-defined]
     return Sharded(adopt(model, engine), optimizer)
