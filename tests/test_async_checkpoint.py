@@ -1,6 +1,6 @@
 """save_checkpoint(..., async_=True): the same bytes as a synchronous save, written while training goes on.
 
-See [Note: asynchronous checkpoints] in ``zero_core._async_save``.
+See [Note: asynchronous checkpoints] in ``zero_core.checkpoint._async_save``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _fails_in_the_background(directory: str, first: str) -> list[str]:
     """Rank 1's file cannot be written: every rank learns it at its next call, and the first checkpoint stays."""
     import torch.distributed as dist
 
-    from zero_core import _async_save
+    from zero_core.checkpoint import _async_save
 
     case = get_case("gpt")
     model, opt = build(case, CONFIG)

@@ -19,8 +19,8 @@ from zero_bench import main as bench_main  # noqa: E402
 from zero_bench.configs import MODELS, BenchConfig  # noqa: E402
 from zero_bench.launch import explain, launch, sigterm_raises  # noqa: E402
 from zero_bench.plot import plot, plot_memory  # noqa: E402
-from zero_core._cli import COMMAND_GROUP  # noqa: E402
-from zero_core._cli import main as zero_main  # noqa: E402
+from zero_core.cli._cli import COMMAND_GROUP  # noqa: E402
+from zero_core.cli._cli import main as zero_main  # noqa: E402
 
 # torchrun's summary when rank 1 aborted and torchrun then stopped rank 0 (the shape of the old flaky reference rows)
 ABORT_SUMMARY = """\

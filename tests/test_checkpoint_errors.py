@@ -168,7 +168,7 @@ def _die_writing_metadata(directory):
     """Rank 0 is killed halfway through writing the metadata, after every shard file is complete."""
     import torch.distributed as dist
 
-    from zero_core import _checkpoint
+    from zero_core.checkpoint import _checkpoint
 
     case = get_case("gpt")
     model, opt = build(case, CONFIG)
@@ -227,7 +227,7 @@ def _full_save_fails_midway(path):
     model, opt = build(case, CONFIG)
     import torch.distributed as dist
 
-    from zero_core import _atomic
+    from zero_core.base import _atomic
 
     original = _atomic.HashingWriter.write
 

@@ -5,8 +5,8 @@ values), assigns a ``.grad`` alone, skips the clip (torch's and zero's), runs an
 micro-batch (with and without ``no_sync()``), or skips ``optimizer.step()``. Every rank must
 raise ``RanksOutOfStepError`` well before ``collective_timeout_s``, with nothing stepped: no
 rank's shard of the update is dropped or averaged in, and no gloo abort. See [Note: what a step
-round agrees on] in ``zero_core._step_state`` and [Note: a round before torch's clip] in
-``zero_core._dtensor_ops``.
+round agrees on] in ``zero_core.runtime._step_state`` and [Note: a round before torch's clip] in
+``zero_core.base._dtensor_ops``.
 
 The cases share one spawn per world size: each catches its error on every rank, checks that
 no parameter moved, clears the gradients on every rank and trains one step in step again

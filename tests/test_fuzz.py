@@ -13,7 +13,7 @@ actions (``diverge:*``) have rank 0 alone clear its gradients between backward a
 ``.grad``, skip the clip the others run, or run an extra micro-batch (with and without
 ``no_sync()``): every rank must raise ``RanksOutOfStepError`` with nothing stepped, then every rank
 clears its gradients and the run goes on in step (see [Note: what a step round agrees on] in
-``zero_core._step_state``). Each sequence holds every kind at least once. The sequences end with
+``zero_core.runtime._step_state``). Each sequence holds every kind at least once. The sequences end with
 a rank that leaves the others for good: a forward that raises on one rank only, which skips its
 batch, or (every other configuration) a rank that skips ``optimizer.step()``: every rank
 must then raise ``RanksOutOfStepError`` instead of averaging different batches or aborting. After every action every parameter

@@ -27,9 +27,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import zero_core
-from zero_core._cli import main as cli_main
-from zero_core._consolidate import consolidate
-from zero_core._hf_layout import parse_shard_size
+from zero_core.checkpoint._consolidate import consolidate
+from zero_core.checkpoint._hf_layout import parse_shard_size
+from zero_core.cli._cli import main as cli_main
 from zero_core.testing import get_case, run_distributed
 
 NAMES = ("gpt2", "llama")
@@ -163,7 +163,7 @@ def test_load_from_directory_restores_parameters_exactly(exported, name):
 
 
 def _consolidated(directory: Path, name: str, out: Path, *extra: str, console_script: bool = False) -> str:
-    command = ["zero"] if console_script else [sys.executable, "-m", "zero_core._cli"]
+    command = ["zero"] if console_script else [sys.executable, "-m", "zero_core.cli._cli"]
     done = subprocess.run([*command, "consolidate", str(directory / name / "ckpt"), str(out), *extra],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

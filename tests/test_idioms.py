@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from zero_core import ChunkPolicy, ZeroConfig, ZeroError, shard
-from zero_core._slots import shard_dim
+from zero_core.chunks._slots import shard_dim
 from zero_core.testing import RunResult, assert_parity, full_value, rank_device, run_distributed
 from zero_core.testing.zoo import get_case
 

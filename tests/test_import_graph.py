@@ -130,7 +130,7 @@ def test_every_distribution_is_found():
     roots = {name.split(".")[0] for name in graph}
     assert roots == PACKAGES | {"zero_lru", "zero_nodelocal"} or PACKAGES <= roots, roots
     assert len(graph) > 100, f"only {len(graph)} modules found under {ROOT}"
-    assert "zero_core._engine" in graph["zero_core._module"], "the parser lost a plain top-level import"
+    assert "zero_core.runtime._engine" in graph["zero_core._module"], "the parser lost a plain top-level import"
 
 
 def test_the_detector_finds_cycles():
@@ -160,3 +160,76 @@ def test_no_import_cycle():
         "names down to a module both can import, or pass the object in instead of importing its module:\n"
         + "\n".join(_describe(c, graph, modules) for c in found)
     )
+
+
+# --- layers (installed by restructure.py) ---
+# zero_core's rooms, lowest first. A module may import its own room and the rooms before it; an import of a room
+# after it is an upward import (imports inside functions and under TYPE_CHECKING count, as above). "top" is
+# zero_core's top-level modules (the public verbs and the old paths' shims), "testing" is zero_core.testing, and
+# "cli" is last: nothing in the libraries imports the command line.
+LAYERS = ('base', 'config', 'comm', 'chunks', 'interfaces', 'runtime', 'setup', 'checkpoint', 'tools', 'top', 'testing', 'cli')
+# Registered paths kept as aliases of a room's module (entry points in packages/core/pyproject.toml): they belong
+# to the room they alias.
+ALIASES = {"zero_core._cli": "cli", "zero_core._default_plugins": "interfaces"}
+
+
+def room_of(name: str) -> str | None:
+    """The room of a zero_core module, by its dotted name; None outside zero_core."""
+    parts = name.split(".")
+    if parts[0] != "zero_core":
+        return None
+    if name in ALIASES:
+        return ALIASES[name]
+    if len(parts) > 1 and parts[1] in LAYERS:
+        return parts[1]
+    return "top"
+
+
+def upward_imports(graph: Mapping[str, Mapping[str, int]], modules: Mapping[str, Path]) -> list[str]:
+    found = []
+    for name, edges in sorted(graph.items()):
+        room = room_of(name)
+        if room is None:
+            continue
+        for target, line in sorted(edges.items()):
+            other = room_of(target)
+            if other is not None and LAYERS.index(other) > LAYERS.index(room):
+                found.append(f"{modules[name].relative_to(ROOT)}:{line}: {name} (room {room}) imports {target} "
+                             f"(room {other}, above it) in {modules[target].relative_to(ROOT)}")
+    return found
+
+
+def test_every_room_is_a_layer():
+    rooms = {p.name for p in (ROOT / "packages/core/src/zero_core").iterdir() if (p / "__init__.py").exists()}
+    assert rooms == set(LAYERS) - {"top"}, f"rooms on disk {sorted(rooms)} != LAYERS {LAYERS}"
+
+
+def test_the_layer_check_finds_upward_imports():
+    modules = {"zero_core.base.low": ROOT / "x.py", "zero_core.runtime.high": ROOT / "y.py",
+               "zero_core.cli.cmd": ROOT / "z.py", "zero_bench.run": ROOT / "w.py"}
+    graph = {"zero_core.base.low": {"zero_core.runtime.high": 3}, "zero_core.runtime.high": {"zero_core.base.low": 1},
+             "zero_core.cli.cmd": {"zero_core.runtime.high": 1}, "zero_bench.run": {}}
+    assert upward_imports(graph, modules) == [
+        "x.py:3: zero_core.base.low (room base) imports zero_core.runtime.high (room runtime, above it) in y.py"]
+    assert cli_importers({"zero_bench.run": {"zero_core.cli.cmd": 2}}, modules) == [
+        "w.py:2: zero_bench.run imports zero_core.cli.cmd, the command line"]
+
+
+def test_no_upward_import_between_rooms():
+    found = upward_imports(import_graph(), _modules())
+    assert not found, (
+        "imports from a lower room of zero_core to a higher one (LAYERS in tests/test_import_graph.py, lowest "
+        "first; docs/architecture.md says what each room holds); move the shared names down, or pass the object in:\n"
+        + "\n".join(found))
+
+
+def cli_importers(graph: Mapping[str, Mapping[str, int]], modules: Mapping[str, Path]) -> list[str]:
+    return [f"{modules[name].relative_to(ROOT)}:{line}: {name} imports {target}, the command line"
+            for name, edges in sorted(graph.items()) if room_of(name) not in ("cli",)
+            for target, line in sorted(edges.items()) if room_of(target) == "cli" and name not in ALIASES]
+
+
+def test_no_library_imports_the_command_line():
+    graph = import_graph()
+    found = [line for line in cli_importers(graph, _modules()) if not line.split(": ")[1].startswith("zero_bench")]
+    assert not found, "the libraries import zero_core.cli; the command line calls them, not the other way:\n" + "\n".join(found)

@@ -214,7 +214,7 @@ def test_an_initialiser_lazy_init_cannot_see_is_reported():
 
 
 def test_the_recording_is_dropped_once_every_model_built_under_it_is_sharded():
-    from zero_core import _lazy
+    from zero_core.setup import _lazy
 
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layer=1, n_head=2)
     with lazy_init() as recording:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from zero_core import ChunkPolicy, Precision, ZeroConfig
-from zero_core._checkpoint import piece_runs
-from zero_core.comm import CollectiveKind, ring_bytes_sent
+from zero_core.checkpoint._checkpoint import piece_runs
+from zero_core.comm.backend import CollectiveKind, ring_bytes_sent
 from zero_core.testing import assert_parity, device_under_test, rank_device, run_distributed, train_reference, train_sharded
 from zero_core.testing.checkpointing import phase
 from zero_core.testing.zoo import get_case

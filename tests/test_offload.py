@@ -311,7 +311,7 @@ def test_kept_full_buffers_with_shards_on_disk(world, stage, options, reference,
 
 
 def _comm_buffers_worker():
-    from zero_core._inspection import device_bytes
+    from zero_core.interfaces._inspection import device_bytes
     from zero_core.testing.parity import make_optimizer
     from zero_core.testing.zoo import get_case
 

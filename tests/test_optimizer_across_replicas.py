@@ -4,7 +4,7 @@ HSDP mesh, parameters gathered inside the shard group as before.
 Every run is 4 gloo ranks: parity with one process on the whole batch (fp32 within 1e-5, bf16 within 1e-3 of the
 16-bit reference, as tests/test_mesh.py), exact model-state bytes and collective bytes and calls per step, and
 checkpoints that resume at other mesh shapes and with the option off. See [Note: optimizer states across replicas]
-in ``zero_core.chunk``.
+in ``zero_core.chunks.chunk``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from test_mesh import assert_resumed, checkpoint_writers, counting_model, counting_worker
 
 from zero_core import ChunkPolicy, ConfigError, Precision, ZeroConfig, estimate
-from zero_core.comm import CollectiveKind, ring_bytes_sent
+from zero_core.comm.backend import CollectiveKind, ring_bytes_sent
 from zero_core.testing import assert_parity, run_distributed, train_reference, train_sharded
 from zero_core.testing.checkpointing import phase
 from zero_core.testing.zoo import get_case
@@ -145,7 +145,7 @@ def test_counting_at_2x2():
 def test_estimate_cli_predicts_the_formula(capsys):
     """`zero estimate --mesh 2x2 --shard-optimizer-across-replicas` prints 4 psi / S + 12 psi / N and the same
     inter-replica bytes as HSDP's all-reduce."""
-    from zero_core._cli import main
+    from zero_core.cli._cli import main
 
     psi = 1_000_000
     assert main(["estimate", "--params", str(psi), "--mesh", "2x2", "--shard-optimizer-across-replicas", "--json"]) == 0

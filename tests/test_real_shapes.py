@@ -4,7 +4,7 @@ The models are transformers' own classes built on the meta device from configs w
 (no download, no memory), and ``zero_core.estimate`` gives the layout the chunk strategy
 builds for them, padding included. A parameter with fewer rows than ranks along dim 0 (a
 mixture of experts' fused weights, a ViT's position embedding, key and value projections at
-1024 ranks) is cut along a later dimension (see [Note: shard dimension] in zero_core._slots).
+1024 ranks) is cut along a later dimension (see [Note: shard dimension] in zero_core.chunks._slots).
 One case stays above 1%: Qwen2-7B sharded over 1024 ranks, where no dimension of its attention
 and MLP matrices is a multiple of 1024 (hidden size 3584 = 7 x 512, MLP width 18944 = 37 x 512),
 so every even cut pads; sharded over 128 ranks on an 8 x 128 HSDP mesh it pads nothing.

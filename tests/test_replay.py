@@ -1,6 +1,6 @@
 """Stage 3 replays a repeated gather sequence, and a model that then branches still trains as in one process.
 
-See [Note: replaying a repeated gather sequence] in ``zero_core._schedule``. A model takes a detour
+See [Note: replaying a repeated gather sequence] in ``zero_core.runtime._schedule``. A model takes a detour
 through an extra layer only when its input asks for it. For three steps no sample does, so each pass's
 sequence of all-gathers repeats and the ranks replay it with one control round per pass; at step 4 only
 rank 1's samples take the detour (its chunk is in no recording), at step 5 nobody does; steps 6 to 8 are

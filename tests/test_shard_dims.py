@@ -1,4 +1,4 @@
-"""Parameters cut along a later dimension (``Shard(d)``, see [Note: shard dimension] in zero_core._slots).
+"""Parameters cut along a later dimension (``Shard(d)``, see [Note: shard dimension] in zero_core.chunks._slots).
 
 The zoo's ``fused_experts`` model (three experts fused into one ``(3, 8, 8)`` weight and a
 one-row position table) trains as in one process at every stage, strategy, world size and
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from zero_core import ChunkPolicy, ZeroConfig, shard
-from zero_core._consolidate import consolidate
+from zero_core.checkpoint._consolidate import consolidate
 from zero_core.testing import full_value, get_case, run_distributed
 from zero_core.testing.checkpointing import phase
 
@@ -130,7 +130,7 @@ def test_muon_steps_a_matrix_cut_along_dim_1_whole(world):
 
 def test_a_checkpoint_format_this_zero_does_not_read_is_refused_by_name(tmp_path):
     from zero_core import CheckpointError
-    from zero_core._checkpoint import FORMAT, read_metadata
+    from zero_core.checkpoint._checkpoint import FORMAT, read_metadata
 
     (tmp_path / "zero_checkpoint.json").write_text(json.dumps({"format": FORMAT, "version": 3}))
     with pytest.raises(CheckpointError, match="format version 3; this zero reads versions 1, 2"):

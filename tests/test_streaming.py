@@ -1,6 +1,6 @@
 """model.stream_full_parameters(): full weights in buckets, with a bounded peak, between steps, at every layout.
 
-See [Note: streaming full weights] in ``zero_core._streaming``. One spawn per world size trains each layout twice,
+See [Note: streaming full weights] in ``zero_core.checkpoint._streaming``. One spawn per world size trains each layout twice,
 with a weight sync to a plain copy of the model on rank 0 after step 1 and without, and checks the values,
 the buckets, the memory bound and that the next steps did not change.
 """

@@ -1,6 +1,6 @@
 """Whole-tensor optimizers (Muon, Adafactor) train as in one process: each parameter stepped whole on its owner.
 
-See [Note: whole-tensor optimizer steps] in ``zero_core._whole_step``. One spawn per world size runs
+See [Note: whole-tensor optimizer steps] in ``zero_core.runtime._whole_step``. One spawn per world size runs
 every stage and strategy for both optimizers, each against the same code in one process.
 """
 
@@ -13,7 +13,7 @@ from _small_loop import full_params, train_step
 from torch import nn
 
 from zero_core import CheckpointError, ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig, ZeroError, load_checkpoint, save_checkpoint, shard
-from zero_core._whole_step import assign_owners
+from zero_core.runtime._whole_step import assign_owners
 from zero_core.testing import RunResult, assert_parity, run_distributed, train_reference, train_sharded
 
 STEPS = 4

@@ -51,9 +51,9 @@ import torch.distributed as dist
 
 from zero_comm import BucketedCommBackend, TorchCommBackend
 from zero_core import ChunkPolicy, ZeroConfig
-from zero_core._collectives import gather_group
-from zero_core._group import build_groups
-from zero_core.chunk import BufferPool
+from zero_core.chunks._collectives import gather_group
+from zero_core.chunks._group import build_groups
+from zero_core.chunks.chunk import BufferPool
 from zero_core.plugin import Chunk, CollectiveKind, CommBackend, MemoryTier, ParamInfo, round_up
 from zero_core.testing.gpt import GPT, GPTConfig
 from zero_strategy_chunk import pack_chunks

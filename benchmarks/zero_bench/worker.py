@@ -27,7 +27,7 @@ from zero_bench.counting import Counter, count_ddp, count_fsdp2
 from zero_bench.teardown import destroy_process_group_checked
 from zero_bench.timeline import MemoryProbe, MemoryTimeline, breakdown_at_peak
 from zero_core import ChunkPolicy, CommStats, ConfigError, LossScale, Precision, ZeroConfig, estimate, shard
-from zero_core.chunk import to_local
+from zero_core.chunks.chunk import to_local
 from zero_core.testing.gpt import SyntheticTokens, lm_loss
 
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce")

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from zero_core import CheckpointError, lazy_init
-from zero_core._atomic import atomic_write, file_sha256
-from zero_core._lazy import find_recording
-from zero_core._safetensors_stream import SafetensorsWriter
-from zero_core._sources import open_source
+from zero_core.base._atomic import atomic_write, file_sha256
+from zero_core.checkpoint._safetensors_stream import SafetensorsWriter
+from zero_core.checkpoint._sources import open_source
+from zero_core.setup._lazy import find_recording
 
 
 def test_streamed_safetensors_file_reads_back_with_the_library(tmp_path):

@@ -1,6 +1,6 @@
 """Other distributions use zero-core only through ``zero_core`` and ``zero_core.plugin``.
 
-Anything else in zero-core (``zero_core._*``, ``zero_core.chunk``, ...) may change without
+Anything else in zero-core (``zero_core._*``, ``zero_core.chunks.chunk``, ...) may change without
 notice; a plugin that imports it breaks on a zero-core upgrade. Parsed, not imported, so the
 check needs none of the distributions' dependencies and takes milliseconds.
 """
@@ -16,7 +16,7 @@ import zero_core
 ROOT = Path(__file__).resolve().parents[3]
 PLUGIN_SOURCES = ("packages/comm/src", "packages/strategies/*/src", "packages/offload/src", "examples/*/src")
 ALLOWED = {"zero_core", "zero_core.plugin"}
-# Importing `from zero_core import chunk` reaches a submodule just like `import zero_core.chunk`.
+# Importing `from zero_core import chunk` reaches a submodule just like `import zero_core.chunks.chunk`.
 CORE_SUBMODULES = {path.stem for path in Path(zero_core.__file__).parent.glob("*.py")} - {"__init__"} | {
     path.parent.name for path in Path(zero_core.__file__).parent.glob("*/__init__.py")
 }
@@ -65,12 +65,12 @@ def test_plugins_import_only_the_plugin_namespace():
 
 def test_the_check_catches_each_way_of_reaching_a_private_module():
     source = (
-        "import zero_core._accounting\n"
-        "from zero_core.chunk import rewrap\n"
+        "import zero_core.base._accounting\n"
+        "from zero_core.chunks.chunk import rewrap\n"
         "from zero_core import placement, plugin, Chunk\n"
         "import zero_core\n"
-        "zero_core._accounting.in_engine_work\n"
+        "zero_core.base._accounting.in_engine_work\n"
         "from zero_core.plugin import Pending\n"
     )
     used = [(line, module) for line, module in _core_modules_used(ast.parse(source)) if module not in ALLOWED]
-    assert sorted(used) == [(1, "zero_core._accounting"), (2, "zero_core.chunk"), (3, "zero_core.placement"), (5, "zero_core._accounting")]
+    assert sorted(used) == [(1, "zero_core.base._accounting"), (2, "zero_core.chunks.chunk"), (3, "zero_core.placement"), (5, "zero_core.base")]

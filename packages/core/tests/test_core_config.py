@@ -93,7 +93,7 @@ def test_precision_must_be_a_precision():
 
 
 def test_the_gpu_follows_local_rank_unless_the_script_chose_one():
-    from zero_core._setup import cuda_index
+    from zero_core.setup._setup import cuda_index
 
     assert cuda_index("3", 0, 8) == 3  # torchrun's 4th process of a node, no set_device: its own GPU
     assert cuda_index("3", 5, 8) == 5  # the script chose one: kept

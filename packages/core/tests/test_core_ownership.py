@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_core._ownership import in_policy_call
-from zero_core.placement import DevicePlacementPolicy
+from zero_core.chunks._ownership import in_policy_call
+from zero_core.interfaces.placement import DevicePlacementPolicy
 from zero_core.plugin import Chunk, ChunkSpec, MemoryTier, OwnershipError, ParamInfo
 
 

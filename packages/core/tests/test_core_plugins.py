@@ -4,7 +4,8 @@ import importlib.metadata
 
 import pytest
 
-from zero_core import PluginNotFoundError, ZeroConfig, _default_plugins, shard
+from zero_core import PluginNotFoundError, ZeroConfig, shard
+from zero_core.interfaces import _default_plugins
 from zero_core.plugin import ENTRY_POINT_GROUP, ChunkSpec, Registry, ZeroPlugins, hookimpl, hookspec
 from zero_core.testing.zoo import get_case
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from zero_core._group import GatherGroup
-from zero_core._reducer import GradientReducer
-from zero_core._state import ReduceState
-from zero_core.chunk import BufferPool, Chunk, ChunkSpec, ParamInfo
+from zero_core.base._state import ReduceState
+from zero_core.chunks._group import GatherGroup
+from zero_core.chunks.chunk import BufferPool, Chunk, ChunkSpec, ParamInfo
 from zero_core.plugin import MeshSpec
+from zero_core.runtime._reducer import GradientReducer
 
 
 class _OneRank:
@@ -100,7 +100,7 @@ def _move_a_parameter_and_back(strategy: str) -> bool:
     import weakref
 
     from zero_core import ZeroConfig, shard
-    from zero_core._chunk_layout import repoint
+    from zero_core.chunks._chunk_layout import repoint
     from zero_core.testing import rank_device
 
     torch.manual_seed(0)
@@ -132,7 +132,7 @@ def test_a_sharded_parameter_moves_to_another_device_as_the_same_object(strategy
 def _split_with_sizes_copy_as_cuda(input, split_sizes, dim=-1, *, out):
     """torch 2.11's CUDA fast path (aten/src/ATen/native/cuda/TensorShape.cu): taken for any dense input, which it
     reads in memory order as if it were contiguous."""
-    from zero_core._chunk_layout import dense
+    from zero_core.chunks._chunk_layout import dense
 
     if dense(input):
         order = sorted(range(input.dim()), key=lambda d: -input.stride(d))  # the dimensions in memory order
@@ -145,7 +145,7 @@ def test_a_gather_order_view_is_copied_out_in_rank_order_by_cuda_fast_path_rules
     """The all-gather of group shards leaves ``(S, R, shard)``; :meth:`ChunkLayout.from_gather_order` views it in rank
     order, a dense but permuted tensor. On an H200 CUDA's split_with_sizes_copy read it as contiguous and scrambled
     the replicas' rows; copy_out hands it a contiguous copy. Checked here against that kernel's rule, on the CPU."""
-    from zero_core._chunk_layout import ChunkLayout, dense
+    from zero_core.chunks._chunk_layout import ChunkLayout, dense
 
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(n)) for n in (36, 18, 18, 7)]

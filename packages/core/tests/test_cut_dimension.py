@@ -1,4 +1,4 @@
-"""Parameters cut along a later dimension (see [Note: shard dimension] in zero_core._slots), without processes.
+"""Parameters cut along a later dimension (see [Note: shard dimension] in zero_core.chunks._slots), without processes.
 
 A fused expert weight with fewer experts than ranks is cut along its second dimension; these
 tests pin the choice and check that every view and copy of the layout agrees with
@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from zero_core._chunk_layout import ChunkLayout
-from zero_core._slots import ChunkSpec, ParamInfo, layout_slots, padded_shard_size, shard_dim
+from zero_core.chunks._chunk_layout import ChunkLayout
+from zero_core.chunks._slots import ChunkSpec, ParamInfo, layout_slots, padded_shard_size, shard_dim
 
 SHAPES = [(3, 8, 4), (5,), (4, 6), (), (1, 7, 4), (1, 8)]
 

@@ -4,7 +4,7 @@ The 24 files in ``data/deepspeed/`` are copied unchanged from public repositorie
 accelerate, trl, LLaMA-Factory, axolotl, DeepSpeedExamples, Megatron-DeepSpeed, gpt-neox);
 ``data/deepspeed/SOURCES.md`` names the repository, path and commit of each. Every expectation
 below is DeepSpeed's reading of the file: keys it leaves out take DeepSpeed's defaults (see
-[Note: DeepSpeed's defaults] in ``zero_core._deepspeed``), ``"auto"`` is filled only from
+[Note: DeepSpeed's defaults] in ``zero_core.tools._deepspeed``), ``"auto"`` is filled only from
 TrainingArguments.
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_core._devices import to_compute_device, to_host
+from zero_core.base._devices import to_compute_device, to_host
 
 
 def _devices() -> list[torch.device]:

@@ -72,7 +72,8 @@ def test_the_flag_is_validated():
 def test_huge_pages_are_asked_for_on_the_whole_2_mib_pages_of_a_fresh_buffer(monkeypatch):
     """See [Note: huge pages for the engine's host buffers]: the advice covers the buffer's whole 2 MiB pages only,
     and is not given below 4 MiB. A fake madvise records the calls, so this runs whatever the kernel's setting."""
-    from zero_core import _buffers, _host_memory
+    from zero_core.base import _host_memory
+    from zero_core.chunks import _buffers
 
     calls = []
     monkeypatch.setattr(_host_memory, "_madvise", lambda: lambda start, length, advice: calls.append((start, length, advice)))
@@ -99,7 +100,7 @@ def test_huge_pages_are_asked_for_on_the_whole_2_mib_pages_of_a_fresh_buffer(mon
 
 
 def test_no_advice_where_the_kernel_takes_none(monkeypatch, tmp_path):
-    from zero_core import _host_memory
+    from zero_core.base import _host_memory
 
     for mode, expected in (("always [madvise] never", True), ("[always] madvise never", False),
                            ("always madvise [never]", False)):

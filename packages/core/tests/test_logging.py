@@ -50,7 +50,7 @@ def test_every_logger_is_in_the_zero_tree():
             name = arg.value if isinstance(arg, ast.Constant) else None
             if not (isinstance(name, str) and (name == "zero" or name.startswith("zero."))):
                 outside.append(f"{path.relative_to(ROOT)}:{call.lineno}: getLogger({ast.unparse(arg) if arg else ''})")
-    offenders = [o for o in outside if not o.startswith("packages/core/src/zero_core/_log.py")]
+    offenders = [o for o in outside if not o.startswith("packages/core/src/zero_core/base/_log.py")]
     assert not offenders, f"loggers outside the 'zero' tree; use zero_core.plugin.get_logger: {offenders}"
     assert get_logger("offload") is logging.getLogger("zero.offload")
     assert get_logger("offload").parent is logging.getLogger("zero")  # one setLevel on "zero" reaches every plugin

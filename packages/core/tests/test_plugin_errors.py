@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from zero_core import ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig
-from zero_core.errors import PluginContractError, PluginNotFoundError
+from zero_core.base.errors import PluginContractError, PluginNotFoundError
 from zero_core.plugin import MemoryTier, PlacementPolicy, Registry
 from zero_core.testing import assert_parity, get_case, run_distributed, train_sharded
 

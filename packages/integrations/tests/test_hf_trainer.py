@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_core.errors import CheckpointError
+from zero_core.base.errors import CheckpointError
 from zero_core.testing import DistributedTestError, run_distributed
 
 VOCAB, SEQ, SAMPLES = 96, 16, 32

@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from zero_core._collectives import sum_over_ranks
-from zero_core._devices import by_device
 from zero_core._module import ZeroModule
-from zero_core._state import TrainingState
-from zero_core.chunk import to_local
-from zero_core.errors import ConfigError, ZeroError
+from zero_core.base._devices import by_device
+from zero_core.base._state import TrainingState
+from zero_core.base.errors import ConfigError, ZeroError
+from zero_core.chunks._collectives import sum_over_ranks
+from zero_core.chunks.chunk import to_local
 
 __all__ = ["clip_grad_norm_"]
 
@@ -39,7 +39,7 @@ def clip_grad_norm_(model: ZeroModule, max_norm: float, norm_type: float = 2.0) 
         raise ZeroError("clip_grad_norm_ was called during backward; call it after loss.backward() returns")
     engine.settle()  # a backward that raised earlier is undone first: it contributes nothing
     # its sum pairs by order on the engine's group: a rank that skipped the clip must meet a round, not the sum
-    # (see [Note: lockstep rounds] in zero_core._lockstep)
+    # (see [Note: lockstep rounds] in zero_core.comm._lockstep)
     engine.collective_round("zero_core.clip_grad_norm_")
     # each element of a Shard(0) gradient belongs to exactly one rank of its shard group, and counts in the first
     # replica only (HSDP's other replicas hold the same shard, unless the shards are cut over the replicas too);

@@ -1,18 +1,12 @@
-"""zero-core's own plugin: the ``device`` and ``host`` placement policies.
+"""The registered path ``zero_core._default_plugins`` (an entry point in packages/core/pyproject.toml).
 
-:meth:`zero_core.plugin.ZeroPlugins.load` registers it directly under its entry-point name
-``zero-core``, so these policies exist even with plugin autoload disabled; the entry point
-stays, so it is listed and blocked (``ZERO_BLOCKED_PLUGINS=zero-core``) like any other.
+It is the module ``zero_core.interfaces._default_plugins`` itself, so installed metadata keeps working without a
+reinstall.
 """
+# restructure.py: shim (an alias: the module object is zero_core.interfaces._default_plugins's)
 
-from __future__ import annotations
+import sys
 
-from zero_core._registry import Registry
-from zero_core.hookspecs import hookimpl
-from zero_core.placement import DevicePlacementPolicy, HostPlacementPolicy, PlacementPolicy
+import zero_core.interfaces._default_plugins  # noqa: F401 - loads it
 
-
-@hookimpl
-def zero_register_placement_policies(registry: Registry[type[PlacementPolicy]]) -> None:
-    registry.add(DevicePlacementPolicy.name, DevicePlacementPolicy)
-    registry.add(HostPlacementPolicy.name, HostPlacementPolicy)
+sys.modules[__name__] = sys.modules["zero_core.interfaces._default_plugins"]

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from zero_core._engine import Engine
-from zero_core._full_state import full_state_dict, load_full_state_dict
-from zero_core._inspection import full_parameters, memory_by_kind, model_state_bytes
-from zero_core._scaler import LossScaler
-from zero_core.comm import CommStats
-from zero_core.errors import ConfigError, ZeroError
+from zero_core.base.errors import ConfigError, ZeroError
+from zero_core.checkpoint._full_state import full_state_dict, load_full_state_dict
+from zero_core.comm.backend import CommStats
+from zero_core.interfaces._inspection import full_parameters, memory_by_kind, model_state_bytes
+from zero_core.runtime._engine import Engine
+from zero_core.runtime._scaler import LossScaler
 
 __all__ = ["ZeroModule", "adopt"]
 
@@ -32,7 +32,7 @@ class ZeroModule:
     object the optimizer steps, so ``model.zero_grad()``, ``torch.nn.utils.clip_grad_norm_``,
     ``model.state_dict()`` and ``torch.distributed.checkpoint`` work as in plain PyTorch.
     Inside forward and backward the modules hold ordinary full parameters. See
-    [Note: parameter views] in ``zero_core.chunk``.
+    [Note: parameter views] in ``zero_core.chunks.chunk``.
     """
 
     _zero_engine: Engine
@@ -66,7 +66,7 @@ class ZeroModule:
             "concepts guide)")
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """Refused: compile each block instead. See [Note: torch.compile] in ``zero_core._engine``."""
+        """Refused: compile each block instead. See [Note: torch.compile] in ``zero_core.runtime._engine``."""
         raise ZeroError(_WHOLE_MODEL_COMPILE.format(how=f"{type(self).__name__}.compile()"))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -133,7 +133,7 @@ class ZeroModule:
         steps; calling the model inside the context raises :class:`ZeroError` (its forward
         would replace the context's copies): run it after the context exits.
         """
-        from zero_core._gathered import gathered_parameters
+        from zero_core.checkpoint._gathered import gathered_parameters
 
         with gathered_parameters(self._zero_engine, writable=writable):
             yield
@@ -156,7 +156,7 @@ class ZeroModule:
         """
         import math
 
-        from zero_core._streaming import stream_full_parameters
+        from zero_core.checkpoint._streaming import stream_full_parameters
 
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not math.isfinite(bucket_mb) \
                 or bucket_mb <= 0:
@@ -171,7 +171,7 @@ class ZeroModule:
         train afterwards. A checkpoint still being written in the background
         (``save_checkpoint(..., async_=True)``) completes first, and its failure is raised.
         """
-        from zero_core._async_save import finish_pending_save
+        from zero_core.checkpoint._async_save import finish_pending_save
 
         try:
             finish_pending_save(self._zero_engine)
@@ -268,7 +268,7 @@ def _install_state_dict_hooks(model: nn.Module, engine: Engine) -> None:
     Saving returns the sharded DTensors (no communication). Loading accepts DTensors
     sharded the same way or plain full tensors (each rank keeps its own rows), writes
     into the master shards, and refreshes the kept full buffers (collective)."""
-    from zero_core._state_dict import load_post_hook, load_pre_hook, state_dict_post_hook, state_dict_pre_hook
+    from zero_core.checkpoint._state_dict import load_post_hook, load_pre_hook, state_dict_post_hook, state_dict_pre_hook
 
     model.register_state_dict_pre_hook(functools.partial(state_dict_pre_hook, engine))
     model.register_state_dict_post_hook(functools.partial(state_dict_post_hook, engine))

@@ -8,12 +8,14 @@ from typing import Any
 
 import torch
 
-from zero_core._async_save import AsyncSave, finish_pending_save, save_async
-from zero_core._checkpoint import load_checkpoint as _load
-from zero_core._checkpoint import save_checkpoint as _save
-from zero_core._full_state import save_full_state_dict as _save_full
-from zero_core._full_state import save_hf_directory as _save_hf
-from zero_core._hf_layout import (
+from zero_core._module import ZeroModule
+from zero_core.base.errors import CheckpointError, ConfigError
+from zero_core.checkpoint._async_save import AsyncSave, finish_pending_save, save_async
+from zero_core.checkpoint._checkpoint import load_checkpoint as _load
+from zero_core.checkpoint._checkpoint import save_checkpoint as _save
+from zero_core.checkpoint._full_state import save_full_state_dict as _save_full
+from zero_core.checkpoint._full_state import save_hf_directory as _save_hf
+from zero_core.checkpoint._hf_layout import (
     DEFAULT_MAX_SHARD_SIZE,
     FILE_SUFFIXES,
     model_config_texts,
@@ -21,8 +23,6 @@ from zero_core._hf_layout import (
     parse_shard_size,
     with_dtype,
 )
-from zero_core._module import ZeroModule
-from zero_core.errors import CheckpointError, ConfigError
 
 # one optimizer, or the tuple or list of them that zero_core.shard was given
 Optimizers = torch.optim.Optimizer | tuple[torch.optim.Optimizer, ...] | list[torch.optim.Optimizer]

@@ -11,23 +11,32 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import nn
 
-from zero_core._agreement import raise_if_any_failed
-from zero_core._collectives import broadcast_from_rank0
-from zero_core._engine import Engine
-from zero_core._group import build_groups
-from zero_core._host_memory import return_freed_host_memory
-from zero_core._inspection import device_bytes
-from zero_core._layout import ModelLayout, check_names, fill_from_source, publish_kept
-from zero_core._lazy import LazyRecording, find_recording, release_if_unused
-from zero_core._log import logger
-from zero_core._materialize import materialize
-from zero_core._meshes import MeshGroups
 from zero_core._module import ZeroModule, adopt
-from zero_core._optimizer_bridge import OptimizerBridge
-from zero_core._plugins import ZeroPlugins
-from zero_core._reducer import GradientReducer
-from zero_core._scaler import LossScaler
-from zero_core._setup import (
+from zero_core.base._host_memory import return_freed_host_memory
+from zero_core.base._log import logger
+from zero_core.base.errors import CheckpointError, ConfigError, ZeroSetupError
+from zero_core.checkpoint._layout import ModelLayout, check_names, fill_from_source, publish_kept
+from zero_core.checkpoint._sources import open_source
+from zero_core.chunks._collectives import broadcast_from_rank0
+from zero_core.chunks._group import build_groups
+from zero_core.chunks.chunk import BufferPool, Chunk, ChunkSpec
+from zero_core.comm._agreement import raise_if_any_failed
+from zero_core.comm.backend import CommBackend
+from zero_core.config.api import ZeroConfig
+from zero_core.interfaces._inspection import device_bytes
+from zero_core.interfaces._plugins import ZeroPlugins
+from zero_core.interfaces.mesh import MeshSpec, Topology
+from zero_core.interfaces.placement import PlacementContext
+from zero_core.interfaces.strategy import ChunkPlan, ShardPlan, ShardStrategy
+from zero_core.runtime._engine import Engine
+from zero_core.runtime._optimizer_bridge import OptimizerBridge
+from zero_core.runtime._reducer import GradientReducer
+from zero_core.runtime._scaler import LossScaler
+from zero_core.runtime._whole_step import WholeTensorSteps, guard_unregistered_optimizers
+from zero_core.setup._lazy import LazyRecording, find_recording, release_if_unused
+from zero_core.setup._materialize import materialize
+from zero_core.setup._meshes import MeshGroups
+from zero_core.setup._setup import (
     check_ranks_agree,
     collect_params,
     first_use_order,
@@ -37,15 +46,6 @@ from zero_core._setup import (
     resolve_group,
     whole_reads,
 )
-from zero_core._sources import open_source
-from zero_core._whole_step import WholeTensorSteps, guard_unregistered_optimizers
-from zero_core.api import ZeroConfig
-from zero_core.chunk import BufferPool, Chunk, ChunkSpec
-from zero_core.comm import CommBackend
-from zero_core.errors import CheckpointError, ConfigError, ZeroSetupError
-from zero_core.mesh import MeshSpec, Topology
-from zero_core.placement import PlacementContext
-from zero_core.strategy import ChunkPlan, ShardPlan, ShardStrategy
 
 __all__ = ["Sharded", "shard"]
 
@@ -96,7 +96,7 @@ def shard(
             ``("replicate", "shard")``) shards over the second dimension and replicates over
             the first (hybrid sharding, HSDP: gathers stay inside a row, gradients are
             reduce-scattered in the row and all-reduced across rows). It must span every
-            rank of the default process group. See ``[Note: meshes]`` in ``zero_core.mesh``.
+            rank of the default process group. See ``[Note: meshes]`` in ``zero_core.interfaces.mesh``.
         module_meshes: Module names (as in ``model.named_modules()``) to meshes: the
             parameters under each such module go on that mesh instead (the longest name
             wins); chunks never mix meshes, and each chunk gathers and reduces on its own
@@ -194,7 +194,7 @@ def shard(
         chunk_comms = mesh_groups.for_plan(chunk_plans[index], across_replicas=cut)
         if chunk_comms.device_mesh is not None and chunk_comms.device_mesh is not default_mesh:
             _register_dtensor_ops()
-        # see [Note: optimizer states across replicas] in zero_core.chunk: laid out over every rank of the mesh
+        # see [Note: optimizer states across replicas] in zero_core.chunks.chunk: laid out over every rank of the mesh
         outer, world = (mesh_spec.replicate_ranks, mesh_spec.size) if cut else (1, mesh_spec.shard_ranks)
         rank = chunk_comms.replicate_rank * mesh_spec.shard_ranks + chunk_comms.shard_rank if cut else chunk_comms.shard_rank
         if spec.size % world:
@@ -461,7 +461,7 @@ def _shared_stats(backend: Any, comm: Any) -> Any:
 
 
 def _register_dtensor_ops() -> None:
-    from zero_core._dtensor_ops import register_cross_mesh_stack, register_fused_optimizer_ops
+    from zero_core.base._dtensor_ops import register_cross_mesh_stack, register_fused_optimizer_ops
 
     register_fused_optimizer_ops()
     register_cross_mesh_stack()  # a model on several meshes: torch's clip stacks norms from all of them
@@ -556,13 +556,13 @@ def _data_parallel_mesh(group: Any, device: torch.device, comm: Any) -> Any:
     group (a hang, after a rank ran ops its peers did not). A user's ``mesh`` is used as given (its
     groups are the user's; a 1-D one is also the engine's group), so there a lone ``full_tensor()``
     still meets zero's rounds. torch's clip is fronted by a round of its own either way (see [Note: a
-    round before torch's clip] in ``zero_core._dtensor_ops``), so a rank skipping it fails at once
+    round before torch's clip] in ``zero_core.base._dtensor_ops``), so a rank skipping it fails at once
     on every rank."""
     if group is None:
         return None
     from torch.distributed.device_mesh import DeviceMesh
 
-    from zero_core._dtensor_ops import register_fused_optimizer_ops, register_torch_collective_rounds
+    from zero_core.base._dtensor_ops import register_fused_optimizer_ops, register_torch_collective_rounds
 
     register_fused_optimizer_ops()
     register_torch_collective_rounds()

@@ -7,21 +7,11 @@ the supported surface for plugin authors and changes only with a changelog entry
 
 from __future__ import annotations
 
-from zero_core._accounting import in_engine_work
-from zero_core._chunk_grads import ChunkGradients
-from zero_core._chunk_layout import ChunkLayout
-from zero_core._live_bytes import LiveBytes
-from zero_core._log import get_logger
-from zero_core._ownership import in_policy_call, policy_call
-from zero_core._plugins import ENTRY_POINT_GROUP, ZeroPlugins, hookimpl
-from zero_core._registry import Registry
-from zero_core._scaler import LossScaler
-from zero_core._state import ChunkState, MemoryTier, TrainingState
-from zero_core._view import EngineView
-from zero_core.api import ZeroConfig
-from zero_core.chunk import BufferPool, Chunk, ChunkSpec, ParamInfo, ParamSlot, Segment, rewrap, to_local
-from zero_core.comm import CollectiveCount, CollectiveKind, CommBackend, CommStats, Pending, ring_bytes_sent
-from zero_core.errors import (
+from zero_core.base._accounting import in_engine_work
+from zero_core.base._live_bytes import LiveBytes
+from zero_core.base._log import get_logger
+from zero_core.base._state import ChunkState, MemoryTier, TrainingState
+from zero_core.base.errors import (
     CollectiveTimeoutError,
     CommError,
     ConfigError,
@@ -30,9 +20,18 @@ from zero_core.errors import (
     PluginContractError,
     ZeroError,
 )
-from zero_core.hookspecs import hookspec
-from zero_core.mesh import MeshSpec, Topology
-from zero_core.placement import (
+from zero_core.chunks._chunk_grads import ChunkGradients
+from zero_core.chunks._chunk_layout import ChunkLayout
+from zero_core.chunks._ownership import in_policy_call, policy_call
+from zero_core.chunks.chunk import BufferPool, Chunk, ChunkSpec, ParamInfo, ParamSlot, Segment, rewrap, to_local
+from zero_core.comm.backend import CollectiveCount, CollectiveKind, CommBackend, CommStats, Pending, ring_bytes_sent
+from zero_core.config.api import ZeroConfig
+from zero_core.interfaces._plugins import ENTRY_POINT_GROUP, ZeroPlugins, hookimpl
+from zero_core.interfaces._registry import Registry
+from zero_core.interfaces._view import EngineView
+from zero_core.interfaces.hookspecs import hookspec
+from zero_core.interfaces.mesh import MeshSpec, Topology
+from zero_core.interfaces.placement import (
     ChunkParts,
     DevicePlacementPolicy,
     HostPlacementPolicy,
@@ -42,7 +41,8 @@ from zero_core.placement import (
     absent_shard,
     move_shard,
 )
-from zero_core.strategy import ChunkPlan, Reduction, ShardPlan, ShardStrategy, reshard_for_mesh, round_up
+from zero_core.interfaces.strategy import ChunkPlan, Reduction, ShardPlan, ShardStrategy, reshard_for_mesh, round_up
+from zero_core.runtime._scaler import LossScaler
 
 __all__ = [
     "ENTRY_POINT_GROUP",

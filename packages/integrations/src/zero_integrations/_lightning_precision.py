@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 
 import zero_core
-from zero_core.errors import ConfigError
+from zero_core.base.errors import ConfigError
 
 __all__ = ["ZeroPrecision", "zero_precision_for"]
 

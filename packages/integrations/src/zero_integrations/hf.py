@@ -33,13 +33,13 @@ import torch
 
 import zero_core
 from zero_core import LossScale, ZeroConfig, ZeroModule
-from zero_core.errors import CheckpointError, ConfigError
+from zero_core.base.errors import CheckpointError, ConfigError
 from zero_core.plugin import get_logger
 
 try:
     from transformers import Trainer
 except ImportError as exc:  # pragma: no cover - the [hf] extra installs it
-    from zero_core._install import install_command
+    from zero_core.base._install import install_command
 
     raise ImportError(f"zero_integrations.hf needs transformers: {install_command('zero-integrations', extra='[hf]')}"
                       ) from exc
@@ -360,7 +360,7 @@ def checkpoint_problems(checkpoint: str) -> list[str]:
     import json
     import zipfile
 
-    from zero_core._checkpoint import read_metadata
+    from zero_core.checkpoint._checkpoint import read_metadata
 
     if not os.path.isdir(checkpoint):
         return ["the folder does not exist"]
@@ -551,7 +551,7 @@ def _refuse_deepspeed_partitioned(model: Any) -> None:
 
 def _deepspeed_scheduler(section: dict[str, Any], args: Any, num_training_steps: int, optimizer: Any,
                          skip_step: Any) -> Any:
-    from zero_core._deepspeed_lr import scheduler_section
+    from zero_core.tools._deepspeed_lr import scheduler_section
 
     kind, params = scheduler_section({"scheduler": section})
     hf = {"warmup_max_lr": (args.learning_rate, f"TrainingArguments.learning_rate={args.learning_rate}"),
@@ -601,7 +601,7 @@ def _is_auto(value: object) -> bool:
 
 
 def _from_deepspeed(deepspeed: Any, args: Any, model: Any) -> tuple[ZeroConfig, dict[str, Any] | None]:
-    from zero_core._deepspeed import _load
+    from zero_core.tools._deepspeed import _load
 
     deepspeed = _load(deepspeed)  # a path is read once, here
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
@@ -626,7 +626,7 @@ def _from_deepspeed(deepspeed: Any, args: Any, model: Any) -> tuple[ZeroConfig, 
                       f"{listing}", zero_core.DeepSpeedConfigWarning, stacklevel=4)
     scheduler = deepspeed.get("scheduler")
     if scheduler is not None:
-        from zero_core._deepspeed_lr import scheduler_section
+        from zero_core.tools._deepspeed_lr import scheduler_section
 
         scheduler_section({"scheduler": scheduler})  # an unknown type or parameter is refused now, not at train()
         scheduler = copy.deepcopy(dict(scheduler))

@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 import zero_core
-from zero_core.errors import ConfigError, ZeroSetupError
+from zero_core.base.errors import ConfigError, ZeroSetupError
 from zero_integrations._lightning_module import allow_nested_calls
 from zero_integrations._lightning_precision import ZeroPrecision, zero_precision_for
 

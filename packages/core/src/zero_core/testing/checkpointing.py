@@ -114,7 +114,7 @@ def kill_after_bytes(limit: int) -> Iterator[None]:
 
     Simulates a rank dying in the middle of a checkpoint write.
     """
-    from zero_core import _atomic
+    from zero_core.base import _atomic
 
     original = _atomic.HashingWriter.write
 

@@ -21,15 +21,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from zero_core._collectives import broadcast_from_rank0, gather_chunk
-from zero_core._plugins import hookimpl
-from zero_core._state import ChunkState, MemoryTier
-from zero_core.api import ChunkPolicy, ZeroConfig
-from zero_core.chunk import Chunk, ChunkSpec, ParamInfo
-from zero_core.comm import CollectiveKind, CommBackend
-from zero_core.mesh import MeshSpec, Topology
-from zero_core.placement import PlacementPolicy
-from zero_core.strategy import ChunkPlan, ShardPlan, ShardStrategy
+from zero_core.base._state import ChunkState, MemoryTier
+from zero_core.chunks._collectives import broadcast_from_rank0, gather_chunk
+from zero_core.chunks.chunk import Chunk, ChunkSpec, ParamInfo
+from zero_core.comm.backend import CollectiveKind, CommBackend
+from zero_core.config.api import ChunkPolicy, ZeroConfig
+from zero_core.interfaces._plugins import hookimpl
+from zero_core.interfaces.mesh import MeshSpec, Topology
+from zero_core.interfaces.placement import PlacementPolicy
+from zero_core.interfaces.strategy import ChunkPlan, ShardPlan, ShardStrategy
 from zero_core.testing.distributed import run_distributed
 from zero_core.testing.zoo import ZOO, get_case
 
@@ -130,7 +130,7 @@ class CommBackendConformance:
                 torch.testing.assert_close(res["exchanged"], expect_a2a)
 
     def test_counts_match_ring_formulas(self) -> None:
-        """Bytes sent per rank follow the ring convention in zero_core.comm's docstring; one rank sends nothing."""
+        """Bytes sent per rank follow the ring convention in zero_core.comm.backend's docstring; one rank sends nothing."""
         for world in self.world_sizes:
             stats = self._run(world)[0]["stats"]
             if world == 1:
@@ -159,7 +159,7 @@ class CommBackendConformance:
 def _chunk_roundtrip_worker() -> list[tuple[str, torch.Tensor]]:
     import torch.distributed as dist
 
-    from zero_core._plugins import ZeroPlugins
+    from zero_core.interfaces._plugins import ZeroPlugins
 
     comm = ZeroPlugins.load().comm_backends.get("torch")(dist.group.WORLD, timeout=timedelta(seconds=60))
     chunks = _chunks(comm.world_size, comm.rank)

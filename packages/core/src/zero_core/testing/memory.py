@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from zero_core._live_bytes import LiveBytes
+from zero_core.base._live_bytes import LiveBytes
 
 __all__ = ["LiveBytes"]

@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from zero_core._clip import clip_grad_norm_
-from zero_core._scaler import LossScaler
-from zero_core._setup import resolve_device
 from zero_core._shard import shard
-from zero_core.api import ChunkPolicy, Precision, ZeroConfig
+from zero_core.config.api import ChunkPolicy, Precision, ZeroConfig
+from zero_core.runtime._scaler import LossScaler
+from zero_core.setup._setup import resolve_device
 from zero_core.testing.distributed import device_under_test, rank_device, threads_per_rank
 from zero_core.testing.zoo import ZooCase, get_case
 
@@ -265,7 +265,7 @@ def train_sharded(case_name: str, *, config: ZeroConfig | None = None, steps: in
         chunks=[{"size": c.size, "used": c.used, "requires_grad": c.requires_grad, "params": len(c.slots),
                  # real (not padding) elements of each rank's shard: torch.chunk pieces, see [Note: chunk layout]
                  "real": [sum(s.local_numel(r) for s in c.slots) for r in range(c.world_size)],
-                 # a parameter cut along a later dimension (see [Note: shard dimension] in zero_core._slots)
+                 # a parameter cut along a later dimension (see [Note: shard dimension] in zero_core.chunks._slots)
                  "strided": c.layout.strided}
                 for c in engine.chunks],
         groups=[[c.index for c in g.chunks] for g in engine.groups],

@@ -107,7 +107,7 @@ class Buffers(nn.Module):
 class FusedExperts(nn.Module):
     """Three experts fused into one ``(3, 8, 8)`` weight (transformers 5 stores Mixtral's so) and a position table
     of one row: fewer rows along dim 0 than ranks, so both are cut along a later dimension (see
-    [Note: shard dimension] in ``zero_core._slots``)."""
+    [Note: shard dimension] in ``zero_core.chunks._slots``)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,0 +1,196 @@
+"""A chunk's gradients, from the buffer autograd accumulates into to the optimizer's ``.grad``.
+
+[Note: a gradient's three places]
+A gradient lives in exactly one of three places at a time, all owned by :class:`ChunkGradients`:
+
+1. the *full-size buffer* of the running backward (``.grad`` of every unsharded parameter is a
+   view of it, so autograd accumulates in place; stage 1 keeps one for the whole run);
+2. the *reduced pieces*: this rank's mean, one piece per parameter, from the reduction's
+   completion until the engine publishes them;
+3. the sharded parameter's ``.grad``: what the optimizer reads, added to across backwards
+   until ``zero_grad``.
+
+:meth:`ChunkGradients.take_for_reduction` moves 1 to the collectives, :meth:`~ChunkGradients.land`
+receives 2 from them (on the reducer's waiter thread: it touches nothing else), and
+:meth:`~ChunkGradients.publish` turns 2 into 3. :meth:`~ChunkGradients.discard` empties 1 and 2.
+The object reads its chunk's layout and sharded parameters, which are fixed once the chunk is
+packed, and is the only writer of the gradient state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from zero_core.chunks._slots import to_local
+
+__all__ = ["ChunkGradients"]
+
+
+class ChunkGradients:
+    """The gradient state of one chunk; see [Note: a gradient's three places]."""
+
+    def __init__(self, chunk: Any) -> None:
+        # The chunk (zero_core.chunks.chunk.Chunk, typed loosely: that module sits above this one): read for its layout,
+        # its storage's dtype and device, its pool and its sharded parameters; never written.
+        self._chunk = chunk
+        # 1: the running backward's full-size buffer; stage 1's buffer kept across steps (gradients are replicated).
+        self._flat: torch.Tensor | None = None
+        self.kept: torch.Tensor | None = None
+        # 2: this rank's mean gradient pieces from the last backward (one per slot), until published.
+        self.reduced: list[torch.Tensor] | None = None
+        # Per slot: did the parameter get a gradient on this rank since the last publish (every backward of a
+        # no_sync accumulation included)? Set by the reducer when autograd accumulates.
+        self.got = [False] * len(chunk.slots)
+        # Where reduced gradients go; None: where the master shard is. Set by placement policies.
+        self.target_device: torch.device | None = None
+
+    @property
+    def unreduced(self) -> bool:
+        """Gradients accumulated (inside ``no_sync``) but not reduce-scattered yet."""
+        return self._flat is not None
+
+    @property
+    def device(self) -> torch.device:
+        """Where reduced gradients land: ``target_device`` when a placement policy set one, else the master shard's."""
+        return self.target_device if self.target_device is not None else self._chunk.shard_device
+
+    def prepare(self) -> None:
+        """Point every trainable parameter's ``.grad`` at a zeroed full-size buffer before backward reaches it.
+
+        Autograd then accumulates in place into the buffer (no per-parameter gradient
+        tensors, no copy), and the buffer is what gets reduce-scattered. Stage 1 reuses
+        its one kept buffer; the other stages borrow one from the pool for this backward.
+        """
+        if self._flat is not None or not self._chunk.requires_grad:
+            return
+        self._flat = self._take()
+        for slot in self._chunk.slots:
+            if slot.param.grad is None and slot.param.requires_grad:
+                slot.param.grad = self._flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def adopt(self, index: int) -> None:
+        """Parameter ``index``'s gradient has just been accumulated: make sure it lives in this backward's buffer.
+
+        At stages 2 and 3 no buffer is prepared before backward reaches the chunk (see [Note: gradient
+        buffers on arrival] in ``zero_core.runtime._engine``): the first gradient to arrive was made by autograd, so the
+        buffer is taken now and the gradient copied in, and every other trainable parameter's ``.grad`` points
+        at its zeroed view, where autograd accumulates in place as for a prepared buffer.
+        """
+        self.got[index] = True
+        slots = self._chunk.slots
+        if self._flat is not None:
+            slot = slots[index]
+            grad = slot.param.grad
+            target = self._flat[slot.offset : slot.offset + slot.numel]
+            if grad is not None and grad.data_ptr() != target.data_ptr():  # replaced behind our back: take it in
+                with torch.no_grad():
+                    target.copy_(grad.reshape(-1))
+                slot.param.grad = target.view(slot.shape)
+            return
+        # Always copied, even where autograd's tensor has the buffer's layout: what the engine keeps must be the
+        # engine's allocation, or a memory tracer would count it as activations (see zero_core.base._accounting).
+        self._flat = self._take()
+        for s in slots:
+            view = self._flat[s.offset : s.offset + s.numel].view(s.shape)
+            if s.param.grad is not None:
+                with torch.no_grad():
+                    view.copy_(s.param.grad)
+                s.param.grad = view
+            elif s.param.requires_grad:
+                s.param.grad = view
+
+    def discard(self) -> None:
+        """Drop every gradient not yet handed to the optimizer: the running backward's, a ``no_sync()`` window's,
+        a reduction's result. The sharded parameters' gradients stay as they are."""
+        flat, self._flat = self._flat, None
+        if flat is not None and flat is not self.kept:
+            self._chunk.pool.give(flat)
+        for slot in self._chunk.slots:
+            slot.param.grad = None
+        self.reduced = None
+        self.got = [False] * len(self._chunk.slots)
+
+    def _take(self) -> torch.Tensor:
+        chunk = self._chunk
+        if chunk.stage != 1:
+            return chunk.pool.take(chunk.size, chunk.dtype, chunk.device)
+        if self.kept is None:
+            self.kept = torch.zeros(chunk.size, dtype=chunk.dtype, device=chunk.device)
+            return self.kept
+        # Gradients published from the last backward may be views of this buffer's own pieces (they
+        # accumulate until a step): move them out before the buffer is zeroed for this backward.
+        storage = self.kept.untyped_storage().data_ptr()
+        for seg in chunk.segments:
+            grad = seg.param.grad
+            if grad is not None and to_local(grad).untyped_storage().data_ptr() == storage:
+                seg.param.grad = chunk.wrap(seg.slot, to_local(grad).clone())
+        return self.kept.zero_()
+
+    def take_for_reduction(self) -> torch.Tensor:
+        """Hand over this backward's gradients as one full-size, parameter-major buffer; every ``.grad`` is dropped.
+
+        Gradients autograd placed elsewhere than the prepared buffer are copied in; each rank's
+        piece of a replicated (zero-dimensional) parameter carries its gradient, so every rank
+        gets the sum. The caller (:func:`zero_core.chunks._collectives.reduce_gradients`) gives a pooled
+        buffer back; stage 1's kept buffer is never pooled."""
+        chunk = self._chunk
+        flat, self._flat = self._flat, None
+        if flat is None:
+            flat = self._take()
+        with torch.no_grad():
+            for slot in chunk.slots:
+                grad = slot.param.grad
+                if grad is not None:
+                    target = flat[slot.offset : slot.offset + slot.numel]
+                    if grad.data_ptr() != target.data_ptr():
+                        target.copy_(grad.reshape(-1))
+                    slot.param.grad = None
+            if chunk.layout.has_replicated:
+                for slot, region in zip(chunk.slots, chunk.layout.regions(flat)):
+                    if slot.replicated:
+                        region.copy_(region[:1].expand_as(region))
+        return flat
+
+    def land(self, reduced: torch.Tensor) -> None:
+        """The reduction completed with ``reduced``, this rank's mean shard (master dtype, on :attr:`device`): keep it
+        as one piece per slot. Stage 1 keeps the pieces in its kept full-size buffer when nothing moved them
+        elsewhere, so gradients are held once."""
+        layout, kept = self._chunk.layout, self.kept
+        if layout.world_size == 1:
+            self.reduced = layout.shard_pieces(reduced)
+        elif kept is not None and reduced.device == kept.device and reduced.dtype == kept.dtype and not layout.strided:
+            layout.scatter_own(reduced, kept)
+            self.reduced = layout.own_pieces(kept)
+        else:
+            self.reduced = list(reduced.split(layout.split_sizes)[: len(layout.slots)])
+
+    def move_reduced(self, device: torch.device) -> None:
+        """Route reduced gradients to ``device`` from now on, moving any not yet published (placement policies)."""
+        self.target_device = device
+        if self.reduced is not None:
+            self.reduced = [g.to(device) for g in self.reduced]
+
+    def publish(self, present: Sequence[bool]) -> None:
+        """Hand the reduced gradient to the sharded parameters, as autograd would to parameters.
+
+        ``present[i]`` says whether slot ``i`` got a gradient on any rank; the others keep
+        their ``.grad`` untouched (``None`` after ``zero_grad``), so the optimizer skips
+        them. Gradients add to existing ones, so several backwards before a step accumulate.
+        """
+        chunk = self._chunk
+        reduced, self.reduced = self.reduced, None
+        self.got = [False] * len(chunk.slots)
+        if reduced is None:
+            return
+        with torch.no_grad():
+            for seg in chunk.segments:
+                if not present[seg.slot] or not seg.param.requires_grad:
+                    continue
+                piece = chunk.layout.local(seg.slot, reduced[seg.slot])
+                if seg.param.grad is None:
+                    seg.param.grad = chunk.wrap(seg.slot, piece)
+                else:
+                    seg.param.grad.add_(chunk.wrap(seg.slot, piece))

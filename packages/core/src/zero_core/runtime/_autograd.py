@@ -1,0 +1,85 @@
+"""What the engine asks of the autograd engine: graph walks and whether a backward is running."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from zero_core.base.errors import GradientLostError
+
+__all__ = ["in_backward", "on_first_gradient", "reachable_params", "tensors_of"]
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(obj)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread now."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _FirstGradient:
+    """Calls ``fn(grads)`` before the first of its nodes runs in each backward (autograd graph task)."""
+
+    __slots__ = ("_fn", "_ran")
+    _lock = threading.Lock()  # one for all: a CUDA backward runs nodes on one thread per device
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+        self._ran: set[int] = set()
+
+    def __call__(self, grads: Any) -> None:
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            if task in self._ran:
+                return
+            self._ran.add(task)
+        self._fn(grads)
+
+
+def on_first_gradient(tensors: Sequence[torch.Tensor], fn: Callable[..., Any]) -> None:
+    """Call ``fn`` once per backward, before the first of ``tensors``' gradients is used: what
+    ``torch.autograd.graph.register_multi_grad_hook(tensors, fn, mode="any")`` does, as a pre-hook on each
+    tensor's autograd node (a C++ call) instead of a tensor hook (torch's Python wrapper, a handle, and a
+    ``functools.wraps`` of ``fn`` each time), which the engine would pay on every unit's outputs in every forward.
+    A node's pre-hook runs when its outputs' gradients are in, before it computes, as their tensor hooks do;
+    the hooks live as long as the graph does."""
+    hook = _FirstGradient(fn)
+    nodes = {t.grad_fn for t in tensors if t.requires_grad and t.grad_fn is not None}
+    for node in nodes:
+        node.register_prehook(hook)
+
+
+def reachable_params(outputs: Sequence[torch.Tensor]) -> set[int]:
+    """Ids of the leaf tensors whose gradient the autograd graph of ``outputs`` can reach."""
+    found: set[int] = set()
+    # Any: the node classes carry their own attributes (AccumulateGrad's variable) that torch's Node type does not declare
+    stack: list[Any] = list({t.grad_fn for t in outputs if t.grad_fn is not None})
+    seen: set[Any] = set(stack)
+    # Every node is pushed once (marked when pushed, not when popped): this walk runs after every forward, over
+    # a graph of thousands of nodes on a deep model.
+    while stack:
+        fn = stack.pop()
+        name = type(fn).__name__
+        if name == "AccumulateGrad":  # holds its leaf, and has no next functions
+            found.add(id(fn.variable))
+            continue
+        if name == "CheckpointFunctionBackward":
+            raise GradientLostError(
+                "the model uses reentrant activation checkpointing, which hides parameters from the autograd "
+                "graph until backward, so their gradients would be lost; use the non-reentrant form: "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or for a HuggingFace model "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False}) "
+                "(activation_checkpointing_enable({\"use_reentrant\": False}) in transformers 5)"
+            )
+        for next_fn, _ in fn.next_functions:
+            if next_fn is not None and next_fn not in seen:
+                seen.add(next_fn)
+                stack.append(next_fn)
+    return found

@@ -1,0 +1,124 @@
+"""Which parameter objects the modules hold: the sharded ones between steps, the unsharded ones inside a step.
+
+See [Note: parameter views] in ``zero_core.chunks.chunk`` for the two objects of each parameter and
+[Note: parameters used outside their module] in ``zero_core.runtime._released`` for the stand-ins.
+One object owns every write to ``module._parameters`` the engine makes, so "what does a module
+hold now" has one answer (:attr:`ModuleParameters.unsharded`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero_core.base._state import ChunkState
+from zero_core.chunks.chunk import Chunk
+from zero_core.runtime._released import ReleasedParameter
+
+__all__ = ["ModuleParameters"]
+
+
+class ModuleParameters:
+    """Every place a parameter is registered (a tied one under several modules) and what it holds there."""
+
+    def __init__(self, module: nn.Module, chunks: Sequence[Chunk],
+                 gather_on_demand: Callable[[Chunk, int], nn.Parameter],
+                 on_gradient: Callable[[torch.Tensor], None]) -> None:
+        self.chunks = tuple(chunks)
+        # Called by autograd after it accumulated an unsharded parameter's gradient (the engine's handler).
+        self._on_gradient = on_gradient
+        self._grad_hooked: set[int] = set()
+        self._handles: list[Any] = []
+        # Unsharded parameter (by id) -> its chunk, its slot in the chunk, its (first) name.
+        self.chunk_of: dict[int, Chunk] = {id(s.param): c for c in chunks for s in c.slots}
+        self.slot_of: dict[int, int] = {id(s.param): i for c in chunks for i, s in enumerate(c.slots)}
+        self.name_of: dict[int, str] = {id(s.param): s.name for c in chunks for s in c.slots}
+        # (module, name, chunk, slot) for every registration, in modules() order.
+        self.registrations: list[tuple[nn.Module, str, Chunk, int]] = []
+        for m in module.modules():
+            for pname, p in m._parameters.items():
+                if p is not None and id(p) in self.chunk_of:
+                    self.registrations.append((m, pname, self.chunk_of[id(p)], self.slot_of[id(p)]))
+        self._by_chunk: dict[int, list[tuple[nn.Module, str, int]]] = {}
+        for m, pname, chunk, i in self.registrations:
+            self._by_chunk.setdefault(chunk.index, []).append((m, pname, i))
+        # What the modules hold, inside forward and backward, for parameters of chunks not gathered.
+        self._stand_ins = {(c.index, i): ReleasedParameter(gather_on_demand, c, i) for c in chunks if not c.persistent
+                           for i in range(len(c.slots))}
+        # Whether the modules hold the unsharded parameters (inside forward and backward) or the sharded ones.
+        self.unsharded = True
+        # Indices of the chunks whose real unsharded parameters the modules hold now (not stand-ins), while
+        # ``unsharded``: a unit whose chunks are all here and gathered has nothing to register (see ``holds``).
+        self._real: set[int] = {c.index for c in self.chunks if c.is_gathered}
+        # True inside model.gathered_parameters(): the modules hold the context's full copies.
+        self.full_copies = False
+        for chunk in self.chunks:
+            for slot in chunk.slots:
+                self._watch(slot.param)
+
+    def _watch(self, param: torch.Tensor) -> None:
+        """Watch ``param``'s gradient accumulation; a frozen one is watched once it is unfrozen."""
+        if param.requires_grad and id(param) not in self._grad_hooked:
+            self._grad_hooked.add(id(param))
+            self._handles.append(param.register_post_accumulate_grad_hook(self._on_gradient))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def use_unsharded(self, *, stand_ins: bool = True) -> None:
+        """Register the unsharded parameters in the modules (forward and backward run on them).
+
+        Each takes its sharded parameter's ``requires_grad``, so freezing or unfreezing through
+        ``model.parameters()`` between steps applies to the next forward; the ones that became
+        trainable get their gradients watched. ``stand_ins=False`` registers every
+        unsharded parameter whatever its chunk holds (``gathered_parameters`` points them at full
+        copies of its own)."""
+        if self.unsharded:
+            return
+        for chunk in self.chunks:
+            for seg in chunk.segments:
+                unsharded = chunk.slots[seg.slot].param
+                if unsharded.requires_grad != seg.param.requires_grad:
+                    unsharded.requires_grad_(seg.param.requires_grad)
+                    self._watch(unsharded)
+        for m, name, chunk, i in self.registrations:
+            real = chunk.is_gathered or not stand_ins
+            m._parameters[name] = chunk.slots[i].param if real else self._stand_ins[(chunk.index, i)]
+        self._real = {c.index for c in self.chunks if c.is_gathered or not stand_ins}
+        self.unsharded = True
+
+    def use_sharded(self) -> None:
+        """Register the sharded parameters in the modules: what the user and the optimizer see between steps."""
+        if not self.unsharded:
+            return
+        for m, name, chunk, i in self.registrations:
+            m._parameters[name] = chunk.segments[i].param
+        self.unsharded = False
+
+    def show(self, chunks: Sequence[Chunk]) -> None:
+        """Inside forward and backward: register each chunk's real parameters if it is gathered, else stand-ins."""
+        if not self.unsharded:
+            return
+        for chunk in chunks:
+            gathered = chunk.is_gathered
+            for m, name, i in self._by_chunk.get(chunk.index, ()):
+                m._parameters[name] = chunk.slots[i].param if gathered else self._stand_ins[(chunk.index, i)]
+            (self._real.add if gathered else self._real.discard)(chunk.index)
+
+    def holds(self, chunks: Sequence[Chunk]) -> bool:
+        """Whether every chunk is gathered (none in flight) and the modules hold its real parameters already (or
+        the sharded ones, outside forward), so a unit's hook has nothing to gather or register."""
+        gathered, real, unsharded = ChunkState.GATHERED, self._real, self.unsharded
+        for chunk in chunks:  # a loop, not all(): this runs in every unit's hooks
+            if chunk.state is not gathered or (unsharded and chunk.index not in real):
+                return False
+        return True
+
+    def returned(self, tensors: Sequence[torch.Tensor]) -> set[int]:
+        """Indices of the chunks whose unsharded parameters are among ``tensors`` (a module returned one)."""
+        return {self.chunk_of[id(t)].index for t in tensors if id(t) in self.chunk_of}

@@ -1,0 +1,199 @@
+"""Gradient reduction: each chunk reduced once per backward, in one order on every rank.
+
+See [Note: gradient reduction order] in ``zero_core.runtime._engine``. :class:`GradientReducer` owns that
+order across gather groups and the thread that completes reductions; each
+:class:`~zero_core.chunks._group.GatherGroup` keeps its own bookkeeping (which gradients it waits for,
+whether it is ready or reduced). The engine tells the reducer when a forward built a graph, when
+a backward begins and ends, and releases each chunk it launches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from zero_core.base._accounting import engine_work
+from zero_core.base._state import ReduceState
+from zero_core.base.errors import GradientLostError
+from zero_core.chunks._collectives import reduce_gradients
+from zero_core.chunks._group import GatherGroup
+from zero_core.chunks.chunk import Chunk
+from zero_core.comm._agreement import any_rank
+from zero_core.comm.backend import CommBackend
+from zero_core.runtime._waiter import ReductionWaiter
+
+__all__ = ["GradientReducer"]
+
+
+class GradientReducer:
+    """Reduce-scatters (and HSDP all-reduces) chunks as their gradients become ready; publishes the results."""
+
+    def __init__(self, groups: Sequence[GatherGroup], *, reduce_comm: CommBackend, mesh_comms: Sequence[CommBackend],
+                 agree: bool) -> None:
+        self._groups = tuple(groups)
+        chunks = [c for g in self._groups for c in g.chunks]
+        self._chunks = tuple(sorted(chunks, key=lambda c: c.index))
+        self._group_of = {c.index: g for g in self._groups for c in g.chunks}
+        self._comm = reduce_comm
+        self._mesh_comms = tuple(mesh_comms)
+        # Whether ranks agree on which parameters got a gradient anywhere (off with static_graph=True).
+        self._agree = agree
+        # Unsharded parameter (by id) -> its chunk, its slot, its (first) name: what a gradient hook is given.
+        self._chunk_of = {id(s.param): c for c in chunks for s in c.slots}
+        self._slot_of = {id(s.param): i for c in chunks for i, s in enumerate(c.slots)}
+        self._name_of = {id(s.param): s.name for c in chunks for s in c.slots}
+        self._waiter = ReductionWaiter()
+        # False inside ZeroModule.no_sync(): backwards accumulate full gradients without reducing them.
+        self.sync = True
+        # Groups reduced in this order on every rank (the reverse of the plan), each with its trainable chunks in
+        # reverse; recomputed when a step's first forward begins, since parameters may be (un)frozen between steps.
+        self._steps: list[tuple[GatherGroup, tuple[Chunk, ...]]] = []
+        self.order: list[Chunk] = []  # the trainable chunks, in the order they are reduced
+        self._take_order()
+        self._next = 0  # the next group of the order to reduce in the running backward
+
+    def _take_order(self) -> None:
+        self._steps = [(g, trainable) for g in reversed(self._groups)
+                       if (trainable := tuple(c for c in reversed(g.chunks) if c.requires_grad))]
+        self.order = [c for _, trainable in self._steps for c in trainable]
+
+    # -- between steps and in forward ------------------------------------------------------------------
+    @property
+    def has_unreduced(self) -> bool:
+        """Gradients accumulated inside ``no_sync()`` and not reduced yet."""
+        return any(chunk.grads.unreduced for chunk in self.order)
+
+    def reorder(self) -> None:
+        """A step's first forward begins (no ``no_sync()`` accumulation open): take the trainable chunks anew."""
+        if not any(chunk.grads.unreduced for chunk in self._chunks):
+            self._take_order()
+
+    def expect(self, reachable: set[int]) -> None:
+        """A forward built a graph that reaches the parameters (ids) in ``reachable``."""
+        for group, trainable in self._steps:
+            group.expect({id(s.param) for chunk in trainable for s in chunk.slots if id(s.param) in reachable})
+
+    def forget_graphs(self) -> None:
+        """After a step: graphs built before it cannot be backwarded after it."""
+        for group in self._groups:
+            group.forget_graphs()
+
+    # -- backward --------------------------------------------------------------------------------------
+    def begin(self, *, forwards: int) -> None:
+        """A backward begins after ``forwards`` forwards that built a graph (0: through a kept graph)."""
+        for group in self._groups:
+            # a backward with no forward since the last one runs through a kept graph: it reaches what that one did
+            group.begin_backward(kept_graph=not forwards)
+        self._next = 0
+
+    def accumulates(self) -> bool:
+        """Whether the running backward accumulates into a trainable parameter (asked inside the backward).
+
+        False under ``torch.autograd.grad`` and ``backward(inputs=...)`` naming none of them: such a pass
+        captures gradients of other tensors (a gradient penalty's inputs) and gives the parameters none."""
+        for chunk in self.order:
+            for slot in chunk.slots:
+                if not slot.param.requires_grad:
+                    continue
+                try:
+                    if torch._C._will_engine_execute_node(get_gradient_edge(slot.param).node):
+                        return True
+                except RuntimeError:  # torch.autograd.grad() is running: it captures gradients, never accumulates
+                    return False
+        return False
+
+    def is_reduced(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s reduction was launched in the running backward (a later gradient would be lost)."""
+        return self._group_of[chunk.index].reduce_state is ReduceState.REDUCED
+
+    def accumulated(self, param: torch.Tensor) -> None:
+        """Autograd accumulated ``param``'s gradient (an unsharded parameter)."""
+        chunk = self._chunk_of[id(param)]
+        group = self._group_of[chunk.index]
+        if group.reduce_state is ReduceState.REDUCED:
+            raise GradientLostError(
+                f"parameter {self._name_of[id(param)]!r} received a gradient after its chunk {chunk.index} was already "
+                "reduce-scattered in this backward, so the gradient would be lost. This happens with reentrant "
+                "activation checkpointing (use torch.utils.checkpoint(..., use_reentrant=False)) or when a "
+                "parameter's gradient does not flow through the wrapped model's outputs."
+            )
+        self._adopt(chunk, self._slot_of[id(param)])
+        group.arrived(id(param))
+
+    @engine_work
+    def _adopt(self, chunk: Chunk, slot: int) -> None:
+        chunk.grads.adopt(slot)  # see [Note: gradient buffers on arrival]
+
+    def launch_ready(self, loss_scale: float) -> Iterator[Chunk]:
+        """Launch the reductions of every group that is next in the order and ready; yields each chunk once launched."""
+        while self._next < len(self._steps):
+            if self._steps[self._next][0].reduce_state is not ReduceState.READY:
+                return
+            yield from self._launch_next(loss_scale)
+
+    def launch_rest(self, loss_scale: float) -> Iterator[Chunk]:
+        """The backward ended: launch every chunk not reduced yet, in order (zeros for gradients that never came)."""
+        while self._next < len(self._steps):
+            yield from self._launch_next(loss_scale)
+
+    def _launch_next(self, loss_scale: float) -> Iterator[Chunk]:
+        group, trainable = self._steps[self._next]
+        group.mark_reduced()
+        self._next += 1
+        for chunk in trainable:
+            self._launch(chunk, loss_scale)
+            yield chunk
+
+    @engine_work
+    def _launch(self, chunk: Chunk, loss_scale: float) -> None:
+        with torch.profiler.record_function("ZeRO::reduce_scatter"):
+            self._waiter.submit(reduce_gradients(chunk, self._comm, loss_scale=loss_scale))
+
+    def complete(self) -> None:
+        """Every reduce group launches what a bucketing backend still holds (on every rank, in one order), and
+        every launched reduction completes; re-raises the first failure."""
+        self._comm.flush()
+        for comm in self._mesh_comms:
+            comm.flush()
+        self._waiter.join()
+
+    def publish(self, *, apply: bool = True) -> None:
+        """Give each optimizer segment its gradient if its parameter got one on any rank (``apply=False``: only
+        join the ranks' agreement on it, for a backward that raised; see [Note: a backward that raises finishes
+        its collectives])."""
+        flags = [f for chunk in self.order for f in chunk.grads.got]
+        if self._comm.world_size > 1 and self._agree:
+            agreed = any_rank(self._comm, torch.tensor(flags, dtype=torch.uint8)).tolist()
+            flags = [bool(f) for f in agreed]
+        if not apply:
+            return
+        offset = 0
+        for chunk in self.order:
+            chunk.grads.publish(flags[offset : offset + len(chunk.slots)])
+            offset += len(chunk.slots)
+
+    def end(self) -> None:
+        """The backward is over (finished or undone): nothing waits any more."""
+        for group in self._groups:
+            group.end_backward()
+
+    def discard_unreduced(self, *, set_to_none: bool = True, chunks: Sequence[Chunk] | None = None) -> None:
+        """``zero_grad()``: gradients a ``no_sync()`` window accumulated and never reduced are dropped, as in DDP.
+
+        With ``set_to_none=False``, a parameter the window gave a gradient on this rank keeps a
+        zero gradient, as its ``.grad`` would in one process (momentum then still acts on it).
+        ``chunks``: only these (the chunks one of several optimizers clears); every chunk when None."""
+        for chunk in self._chunks if chunks is None else chunks:
+            if not chunk.grads.unreduced:
+                continue
+            if not set_to_none:
+                for seg in chunk.segments:
+                    if chunk.grads.got[seg.slot] and seg.param.grad is None and seg.param.requires_grad:
+                        device = chunk.grads.target_device or seg.local.device  # where reduced gradients would land
+                        seg.param.grad = chunk.wrap(seg.slot, torch.zeros_like(seg.local, device=device))
+            chunk.grads.discard()
+
+    def close(self) -> None:
+        self._waiter.close()
