@@ -46,7 +46,7 @@ def check_reduce_scatter_sizes(output: torch.Tensor, input: torch.Tensor, world_
 
 
 class _Timer:
-    """Times one collective into its count; see [Note: collective timing] in ``zero_core.comm.backend``."""
+    """Times one collective into its count; see [Note: collective timing] in ``zero_core.comm._comm_stats``."""
 
     __slots__ = ("_count", "_stats", "_sync", "start")
 

@@ -405,7 +405,7 @@ class Chunk:
 
         ``values`` must cover at least every range of :meth:`runs`; only those are read. The shard
         must be in memory (see ``PlacementPolicy.before_load``). A kept full buffer is brought
-        up to date by :meth:`publish_parameters` once every slot is filled.
+        up to date by :func:`~zero_core.chunks._collectives.publish_chunk` once every slot is filled.
         """
         held, flat = self.held(slot), values.reshape(-1)
         for a, b, at in self.runs(slot):
@@ -467,8 +467,9 @@ class Chunk:
     def begin_gather(self, pending: Any) -> None:
         """SHARDED -> GATHERING: allocate the full buffer for an all-gather about to be issued
         (:mod:`zero_core.chunks._collectives`), whose completion object ``pending`` fills it by the time
-        ``pending.wait()`` returns. A kept post-forward part is dropped (a gather of kept parts
-        takes them with :meth:`take_post_forward_copy` first)."""
+        ``pending.wait()`` returns: the buffer is taken before the call and the state changes here, never inside
+        the collective (see [Note: allocation apart from the call] in ``zero_core.chunks._collectives``). A kept
+        post-forward part is dropped (a gather of kept parts takes them with :meth:`take_post_forward_copy` first)."""
         self.drop_post_forward_copy()
         self.check_state(ChunkState.SHARDED)
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
@@ -493,7 +494,8 @@ class Chunk:
 
         ``keep_copy`` (a forward's release, with ``reshard_after_forward=k``): GATHERED ->
         SHARDED_POST_FORWARD, keeping this rank's ``1/k`` of the gathered values, so the backward
-        gathers them inside its group of ``k`` ranks (:meth:`gather` uses the copy, then drops it)."""
+        gathers them inside its group of ``k`` ranks (:func:`~zero_core.chunks._collectives.gather_chunk`
+        uses the copy, then drops it)."""
         if self.persistent:
             return
         self.check_state_mover("release it")

@@ -4,7 +4,8 @@ Other distributions add commands through the ``zero.cli`` entry-point group (see
 other distributions]).
 
 Exit codes: 0 done, 1 the request failed (a user error is one line on stderr, never a traceback),
-2 the command line is wrong. The command modules import torch only when they run.
+2 the command line is wrong. The command modules import torch only when they run, and importing the package
+imports none either (see [Note: a lazy package] in ``zero_core``), so ``zero --help`` answers at once.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class CollectiveCount:
 
     ``calls``, ``bytes_sent`` and ``payload_bytes`` count every call exactly; the time
     fields cover the ``timed_calls`` whose time was measured (all of them on CPU by
-    default), see [Note: collective timing] in ``zero_core.comm.backend``.
+    default), see [Note: collective timing] in ``zero_core.comm._comm_stats``.
 
     Attributes:
         calls: Collectives issued.
@@ -154,7 +154,7 @@ class CommStats:
         timing: Whether collectives are timed: ``None`` (default) times those on CPU
             tensors only, ``True`` also those on CUDA tensors (a device synchronize
             before and after each, for measuring, not for training), ``False`` none.
-            See [Note: collective timing] in ``zero_core.comm.backend``.
+            See [Note: collective timing] in ``zero_core.comm._comm_stats``.
         clock: Seconds for the timing (``time.perf_counter``).
     """
 

@@ -24,7 +24,7 @@ fewest elements so far: balanced to within one parameter), and a step is:
 
 A parameter's optimizer state lives whole on its owner only (Muon's momentum, Adafactor's row and
 column statistics): balanced, like sharded states, but by parameters rather than by elements.
-Traffic per step, counted as :attr:`~zero_core.CollectiveKind.ALL_TO_ALL`: three all-to-alls of
+Traffic per step, counted as :attr:`~zero_core.plugin.CollectiveKind.ALL_TO_ALL`: three all-to-alls of
 this rank's padded pieces of the stepped parameters (values, gradients, values back), in the
 widest dtype among them, which is lossless for every floating dtype narrower than it. Zero-size
 (replicated) parameters are whole on every rank and are stepped in place, as before.
