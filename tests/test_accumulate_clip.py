@@ -36,7 +36,7 @@ def test_reducing_every_micro_batch_also_equals_one_big_batch(strategy, stage):
     results = run_distributed(train_sharded, 2, "gpt", micro_batches=2, no_sync=False, config=config)
     assert_parity(train_reference("gpt"), results[0])
     chunks = results[0].chunks
-    for step in results[0].step_stats:  # gradients published by the first reduction accumulate with the second's
+    for step in results[0].step_stats:  # gradients handed over by the first reduction accumulate with the second's
         assert step["reduce_scatter"]["calls"] == 2 * len(chunks)
 
 

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 
 import zero_core
 from zero_core.checkpoint._consolidate import consolidate
-from zero_core.checkpoint._hf_layout import parse_shard_size
+from zero_core.checkpoint._hf_folder import parse_shard_size
 from zero_core.cli._cli import main as cli_main
 from zero_core.testing import get_case, run_distributed
 

@@ -14,7 +14,7 @@ of a training job in one loop:
 - a sharded checkpoint is saved every ``--checkpoint-every`` steps; ``--stop-after N``
   stops there as if the job were killed, and ``--resume`` continues from the checkpoint
   with the same losses as a run that never stopped;
-- at the end the model is exported in the Hugging Face layout, and rank 0 loads that
+- at the end the model is exported in the Hugging Face format, and rank 0 loads that
   export into a plain ``ByteGPT`` (no zero) and prints a sample of its text.
 """
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"stopped after step {stop} (--stop-after); run again with --resume to continue", flush=True)
     else:
         export = args.out / "hf"
-        zero_core.save_full_state_dict(model, export)  # a directory: the Hugging Face layout, streamed chunk by chunk
+        zero_core.save_full_state_dict(model, export)  # a directory: the Hugging Face format, streamed chunk by chunk
         say(f"exported to {export}: {', '.join(sorted(p.name for p in export.iterdir()))}", flush=True)
     summarise(args, model, history, step_times, tokens_per_step, num_params)
     model.close()  # stop zero's helper thread before the process group goes away

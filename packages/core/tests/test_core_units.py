@@ -77,7 +77,7 @@ def test_the_reducer_reduces_a_group_once_all_of_its_gradients_arrived_in_revers
         assert launched == [2, 1, 0]  # group 0's chunks together, in reverse
         assert all(reducer.is_reduced(c) for c in chunks)
         reducer.complete()
-        reducer.publish()
+        reducer.hand_over()
         reducer.end()
         assert all(g.reduce_state is ReduceState.IDLE for g in groups)
         assert all(torch.equal(c.segments[0].param.grad, torch.ones(3)) for c in chunks)

@@ -11,11 +11,9 @@ import torch
 from zero_core._module import ZeroModule
 from zero_core.base.errors import CheckpointError, ConfigError
 from zero_core.checkpoint._async_save import AsyncSave, finish_pending_save, save_async
-from zero_core.checkpoint._checkpoint import load_checkpoint as _load
-from zero_core.checkpoint._checkpoint import save_checkpoint as _save
-from zero_core.checkpoint._full_state import save_full_state_dict as _save_full
-from zero_core.checkpoint._full_state import save_hf_directory as _save_hf
-from zero_core.checkpoint._hf_layout import (
+from zero_core.checkpoint._checkpoint import read_sharded, write_sharded
+from zero_core.checkpoint._full_state import write_full_state, write_hf_folder
+from zero_core.checkpoint._hf_folder import (
     DEFAULT_MAX_SHARD_SIZE,
     FILE_SUFFIXES,
     model_config_texts,
@@ -79,7 +77,7 @@ def save_checkpoint(model: ZeroModule, optimizer: Optimizers | None, directory: 
     if async_:
         return save_async(engine, directory, extra=extra, with_optimizer=optimizer is not None)
     finish_pending_save(engine)  # a save still being written completes (or fails) first
-    _save(engine, directory, extra=extra, with_optimizer=optimizer is not None)
+    write_sharded(engine, directory, extra=extra, with_optimizer=optimizer is not None)
     return None
 
 
@@ -96,7 +94,7 @@ def load_checkpoint(model: ZeroModule, optimizer: Optimizers | None, directory: 
     """
     engine = _engine(model, optimizer, "load_checkpoint")
     finish_pending_save(engine)  # a save of this model still being written completes (or fails) first
-    return _load(engine, directory, load_optimizer=optimizer is not None, strict=strict, load_rng=load_rng)
+    return read_sharded(engine, directory, load_optimizer=optimizer is not None, strict=strict, load_rng=load_rng)
 
 
 def save_full_state_dict(model: ZeroModule, path: str | os.PathLike[str], *, format: str | None = None,
@@ -110,7 +108,7 @@ def save_full_state_dict(model: ZeroModule, path: str | os.PathLike[str], *, for
     holds the whole state dict for it). Keys, shapes and tied parameters (under each name) are
     those of the unwrapped model.
 
-    Any other ``path``, or an existing directory, gets the Hugging Face layout that
+    Any other ``path``, or an existing directory, gets the Hugging Face format that
     ``from_pretrained`` and ``shard(..., load_from=path)`` read: ``model.safetensors``, or
     ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_size`` (bytes, or a size
     like ``"5GB"``; default ``"5GB"`` as transformers) and ``model.safetensors.index.json``; a
@@ -129,15 +127,15 @@ def save_full_state_dict(model: ZeroModule, path: str | os.PathLike[str], *, for
     if target.is_dir() or target.suffix not in FILE_SUFFIXES:
         if format is not None:
             raise CheckpointError(f"format={format!r} is for one file, but {target} is a directory target (no .safetensors"
-                                  "/.pt/.pth/.bin suffix); leave format out for the Hugging Face layout, or name a file")
+                                  "/.pt/.pth/.bin suffix); leave format out for the Hugging Face format, or name a file")
         limit = parse_shard_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
         masters = {chunk.master_dtype for chunk in engine.chunks}
         stored = cast if cast is not None else (masters.pop() if len(masters) == 1 else None)
         # called by rank 0 only (the writer), inside its error agreement: a failing config fails every rank
-        _save_hf(engine, target, max_shard_size=limit, dtype=cast,
-                 configs=lambda: with_dtype(model_config_texts(model), stored))
+        write_hf_folder(engine, target, max_shard_size=limit, dtype=cast,
+                        configs=lambda: with_dtype(model_config_texts(model), stored))
         return
     if max_shard_size is not None:
         raise CheckpointError(f"max_shard_size splits a directory into files, but {target} is one file; give a "
                               "directory (a path without a file suffix) to get shards and an index")
-    _save_full(engine, path, format=format, dtype=cast)
+    write_full_state(engine, path, format=format, dtype=cast)

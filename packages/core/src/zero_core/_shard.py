@@ -15,8 +15,8 @@ from zero_core._module import ZeroModule, adopt
 from zero_core.base._host_memory import return_freed_host_memory
 from zero_core.base._log import logger
 from zero_core.base.errors import CheckpointError, ConfigError, ZeroSetupError
-from zero_core.checkpoint._layout import ModelLayout, check_names, fill_from_source, publish_kept
 from zero_core.checkpoint._sources import open_source
+from zero_core.checkpoint._state_keys import ModelKeys, check_names, fill_from_source, refresh_kept
 from zero_core.chunks._collectives import broadcast_from_rank0
 from zero_core.chunks._group import build_groups
 from zero_core.chunks.chunk import BufferPool, Chunk, ChunkSpec
@@ -285,7 +285,7 @@ def _optimizers(optimizer: Any, config: ZeroConfig) -> tuple[torch.optim.Optimiz
     never mixes optimizers. Each is re-pointed at the shards and hooked; each ``step()`` is an engine
     step of its own: a lockstep round naming the optimizer (ranks that step different ones raise
     RanksOutOfStepError), its own whole-tensor exchange when it reads whole tensors (owners balanced
-    over its parameters), and the kept buffers of its chunks published after it (the engine's step count
+    over its parameters), and the kept buffers of its chunks refreshed after it (the engine's step count
     and the plugins' ``zero_after_step`` count each optimizer's step). Stepping only one of them in
     some iteration is therefore what one process does too: the other's parameters keep their
     gradients. An fp16 overflow check runs once per backward, at the first step after it: an
@@ -470,14 +470,14 @@ def _register_dtensor_ops() -> None:
 def _open_load_source(model: nn.Module, load_from: Any, strict: bool, comm: Any) -> tuple[Any, bool]:
     """The opened ``load_from``, checked against the model before anything is built; and whether it holds
     every parameter (then a lazily built model's initialisers need not run for them)."""
-    layout = ModelLayout.of(model)  # not sharded yet: names and shapes are the plain model's
+    state_keys = ModelKeys.of(model)  # not sharded yet: names and shapes are the plain model's
     error, source, complete = None, None, False
     try:
         source = open_source(load_from)
         available = set(source.keys())
-        check_names(layout, {k: source.shape(k) for k in available}, strict=strict, what=source.description,
+        check_names(state_keys, {k: source.shape(k) for k in available}, strict=strict, what=source.description,
                     lenient="pass load_strict=False to shard")
-        complete = all(layout.source_name(names[0], available) is not None for names in layout.names.values())
+        complete = all(state_keys.source_name(names[0], available) is not None for names in state_keys.names.values())
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait for this one
         error = str(exc) if isinstance(exc, CheckpointError) else f"cannot read {load_from!r} ({exc})"
     raise_if_any_failed(comm, error, "shard(load_from=...) failed; nothing was built")
@@ -494,11 +494,11 @@ def _initial_values(
             materialize(recording, model, chunks, metas, comm=comm, from_rank0=config.sync_module_states,
                         params_loaded=complete)
         if source is not None:
-            fill_from_source(ModelLayout.of(model, chunks), source, chunks, comm=comm)
+            fill_from_source(ModelKeys.of(model, chunks), source, chunks, comm=comm)
             source.close()
         elif recording is not None:
             for chunk in chunks:
-                publish_kept(chunk, comm)
+                refresh_kept(chunk, comm)
 
 
 def _check_reduce_group(reduce_group: Any, group: Any, comm: Any) -> Any:

@@ -326,7 +326,7 @@ def _compile_blocks(model: torch.nn.Module, backend: str | None, mode: str | Non
 # previous one), but the newest of them is the one a resume needs until the new one completes: under save_total_limit
 # the Trainer's rotation keeps one checkpoint more, and the checkpoints beyond the limit go once the write completed
 # (finish_pending_save, at the end of train()). zero's metadata file is renamed into place last (see [Note: sharded
-# checkpoint layout]), so a run that stops during the write leaves checkpoint-N with a zero/ directory that has no
+# checkpoint format]), so a run that stops during the write leaves checkpoint-N with a zero/ directory that has no
 # zero_checkpoint.json: load_checkpoint refuses it by name, and resume_from_checkpoint=True skips it for the last
 # complete checkpoint (see the Note below).
 

@@ -37,7 +37,7 @@ class ChunkState(enum.Enum):
 
 
 class ReduceState(enum.Enum):
-    """Where a gather group (the unit of gathering) stands in the running backward's gradient reduction.
+    """Where a gather group (what one all-gather gathers) stands in the running backward's gradient reduction.
     See [Note: gradient reduction order] in ``zero_core.runtime._engine``."""
 
     #: No backward runs.

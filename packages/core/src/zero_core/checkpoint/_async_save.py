@@ -17,7 +17,7 @@ descriptions gathered; rank 0 writes the metadata last and removes the previous 
   a rank that died) is raised there as :class:`~zero_core.CheckpointError`, or by
   :meth:`AsyncSave.wait`. A checkpoint whose files did not all complete never gets its
   metadata, so the directory still loads the previous one (see [Note: sharded checkpoint
-  layout]).
+  format]).
 - **Staging memory is bounded and reused.** One buffer per model, as large as the largest
   file's values so far (pinned when the model is on CUDA): the bytes this rank's file holds,
   each entry aligned to 64 bytes.

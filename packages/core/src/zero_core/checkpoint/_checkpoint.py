@@ -1,6 +1,6 @@
 """Sharded checkpoints: every rank writes its own shards, rank 0 commits them with the metadata, written last.
 
-[Note: sharded checkpoint layout]
+[Note: sharded checkpoint format]
 A checkpoint is a directory. Each save writes, under a fresh save id:
 
 - ``<id>.rank<r>-of-<N>.safetensors``, one per rank: for every parameter piece in the
@@ -46,9 +46,9 @@ from torch.distributed.tensor import DTensor
 from zero_core.base._atomic import TMP_MARK, atomic_write, file_sha256, fsync_dir
 from zero_core.base._version import __version__
 from zero_core.base.errors import CheckpointError
-from zero_core.checkpoint._hf_layout import model_config_texts
-from zero_core.checkpoint._layout import ModelLayout, check_names, publish_kept
+from zero_core.checkpoint._hf_folder import model_config_texts
 from zero_core.checkpoint._safetensors_stream import SafetensorsRangeReader, SafetensorsWriter
+from zero_core.checkpoint._state_keys import ModelKeys, check_names, refresh_kept
 from zero_core.chunks.chunk import to_local
 from zero_core.comm._agreement import agree_ok, gather_objects, raise_if_any_failed, rank0_value
 from zero_core.setup._setup import group_offsets
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from zero_core.runtime._engine import Engine
     from zero_core.runtime._whole_step import WholeTensorSteps
 
-__all__ = ["METADATA", "load_checkpoint", "save_checkpoint"]
+__all__ = ["METADATA", "read_sharded", "write_sharded"]
 
 METADATA = "zero_checkpoint.json"
 FORMAT = "zero-sharded-checkpoint"
@@ -113,7 +113,7 @@ def _optimizer_of(engine: Engine, chunk: Chunk) -> tuple[Any, WholeTensorSteps |
 
 def _pieces(chunk: Chunk) -> list[tuple[int, str, list[Any]]]:
     """``(slot, name, ranges)`` for each parameter piece in this rank's shard of ``chunk``: ``ranges`` is ``[lo, hi]``
-    or ``[lo, hi, stride, count]`` (see [Note: sharded checkpoint layout]).
+    or ``[lo, hi, stride, count]`` (see [Note: sharded checkpoint format]).
 
     On a mesh with replicas only the first replica writes (its shards are every replica's), so each
     shard is written once, unless the shards are cut over the replicas too (each rank then holds its own); the
@@ -173,11 +173,11 @@ def begin_save(engine: Engine, directory: str | os.PathLike[str]) -> tuple[Path,
     return directory, save_id
 
 
-def save_checkpoint(engine: Engine, directory: str | os.PathLike[str], *, extra: Any = None,
-                    with_optimizer: bool = True) -> None:
+def write_sharded(engine: Engine, directory: str | os.PathLike[str], *, extra: Any = None,
+                  with_optimizer: bool = True) -> None:
     """Write a sharded checkpoint of the model, optimizer, loss scaler and step. Collective.
 
-    See [Note: sharded checkpoint layout]. Needs no gather: each rank writes what it holds.
+    See [Note: sharded checkpoint format]. Needs no gather: each rank writes what it holds.
     """
     directory, save_id = begin_save(engine, directory)
     comm = engine.comm
@@ -257,7 +257,7 @@ def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, w
 def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_optimizer: bool) -> RankFilePlan:
     """What this rank's file of save ``save_id`` holds; see :class:`RankFilePlan`."""
     states, groups = _segment_states(engine) if with_optimizer else ({}, None)
-    layout = ModelLayout.of(engine.module, engine.chunks)
+    state_keys = ModelKeys.of(engine.module, engine.chunks)
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     pieces: list[list[Any]] = []
     scalars: dict[str, dict[str, Any]] = {}
@@ -307,7 +307,7 @@ def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_opt
                     scalars.setdefault(name, {})[key] = {"value": _jsonable(value)}
     entries += [(key, value.dtype, tuple(value.shape)) for key, value in whole_states]  # written in this order
     if rank == 0:
-        entries += [(f"b/{key}", buf.dtype, tuple(buf.shape)) for key, buf in layout.buffers.items()]
+        entries += [(f"b/{key}", buf.dtype, tuple(buf.shape)) for key, buf in state_keys.buffers.items()]
     rng = torch.random.get_rng_state()
     entries.append(("rng/cpu", rng.dtype, tuple(rng.shape)))
     cuda_rng = torch.cuda.get_rng_state(engine.device) if engine.device.type == "cuda" else None
@@ -339,27 +339,27 @@ def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_opt
         for key, value in whole_states:
             yield key, value.reshape(-1)
         if rank == 0:
-            for key, buf in layout.buffers.items():
+            for key, buf in state_keys.buffers.items():
                 yield f"b/{key}", buf
         yield "rng/cpu", rng
         if cuda_rng is not None:
             yield "rng/cuda", cuda_rng
 
     description = {
-        # with several optimizers, how many of the groups are each one's (see [Note: sharded checkpoint layout])
+        # with several optimizers, how many of the groups are each one's (see [Note: sharded checkpoint format])
         **({"optimizer_groups": [len(o.param_groups) for o in engine.optimizers]}
            if with_optimizer and len(engine.optimizers) > 1 else {}),
         "pieces": pieces, "scalars": scalars, "state_keys": state_keys, "whole_keys": whole_keys, "groups": groups,
         "params": {s.name: {"shape": list(s.shape), "dtype": _dtype_name(c.master_dtype), "group": c.param_group,
                             "requires_grad": c.requires_grad}
                    for c in engine.chunks for s in c.slots},
-        "buffers": {k: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)} for k, b in layout.buffers.items()},
-        "tied": {names[0]: names[1:] for names in layout.names.values() if len(names) > 1}}
+        "buffers": {k: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)} for k, b in state_keys.buffers.items()},
+        "tied": {names[0]: names[1:] for names in state_keys.names.values() if len(names) > 1}}
     return RankFilePlan(_rank_file(save_id, rank, world), entries, save_id, description, tensors)
 
 
 def engine_metadata(engine: Engine) -> dict[str, Any]:
-    """What the metadata says of the engine (its step, layout, loss scaler, the model's configs), read now: an
+    """What the metadata says of the engine (its step, chunk geometry, loss scaler, the model's configs), read now: an
     asynchronous save reads it when it stages, not when it commits."""
     scaler = engine.bridge.scaler.state_dict() if engine.bridge.scaler is not None else None
     return {
@@ -518,7 +518,7 @@ class _Reader:
         self._files = {}
 
 
-def load_checkpoint(
+def read_sharded(
     engine: Engine, directory: str | os.PathLike[str], *, load_optimizer: bool = True, strict: bool = True,
     load_rng: bool = True,
 ) -> Any:
@@ -531,19 +531,19 @@ def load_checkpoint(
     engine.settle("load_checkpoint", collective=True)
     directory = Path(directory)
     comm = engine.comm
-    layout = ModelLayout.of(engine.module, engine.chunks)
+    state_keys = ModelKeys.of(engine.module, engine.chunks)
     error = None
     extra = None
     metadata: dict[str, Any] = {}
     reads: list[tuple[Chunk, int, str]] = []
-    needed = {0} if layout.buffers else set()
+    needed = {0} if state_keys.buffers else set()
     try:
         metadata = read_metadata(directory)
         shapes = {**{n: tuple(i["shape"]) for n, i in metadata["params"].items()},
                   **{n: tuple(i["shape"]) for n, i in metadata["buffers"].items()}}
         # the saved model's ties: a twin's values are stored under its first name only
         aliases = {twin: name for name, twins in metadata.get("tied", {}).items() for twin in twins}
-        check_names(layout, shapes, strict=strict, what=f"the checkpoint at {directory}", aliases=aliases)
+        check_names(state_keys, shapes, strict=strict, what=f"the checkpoint at {directory}", aliases=aliases)
         if load_optimizer:
             if metadata["optimizer"] is None:
                 raise CheckpointError(
@@ -560,7 +560,7 @@ def load_checkpoint(
         saved_runs = _Reader(directory, metadata)
         for chunk in engine.chunks:
             for i, slot in enumerate(chunk.slots):
-                name = layout.param_source(slot.param, reader_meta, aliases)
+                name = state_keys.param_source(slot.param, reader_meta, aliases)
                 runs = chunk.runs(i)
                 if not runs or name is None:
                     continue
@@ -587,7 +587,7 @@ def load_checkpoint(
 
     reader = _Reader(directory, metadata)
     with torch.no_grad():
-        _load_params(engine, reader, reads, layout, metadata, load_optimizer)
+        _load_params(engine, reader, reads, state_keys, metadata, load_optimizer)
     if engine.bridge.scaler is not None and metadata.get("loss_scaler") is not None:
         engine.bridge.scaler.load_state_dict(metadata["loss_scaler"])
     engine.step_count = int(metadata["step"])
@@ -599,7 +599,7 @@ def load_checkpoint(
     return extra
 
 
-def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, str]], layout: ModelLayout,
+def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, str]], state_keys: ModelKeys,
                  metadata: dict[str, Any], load_optimizer: bool) -> None:
     """Parameters (and optimizer states) chunk by chunk: read straight into the shard, states beside it,
     then the placement policy takes both where it keeps them before the next chunk is read."""
@@ -622,12 +622,12 @@ def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, st
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the next collective
                 error = f"{type(exc).__name__}: {exc}"
             agree_ok(engine.comm, error, "loading the checkpoint stopped partway; the model is partly loaded, load it again")
-            publish_kept(chunk, engine.comm)
-            engine.residency.mark_published([chunk])
+            refresh_kept(chunk, engine.comm)
+            engine.residency.mark_refreshed([chunk])
         finally:
             placement.after_load([chunk])
-    for key, buf in layout.buffers.items():
-        source = layout.source_name(key, reader.metadata["buffers"])
+    for key, buf in state_keys.buffers.items():
+        source = state_keys.source_name(key, reader.metadata["buffers"])
         if source is not None:
             buf.copy_(reader.tensor(0, f"b/{source}").view(buf.shape))
     if load_optimizer:

@@ -21,7 +21,7 @@ import torch
 from zero_core.base._atomic import atomic_write
 from zero_core.base.errors import CheckpointError
 from zero_core.checkpoint._checkpoint import _dtype, _Reader, _verify, piece_runs, read_metadata
-from zero_core.checkpoint._hf_layout import (
+from zero_core.checkpoint._hf_folder import (
     DEFAULT_MAX_SHARD_SIZE,
     HFDirectoryWriter,
     cast_dtype,
@@ -113,7 +113,7 @@ def consolidate(checkpoint: str | os.PathLike[str], output: str | os.PathLike[st
 
     ``output`` ending in ``.safetensors`` is one file holding every key of the model's
     ``state_dict()`` (tied parameters under each name), as ``save_full_state_dict`` writes it.
-    Any other ``output`` is a Hugging Face directory (see [Note: Hugging Face directory layout]):
+    Any other ``output`` is a Hugging Face directory (see [Note: Hugging Face folder format]):
     shards of at most ``max_shard_size`` and an index, or one ``model.safetensors`` with
     ``single_file``; tied parameters once; ``config.json`` when the checkpoint recorded the
     model's HF config. ``dtype`` casts floating tensors. Optimizer states and random states are

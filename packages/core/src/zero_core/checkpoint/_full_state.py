@@ -11,10 +11,10 @@ import torch
 
 from zero_core.base._atomic import atomic_write
 from zero_core.base.errors import CheckpointError
-from zero_core.checkpoint._hf_layout import cast_dtype, write_directory
-from zero_core.checkpoint._layout import ModelLayout, check_names, fill_from_source
+from zero_core.checkpoint._hf_folder import cast_dtype, write_directory
 from zero_core.checkpoint._safetensors_stream import SafetensorsWriter
 from zero_core.checkpoint._sources import open_source
+from zero_core.checkpoint._state_keys import ModelKeys, check_names, fill_from_source
 from zero_core.comm._agreement import raise_if_any_failed
 from zero_core.interfaces._inspection import iter_full_chunks
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from zero_core.chunks.chunk import Chunk
     from zero_core.runtime._engine import Engine
 
-__all__ = ["full_state_dict", "load_full_state_dict", "save_full_state_dict", "save_hf_directory"]
+__all__ = ["full_state_dict", "load_full_state_dict", "write_full_state", "write_hf_folder"]
 
 
 def _full_chunks(engine: Engine) -> Iterator[tuple[Chunk, torch.Tensor]]:
@@ -31,17 +31,17 @@ def _full_chunks(engine: Engine) -> Iterator[tuple[Chunk, torch.Tensor]]:
     yield from iter_full_chunks(engine.chunks, placement=engine.placement, comm=engine.comm)
 
 
-def _layout(engine: Engine) -> ModelLayout:
-    return ModelLayout.of(engine.module, engine.chunks)
+def _keys_of(engine: Engine) -> ModelKeys:
+    return ModelKeys.of(engine.module, engine.chunks)
 
 
-def _param_values(engine: Engine, layout: ModelLayout, keep: bool):
+def _param_values(engine: Engine, state_keys: ModelKeys, keep: bool):
     """``(key, CPU tensor)`` for every parameter key, chunk by chunk (tied parameters under each name)."""
     for chunk, full in _full_chunks(engine):
         for slot in chunk.slots:
             value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
             value = value.to("cpu", copy=True) if keep else value
-            for key in layout.names.get(id(slot.param), []):
+            for key in state_keys.names.get(id(slot.param), []):
                 yield key, value
             del value
         del full  # before the next chunk is gathered: one at a time
@@ -55,16 +55,16 @@ def full_state_dict(engine: Engine, *, rank0_only: bool = True) -> dict[str, tor
     memory holds one gathered chunk at a time; with ``rank0_only`` only rank 0 keeps the
     values (the others return ``{}``), so only rank 0's host memory holds the model.
     """
-    layout = _layout(engine)
+    state_keys = _keys_of(engine)
     keep = not rank0_only or engine.comm.rank == 0
     if not keep:
-        for _ in _param_values(engine, layout, keep=False):  # join every gather, hold nothing
+        for _ in _param_values(engine, state_keys, keep=False):  # join every gather, hold nothing
             pass
         return {}
-    values = dict(_param_values(engine, layout, keep=True))
-    for key, buf in layout.buffers.items():
+    values = dict(_param_values(engine, state_keys, keep=True))
+    for key, buf in state_keys.buffers.items():
         values[key] = buf.detach().to("cpu", copy=True)
-    return {key: values[key] for key in layout.keys}
+    return {key: values[key] for key in state_keys.keys}
 
 
 def _format(path: Path, format: str | None) -> str:
@@ -75,8 +75,8 @@ def _format(path: Path, format: str | None) -> str:
     return format
 
 
-def save_full_state_dict(engine: Engine, path: str | os.PathLike[str], *, format: str | None = None,
-                         dtype: torch.dtype | None = None) -> None:
+def write_full_state(engine: Engine, path: str | os.PathLike[str], *, format: str | None = None,
+                     dtype: torch.dtype | None = None) -> None:
     """Write the full state dict to one file from rank 0. Collective: call on every rank.
 
     ``format="safetensors"`` (the default for a ``.safetensors`` path) streams: rank 0
@@ -87,7 +87,7 @@ def save_full_state_dict(engine: Engine, path: str | os.PathLike[str], *, format
     """
     path = Path(path)
     fmt = _format(path, format)
-    layout = _layout(engine)
+    state_keys = _keys_of(engine)
     rank0 = engine.comm.rank == 0
     error = None
     try:
@@ -97,22 +97,22 @@ def save_full_state_dict(engine: Engine, path: str | os.PathLike[str], *, format
                 state = {k: v.to(cast_dtype(v.dtype, dtype)) for k, v in state.items()}
                 atomic_write(path, lambda stream: torch.save(state, stream))  # type: ignore[arg-type]  # save() needs write/flush only
         else:
-            _stream_safetensors(engine, layout, path, rank0, dtype)
+            _stream_safetensors(engine, state_keys, path, rank0, dtype)
     except Exception as exc:  # noqa: BLE001 - any failure on rank 0 must reach the other ranks
         error = f"{type(exc).__name__}: {exc}"
     raise_if_any_failed(engine.comm, error, f"saving the full state dict to {path} failed; no file was written "
                                              "(an older file at that path is intact)")
 
 
-def _stream_safetensors(engine: Engine, layout: ModelLayout, path: Path, rank0: bool,
+def _stream_safetensors(engine: Engine, state_keys: ModelKeys, path: Path, rank0: bool,
                         dtype: torch.dtype | None) -> None:
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for chunk in engine.chunks:
         for slot in chunk.slots:
             entries += [(key, cast_dtype(chunk.master_dtype, dtype), tuple(slot.shape))
-                        for key in layout.names.get(id(slot.param), [])]
-    entries += [(key, cast_dtype(buf.dtype, dtype), tuple(buf.shape)) for key, buf in layout.buffers.items()]
-    values = _param_values(engine, layout, keep=False)
+                        for key in state_keys.names.get(id(slot.param), [])]
+    entries += [(key, cast_dtype(buf.dtype, dtype), tuple(buf.shape)) for key, buf in state_keys.buffers.items()]
+    values = _param_values(engine, state_keys, keep=False)
     if not rank0:
         for _ in values:  # join every gather
             pass
@@ -123,7 +123,7 @@ def _stream_safetensors(engine: Engine, layout: ModelLayout, path: Path, rank0: 
         for key, value in values:
             writer.write(key, value.to(cast_dtype(value.dtype, dtype)))  # one tensor's cast copy at a time
             del value  # a view of the gathered chunk: it must not outlive it into the next gather
-        for key, buf in layout.buffers.items():
+        for key, buf in state_keys.buffers.items():
             writer.write(key, buf.to(cast_dtype(buf.dtype, dtype)))
         writer.close()
 
@@ -134,9 +134,9 @@ def _stream_safetensors(engine: Engine, layout: ModelLayout, path: Path, rank0: 
             pass
 
 
-def save_hf_directory(engine: Engine, directory: str | os.PathLike[str], *, max_shard_size: int,
-                      dtype: torch.dtype | None = None, configs: Callable[[], dict[str, Any]] | None = None) -> None:
-    """Write the Hugging Face layout (see [Note: Hugging Face directory layout]) from rank 0. Collective.
+def write_hf_folder(engine: Engine, directory: str | os.PathLike[str], *, max_shard_size: int,
+                    dtype: torch.dtype | None = None, configs: Callable[[], dict[str, Any]] | None = None) -> None:
+    """Write the Hugging Face format (see [Note: Hugging Face folder format]) from rank 0. Collective.
 
     Chunks are gathered one at a time, as for a streamed ``.safetensors`` file; rank 0 writes each
     parameter (once per tied group, under its first name) into the open shard file, cast to
@@ -144,17 +144,17 @@ def save_hf_directory(engine: Engine, directory: str | os.PathLike[str], *, max_
     holds what it held before.
     """
     directory = Path(directory)
-    layout = _layout(engine)
+    state_keys = _keys_of(engine)
     rank0 = engine.comm.rank == 0
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     first: dict[int, str] = {}  # id(param) -> the one name it is stored under
     for chunk in engine.chunks:
         for slot in chunk.slots:
-            names = layout.names.get(id(slot.param), [])
+            names = state_keys.names.get(id(slot.param), [])
             if names:
                 first[id(slot.param)] = names[0]
                 entries.append((names[0], cast_dtype(chunk.master_dtype, dtype), tuple(slot.shape)))
-    entries += [(key, cast_dtype(buf.dtype, dtype), tuple(buf.shape)) for key, buf in layout.buffers.items()]
+    entries += [(key, cast_dtype(buf.dtype, dtype), tuple(buf.shape)) for key, buf in state_keys.buffers.items()]
 
     def values():
         for chunk, full in _full_chunks(engine):
@@ -162,7 +162,7 @@ def save_hf_directory(engine: Engine, directory: str | os.PathLike[str], *, max_
                 if id(slot.param) in first:
                     yield first[id(slot.param)], full[slot.offset : slot.offset + slot.numel].view(slot.shape)
             del full  # before the next chunk is gathered: one at a time
-        yield from layout.buffers.items()
+        yield from state_keys.buffers.items()
 
     stream = values()
     error = None
@@ -186,12 +186,12 @@ def load_full_state_dict(engine: Engine, source: Any, *, strict: bool = True) ->
     raises and nothing is changed.
     """
     engine.settle("load_full_state_dict", collective=True)
-    layout = _layout(engine)
+    state_keys = _keys_of(engine)
     error = None
     opened = None
     try:
         opened = open_source(source)
-        check_names(layout, {k: opened.shape(k) for k in opened.keys()}, strict=strict, what=opened.description)
+        check_names(state_keys, {k: opened.shape(k) for k in opened.keys()}, strict=strict, what=opened.description)
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait for this one
@@ -199,6 +199,6 @@ def load_full_state_dict(engine: Engine, source: Any, *, strict: bool = True) ->
     raise_if_any_failed(engine.comm, error, "load_full_state_dict failed; nothing was changed")
     assert opened is not None
     with torch.no_grad():
-        fill_from_source(layout, opened, engine.chunks, comm=engine.comm, before=engine.placement.before_load,
+        fill_from_source(state_keys, opened, engine.chunks, comm=engine.comm, before=engine.placement.before_load,
                          after=engine.placement.after_load)
     opened.close()

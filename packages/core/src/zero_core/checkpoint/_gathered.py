@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zero_core.base._accounting import engine_work_context
-from zero_core.checkpoint._layout import publish_kept
+from zero_core.checkpoint._state_keys import refresh_kept
 from zero_core.interfaces._inspection import iter_full_chunks
 
 if TYPE_CHECKING:
@@ -52,8 +52,8 @@ def gathered_parameters(engine: Engine, *, writable: bool = False) -> Iterator[N
                 try:
                     for i, slot in enumerate(chunk.slots):
                         chunk.fill(i, full[slot.offset : slot.offset + slot.numel])
-                    publish_kept(chunk, engine.comm)
-                    engine.residency.mark_published([chunk])
+                    refresh_kept(chunk, engine.comm)
+                    engine.residency.mark_refreshed([chunk])
                 finally:
                     engine.placement.after_load([chunk])
         fulls.clear()

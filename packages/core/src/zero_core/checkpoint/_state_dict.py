@@ -77,7 +77,7 @@ def load_pre_hook(engine: Engine, module: nn.Module, state_dict: dict[str, Any],
     if prefix:  # only the root's own call converts; children see the converted values
         return
     _require_between_steps(engine, "load_state_dict")
-    engine.settle("load_state_dict", collective=True)  # collective: it publishes the kept full buffers afterwards
+    engine.settle("load_state_dict", collective=True)  # collective: it refreshes the kept full buffers afterwards
     if local_metadata.get("assign_to_params_buffers", False):
         raise ZeroError(
             "model.load_state_dict(..., assign=True) would replace the sharded parameters the optimizer holds; "
@@ -99,9 +99,9 @@ def load_pre_hook(engine: Engine, module: nn.Module, state_dict: dict[str, Any],
 
 
 def load_post_hook(engine: Engine, module: nn.Module, incompatible_keys: Any) -> None:
-    from zero_core.checkpoint._layout import publish_kept
+    from zero_core.checkpoint._state_keys import refresh_kept
 
     with torch.no_grad():
         for chunk in engine.chunks:
-            publish_kept(chunk, engine.comm)
-        engine.residency.mark_published()
+            refresh_kept(chunk, engine.comm)
+        engine.residency.mark_refreshed()

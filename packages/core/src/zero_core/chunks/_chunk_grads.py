@@ -6,13 +6,13 @@ A gradient lives in exactly one of three places at a time, all owned by :class:`
 1. the *full-size buffer* of the running backward (``.grad`` of every unsharded parameter is a
    view of it, so autograd accumulates in place; stage 1 keeps one for the whole run);
 2. the *reduced pieces*: this rank's mean, one piece per parameter, from the reduction's
-   completion until the engine publishes them;
+   completion until the engine hands them over;
 3. the sharded parameter's ``.grad``: what the optimizer reads, added to across backwards
    until ``zero_grad``.
 
 :meth:`ChunkGradients.take_for_reduction` moves 1 to the collectives, :meth:`~ChunkGradients.land`
 receives 2 from them (on the reducer's waiter thread: it touches nothing else), and
-:meth:`~ChunkGradients.publish` turns 2 into 3. :meth:`~ChunkGradients.discard` empties 1 and 2.
+:meth:`~ChunkGradients.hand_over` turns 2 into 3. :meth:`~ChunkGradients.discard` empties 1 and 2.
 The object reads its chunk's layout and sharded parameters, which are fixed once the chunk is
 packed, and is the only writer of the gradient state.
 """
@@ -39,9 +39,9 @@ class ChunkGradients:
         # 1: the running backward's full-size buffer; stage 1's buffer kept across steps (gradients are replicated).
         self._flat: torch.Tensor | None = None
         self.kept: torch.Tensor | None = None
-        # 2: this rank's mean gradient pieces from the last backward (one per slot), until published.
+        # 2: this rank's mean gradient pieces from the last backward (one per slot), until handed over.
         self.reduced: list[torch.Tensor] | None = None
-        # Per slot: did the parameter get a gradient on this rank since the last publish (every backward of a
+        # Per slot: did the parameter get a gradient on this rank since the last hand-over (every backward of a
         # no_sync accumulation included)? Set by the reducer when autograd accumulates.
         self.got = [False] * len(chunk.slots)
         # Where reduced gradients go; None: where the master shard is. Set by placement policies.
@@ -120,7 +120,7 @@ class ChunkGradients:
         if self.kept is None:
             self.kept = torch.zeros(chunk.size, dtype=chunk.dtype, device=chunk.device)
             return self.kept
-        # Gradients published from the last backward may be views of this buffer's own pieces (they
+        # Gradients handed over from the last backward may be views of this buffer's own pieces (they
         # accumulate until a step): move them out before the buffer is zeroed for this backward.
         storage = self.kept.untyped_storage().data_ptr()
         for seg in chunk.segments:
@@ -168,12 +168,12 @@ class ChunkGradients:
             self.reduced = list(reduced.split(layout.split_sizes)[: len(layout.slots)])
 
     def move_reduced(self, device: torch.device) -> None:
-        """Route reduced gradients to ``device`` from now on, moving any not yet published (placement policies)."""
+        """Route reduced gradients to ``device`` from now on, moving any not yet handed over (placement policies)."""
         self.target_device = device
         if self.reduced is not None:
             self.reduced = [g.to(device) for g in self.reduced]
 
-    def publish(self, present: Sequence[bool]) -> None:
+    def hand_over(self, present: Sequence[bool]) -> None:
         """Hand the reduced gradient to the sharded parameters, as autograd would to parameters.
 
         ``present[i]`` says whether slot ``i`` got a gradient on any rank; the others keep

@@ -11,8 +11,8 @@ the buffer, issue on the communication stream) and what keeps the chunk's state 
 one place: a chunk changes state only through its own transitions (``begin_gather``,
 ``wait``, ``release``), never inside a collective.
 
-The completion objects (``_CopyOut``, ``_Unpack``, ``_CopiesOut``, ``Reduction``) copy results
-out and return buffers; a ``Reduction`` completes on the reducer's waiter thread and touches
+The completion objects (``_CopyOut``, ``_Unpack``, ``_CopiesOut``, ``PendingReduction``) copy results
+out and return buffers; a ``PendingReduction`` completes on the reducer's waiter thread and touches
 only the chunk's gradients (:meth:`~zero_core.chunks._chunk_grads.ChunkGradients.land`).
 """
 
@@ -32,8 +32,8 @@ from zero_core.comm.backend import CommBackend, Pending
 if TYPE_CHECKING:
     from zero_core.chunks._group import GatherGroup
 
-__all__ = ["Reduction", "broadcast_from_rank0", "gather_chunk", "gather_for_peers", "gather_group", "gather_master",
-           "gather_master_shards", "exchange_pieces", "publish_chunk", "publish_group", "publish_group_shard", "reduce_gradients", "sum_over_ranks"]
+__all__ = ["PendingReduction", "broadcast_from_rank0", "gather_chunk", "gather_for_peers", "gather_group", "gather_master",
+           "gather_master_shards", "exchange_pieces", "refresh_chunk", "refresh_group", "refresh_group_shard", "reduce_gradients", "sum_over_ranks"]
 
 
 # -- parameters: all-gathers ----------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def _gather_copies(group: GatherGroup, targets: Sequence[Chunk], *, async_op: bo
         unpack.wait()
 
 
-def publish_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) -> Pending | None:
+def refresh_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) -> Pending | None:
     """After an optimizer step (or a load), bring a kept full buffer up to date with the updated shards.
 
     Stages 1 and 2: the rank's pieces are refreshed from its master shard and the ranks'
@@ -146,13 +146,13 @@ def publish_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) ->
     return copy
 
 
-def publish_group(group: GatherGroup, comm: CommBackend, *, members: Sequence[Chunk] | None = None) -> list[Pending | None]:
+def refresh_group(group: GatherGroup, comm: CommBackend, *, members: Sequence[Chunk] | None = None) -> list[Pending | None]:
     """After a step, bring the kept full buffers of a group's trainable members (or of ``members``) up to date
-    (see :func:`publish_chunk`)."""
+    (see :func:`refresh_chunk`)."""
     comm = group.comm or comm
     refreshed = group.refreshed if members is None else tuple(members)
     if len(refreshed) <= 1 or group.world_size == 1:
-        return [publish_chunk(c, comm, async_op=True) for c in refreshed]
+        return [refresh_chunk(c, comm, async_op=True) for c in refreshed]
     numel = sum(c.shard_size for c in refreshed)
     send = group.pool.take(numel, group.dtype, group.device, zeroed=False)
     offset = 0
@@ -166,7 +166,7 @@ def publish_group(group: GatherGroup, comm: CommBackend, *, members: Sequence[Ch
     return [unpack]
 
 
-def publish_group_shard(chunk: Chunk) -> None:
+def refresh_group_shard(chunk: Chunk) -> None:
     """After an optimizer step (or a write to the masters), bring the group shard of a chunk cut over the replicas
     up to date: one all-gather of the updated shards over the replicate group (see [Note: optimizer states across
     replicas] in ``zero_core.chunks.chunk``). Other chunks need nothing."""
@@ -191,7 +191,7 @@ class _CopyOut:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-        if self._send is not None:  # a pooled send buffer (an after-step publish), free once the gather is done
+        if self._send is not None:  # a pooled send buffer (an after-step refresh), free once the gather is done
             self._chunk.pool.give(self._send)
             self._send = None
         if self._received is None:  # gathered in place (a one-parameter chunk), or already copied out
@@ -268,13 +268,13 @@ class _CopiesOut:
 
 # -- gradients: reduce-scatters ------------------------------------------------------------------------
 def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0,
-                     replicate: CommBackend | None = None, all_reduce: bool = False) -> Reduction:
+                     replicate: CommBackend | None = None, all_reduce: bool = False) -> PendingReduction:
     """Start reducing this backward's parameter gradients to this rank's shard (mean over ranks).
 
     ``comm`` reduces over the shard group: a reduce-scatter, or with ``all_reduce`` an
     all-reduce of the whole gradient of which this rank keeps its shard. ``replicate``
     then sums the shard over the replicas (HSDP); both run in the returned
-    :class:`Reduction`'s ``complete()`` (on the reducer's waiter thread) except the
+    :class:`PendingReduction`'s ``complete()`` (on the reducer's waiter thread) except the
     reduce-scatter, which is issued here. The chunk's own groups, when shard() gave it
     some, take the place of ``comm`` and ``replicate``.
 
@@ -301,7 +301,7 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
         if replicate is not None and chunk.predivide != 1.0:
             send.div_(chunk.predivide)
             divisor /= chunk.predivide
-        return Reduction(chunk, None, send, None, divisor, replicate=replicate)
+        return PendingReduction(chunk, None, send, None, divisor, replicate=replicate)
     if chunk.direct and flat.dtype == chunk.reduce_dtype:  # the gradient buffer is already rank-major: send it
         send = flat
     else:
@@ -315,17 +315,17 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
         send.div_(chunk.predivide)  # send is consumed by this reduction: dividing in place is safe
         divisor /= chunk.predivide
     if all_reduce:  # the whole gradient is summed on the waiter thread; this rank then keeps its row
-        return Reduction(chunk, None, send, pooled_send, divisor, replicate=replicate, all_reduce=comm, outer=outer)
+        return PendingReduction(chunk, None, send, pooled_send, divisor, replicate=replicate, all_reduce=comm, outer=outer)
     # becomes the gradient: see [Note: huge pages for the engine's host buffers]
     reduced = advise_huge_pages(torch.empty(chunk.gather_numel, dtype=chunk.reduce_dtype, device=chunk.device))
     pending = comm.reduce_scatter(reduced, send, async_op=True)
     if pooled_send is not None and getattr(pending, "input_released", False):
         pool.give(pooled_send)  # a bucketing backend copied it: reuse it for the next gradient now
         pooled_send = None
-    return Reduction(chunk, pending, reduced, pooled_send, divisor, replicate=replicate, outer=outer)
+    return PendingReduction(chunk, pending, reduced, pooled_send, divisor, replicate=replicate, outer=outer)
 
 
-class Reduction:
+class PendingReduction:
     """A chunk's gradient reduction in flight; ``complete()`` stores this rank's mean in ``chunk.grads``."""
 
     def __init__(

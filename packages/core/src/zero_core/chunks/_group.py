@@ -6,7 +6,7 @@ makes one chunk per parameter and one group per module, so a module's parameters
 arrive in one all-gather instead of one per tensor). Each rank packs its shards of the
 group's chunks into one send buffer; the all-gather leaves the ranks' packs side by
 side, and each chunk's full buffer is cut out of that (one strided copy per chunk,
-the price of keeping every parameter contiguous). A group is the unit of gathering: the
+the price of keeping every parameter contiguous). A group is what one all-gather gathers: the
 gather scheduler walks and agrees on groups, and the reducer waits for each group's gradients
 and reduces its chunks together (the group keeps its own reduce bookkeeping, a
 :class:`~zero_core.base._state.ReduceState`); release stays per chunk, so a tied parameter can
@@ -27,8 +27,8 @@ __all__ = ["GatherGroup", "build_groups"]
 
 
 class GatherGroup:
-    """Consecutive chunks of one dtype gathered, and after a step published, with one all-gather each
-    (:func:`zero_core.chunks._collectives.gather_group`, :func:`~zero_core.chunks._collectives.publish_group`), and reduced
+    """Consecutive chunks of one dtype gathered, and after a step refreshed, with one all-gather each
+    (:func:`zero_core.chunks._collectives.gather_group`, :func:`~zero_core.chunks._collectives.refresh_group`), and reduced
     together once every gradient the group waits for has arrived."""
 
     def __init__(self, index: int, chunks: Sequence[Chunk], pool: BufferPool) -> None:

@@ -405,7 +405,7 @@ class Chunk:
 
         ``values`` must cover at least every range of :meth:`runs`; only those are read. The shard
         must be in memory (see ``PlacementPolicy.before_load``). A kept full buffer is brought
-        up to date by :func:`~zero_core.chunks._collectives.publish_chunk` once every slot is filled.
+        up to date by :func:`~zero_core.chunks._collectives.refresh_chunk` once every slot is filled.
         """
         held, flat = self.held(slot), values.reshape(-1)
         for a, b, at in self.runs(slot):

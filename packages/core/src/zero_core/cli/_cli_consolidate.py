@@ -35,7 +35,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                               description=_DESCRIPTION, epilog=_EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     sub.add_argument("checkpoint", metavar="CKPT_DIR", help="the directory given to zero_core.save_checkpoint")
-    sub.add_argument("output", metavar="OUT", help="a directory (Hugging Face layout) or a .safetensors file")
+    sub.add_argument("output", metavar="OUT", help="a directory (Hugging Face format) or a .safetensors file")
     sub.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                      help="the largest weight file in a directory OUT: bytes or a size like 5GB, 500MB, 2GiB "
                           "(default: 5GB, as transformers)")

@@ -492,8 +492,8 @@ class Engine:
                         self.residency.release([chunk])
                 self.reducer.complete()
                 self.placement.after_backward(self.chunks)
-                self.reducer.publish()
-                self._gradient_state.mark(published=True)
+                self.reducer.hand_over()
+                self._gradient_state.mark(handed_over=True)
             if not keep:
                 self.residency.release(self.chunks)
             if reduce:
@@ -533,7 +533,7 @@ class Engine:
             for _ in self.reducer.launch_rest(self.bridge.loss_scale):
                 pass
             self.reducer.complete()
-            self.reducer.publish(apply=False)
+            self.reducer.hand_over(apply=False)
 
     # -- leaving a step by any way ----------------------------------------------------
     def settle(self, what: str | None = None, *, collective: bool = False, in_forward: bool = False) -> None:
@@ -558,7 +558,7 @@ class Engine:
                 raise ZeroError(f"{what} needs an idle engine (between steps), but it is in {self.state.value}")
         if self.bridge.step_open:
             self.bridge.abort()
-            self.residency.after_step(publish=True)
+            self.residency.after_step(refresh_kept=True)
         if self.state is TrainingState.BACKWARD and not in_backward():
             accumulating = self._window_open
             error: BaseException | None = None
@@ -640,7 +640,7 @@ class Engine:
             return
         skipped = self.bridge.end()
         self._gradient_state.mark()  # a step may replace gradients (whole-tensor steps): the engine's, on every rank
-        self.residency.after_step(publish=not skipped, chunks=self.bridge.chunks_stepped_by(optimizer))
+        self.residency.after_step(refresh_kept=not skipped, chunks=self.bridge.chunks_stepped_by(optimizer))
         self.reducer.forget_graphs()  # graphs built before the step cannot be backwarded after it
         self._exposed = set()
         self.step_count += 1

@@ -206,7 +206,7 @@ class OptimizerBridge:
         """The user's ``optimizer.step()`` returned: early-stepped gradients come back. Whether the step was
         skipped (an fp16 overflow)."""
         if self.whole is not None:
-            self.whole.end()  # the new values reach every rank's shard before the engine publishes them
+            self.whole.end()  # the new values reach every rank's shard before the engine refreshes the kept buffers from them
         self.abort()
         self.loss_scaled = False
         return self.scaler is not None and self.scaler.last_step_skipped

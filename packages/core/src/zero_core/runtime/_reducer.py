@@ -28,7 +28,7 @@ __all__ = ["GradientReducer"]
 
 
 class GradientReducer:
-    """Reduce-scatters (and HSDP all-reduces) chunks as their gradients become ready; publishes the results."""
+    """Reduce-scatters (and HSDP all-reduces) chunks as their gradients become ready; hands the results over."""
 
     def __init__(self, groups: Sequence[GatherGroup], *, reduce_comm: CommBackend, mesh_comms: Sequence[CommBackend],
                  agree: bool) -> None:
@@ -159,7 +159,7 @@ class GradientReducer:
             comm.flush()
         self._waiter.join()
 
-    def publish(self, *, apply: bool = True) -> None:
+    def hand_over(self, *, apply: bool = True) -> None:
         """Give each optimizer segment its gradient if its parameter got one on any rank (``apply=False``: only
         join the ranks' agreement on it, for a backward that raised; see [Note: a backward that raises finishes
         its collectives])."""
@@ -171,7 +171,7 @@ class GradientReducer:
             return
         offset = 0
         for chunk in self.order:
-            chunk.grads.publish(flags[offset : offset + len(chunk.slots)])
+            chunk.grads.hand_over(flags[offset : offset + len(chunk.slots)])
             offset += len(chunk.slots)
 
     def end(self) -> None:

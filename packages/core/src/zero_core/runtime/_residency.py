@@ -13,7 +13,7 @@ after ``shard()``, ``nn.init`` on a layer, an in-place clamp or decay under ``no
 ``load_state_dict`` or an EMA copied in for evaluation. Each of those changes only the master
 values, so the next forward would mix new and stale ones. Every in-place write through a
 sharded parameter bumps its version counter (the DTensor's own; its local tensor's does not
-move), so the residency remembers each such chunk's counters when it last published it, and
+move), so the residency remembers each such chunk's counters when it last refreshed it, and
 a forward (and every collective verb) first compares them: no write costs a Python loop over
 the parameters and nothing else. A rank that sees a write says so in the phase's lockstep
 round (one byte of it, see [Note: lockstep rounds] in ``zero_core.comm._lockstep``), and when any
@@ -34,7 +34,7 @@ import torch
 
 from zero_core.base._accounting import engine_work
 from zero_core.base._state import ChunkState
-from zero_core.chunks._collectives import publish_group, publish_group_shard
+from zero_core.chunks._collectives import refresh_group, refresh_group_shard
 from zero_core.chunks._group import GatherGroup
 from zero_core.chunks.chunk import Chunk
 from zero_core.comm.backend import CommBackend
@@ -67,9 +67,9 @@ class Residency:
         # across replicas] in zero_core.chunks.chunk).
         self._group_sharded = [c for c in self.chunks if c.group_shard is not None]
         # Per chunk whose kept buffer mirrors master values: its shard moves and its parameters' version counters when
-        # it was last published (see [Note: writes outside the optimizer]).
-        self._published: dict[int, tuple[int, tuple[int, ...]]] = {}
-        self.mark_published()
+        # it was last refreshed (see [Note: writes outside the optimizer]).
+        self._refreshed: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.mark_refreshed()
 
     @engine_work
     def gather(self, chunks: Sequence[Chunk], *, backward: bool) -> None:
@@ -123,30 +123,30 @@ class Residency:
             comm.free()
 
     @engine_work
-    def after_step(self, *, publish: bool, chunks: Sequence[Chunk] | None = None) -> None:
+    def after_step(self, *, refresh_kept: bool, chunks: Sequence[Chunk] | None = None) -> None:
         """An optimizer step ended (returned, or raised after the engine prepared it): the kept full buffers are
-        refreshed from the masters (so forward sees what the optimizer holds) unless ``publish`` is False (an
+        refreshed from the masters (so forward sees what the optimizer holds) unless ``refresh_kept`` is False (an
         fp16 overflow skipped the step), idle buffers go, and the placement policy puts shards back. ``chunks``:
         the only ones the step changed (one of several optimizers; the same on every rank), else every chunk."""
         changed = None if chunks is None else {c.index for c in chunks}
         refresh = self._refresh_after_step if changed is None else \
             [g for g in self._refresh_after_step if any(c.index in changed for c in g.chunks)]
-        if publish and refresh:
-            with torch.profiler.record_function("ZeRO::publish_parameters"):
+        if refresh_kept and refresh:
+            with torch.profiler.record_function("ZeRO::refresh_parameters"):
                 # one group at a time: each all-gather's receive buffer is free again before the next one takes it
                 for group in refresh:
-                    for pending in publish_group(group, self._comm):
+                    for pending in refresh_group(group, self._comm):
                         if pending is not None:
                             pending.wait()
         stepped = [c for c in self._group_sharded if c.requires_grad and (changed is None or c.index in changed)]
-        if publish and stepped:
-            with torch.profiler.record_function("ZeRO::publish_group_shards"):
+        if refresh_kept and stepped:
+            with torch.profiler.record_function("ZeRO::refresh_group_shards"):
                 for chunk in stepped:
-                    publish_group_shard(chunk)
+                    refresh_group_shard(chunk)
         self.free_idle_buffers()
         self._placement.after_step(self.chunks)
-        if publish:
-            self.mark_published([c for g in refresh for c in g.refreshed] + stepped)
+        if refresh_kept:
+            self.mark_refreshed([c for g in refresh for c in g.refreshed] + stepped)
 
     # -- writes outside the optimizer -------------------------------------------------------------------
     def _mirrors(self) -> list[Chunk]:
@@ -155,31 +155,31 @@ class Residency:
         return [c for c in self.chunks if (c.persistent and (c.world_size > 1 or not c.shard_is_view))
                 or c.group_shard is not None]
 
-    def mark_published(self, chunks: Sequence[Chunk] | None = None) -> None:
+    def mark_refreshed(self, chunks: Sequence[Chunk] | None = None) -> None:
         """The kept buffers of ``chunks`` (every mirror when None) hold their masters' values now."""
         for chunk in self._mirrors() if chunks is None else chunks:
-            self._published[chunk.index] = (chunk.shard_moves, tuple(seg.param._version for seg in chunk.segments))
+            self._refreshed[chunk.index] = (chunk.shard_moves, tuple(seg.param._version for seg in chunk.segments))
 
     def written(self) -> bool:
-        """Whether a sharded parameter of a mirrored chunk was written in place since its buffer was published."""
+        """Whether a sharded parameter of a mirrored chunk was written in place since its buffer was refreshed."""
         found = False
         for chunk in self._mirrors():
-            moves, versions = self._published.get(chunk.index, (-1, ()))
+            moves, versions = self._refreshed.get(chunk.index, (-1, ()))
             now = tuple(seg.param._version for seg in chunk.segments)
             if moves != chunk.shard_moves:  # a policy moved the shard: its counters restarted (the move kept the values)
-                self._published[chunk.index] = (chunk.shard_moves, now)
+                self._refreshed[chunk.index] = (chunk.shard_moves, now)
             elif now != versions:
                 found = True
         return found
 
     @engine_work
     def refresh(self) -> None:
-        """Publish every kept full buffer from the masters (collective: every rank calls it, see ``written``)."""
-        with torch.profiler.record_function("ZeRO::publish_parameters"):
+        """Refresh every kept full buffer from the masters (collective: every rank calls it, see ``written``)."""
+        with torch.profiler.record_function("ZeRO::refresh_parameters"):
             for group in self._refresh_after_step:
-                for pending in publish_group(group, self._comm, members=[c for c in group.chunks if c.persistent]):
+                for pending in refresh_group(group, self._comm, members=[c for c in group.chunks if c.persistent]):
                     if pending is not None:
                         pending.wait()
             for chunk in self._group_sharded:
-                publish_group_shard(chunk)
-        self.mark_published()
+                refresh_group_shard(chunk)
+        self.mark_refreshed()

@@ -2,7 +2,7 @@
 
 [Note: agreeing on all-gathers]
 Collectives on a process group match by order, so every rank must all-gather the same
-chunks in the same sequence. (The unit gathered is a gather group, see [Note: gather
+chunks in the same sequence. (What one all-gather gathers is a gather group, see [Note: gather
 groups]; below, "chunk" stands for the group that holds it.) A model whose control flow depends on the data (experts
 chosen per sample, branches skipped on some ranks, outputs that reach the loss on
 some ranks only) needs different chunks on different ranks. The scheduler merges the

@@ -14,8 +14,8 @@ accumulate steps a different sum.
 So the step's lockstep round (see [Note: lockstep rounds] in ``zero_core.comm._lockstep``)
 hashes this rank's *gradient state* into its tag: for every segment of the trainable
 chunks, in plan order, whether its ``.grad`` is missing, the tensor the engine left there
-(published by a backward, or as the last step left it), or another tensor; and how many
-backwards were published into the gradients since ``zero_grad()`` last cleared some. The
+(handed over by a backward, or as the last step left it), or another tensor; and how many
+backwards were handed over into the gradients since ``zero_grad()`` last cleared some. The
 round costs nothing more: the same two words carry a tag that now also differs when the
 states do, and only on a mismatch do the ranks gather their states to name the parameters
 and the likely cause. Ranks that do the same thing agree, whatever it is: every rank
@@ -50,14 +50,14 @@ class GradientState:
         # each segment's gradient as the engine left it, by the sharded parameter's id; weak, so a gradient the
         # user drops is freed and a new tensor can never pass for it
         self._left: dict[int, weakref.ref[Any]] = {}
-        self.backwards = 0  # backwards published since zero_grad() last cleared a gradient
+        self.backwards = 0  # backwards handed over since zero_grad() last cleared a gradient
 
     def _segments(self) -> list[tuple[str, Any]]:
         return [(chunk.slots[seg.slot].name, seg.param) for chunk in self._chunks() for seg in chunk.segments]
 
-    def mark(self, *, published: bool = False) -> None:
-        """The engine left the gradients as they are now (a backward ``published`` them, or a step ended)."""
-        if published:
+    def mark(self, *, handed_over: bool = False) -> None:
+        """The engine left the gradients as they are now (a backward handed them over, or a step ended)."""
+        if handed_over:
             self.backwards += 1
         self._left = {id(p): weakref.ref(p.grad) for _, p in self._segments() if p.grad is not None}
 

@@ -9,18 +9,18 @@ import torch
 from torch import nn
 
 from zero_core.base.errors import CheckpointError
-from zero_core.chunks._collectives import publish_chunk, publish_group_shard
+from zero_core.chunks._collectives import refresh_chunk, refresh_group_shard
 from zero_core.chunks.chunk import Chunk
 from zero_core.comm._agreement import agree_ok
 from zero_core.comm.backend import CommBackend
 
-__all__ = ["ModelLayout", "check_names", "fill_from_source", "publish_kept"]
+__all__ = ["ModelKeys", "check_names", "fill_from_source", "refresh_kept"]
 
 _SHOWN = 8
 
 
 @dataclass
-class ModelLayout:
+class ModelKeys:
     """The plain model's state dict keys, and where each one's values live once sharded.
 
     Attributes:
@@ -40,8 +40,8 @@ class ModelLayout:
     shapes: dict[str, tuple[int, ...]]
 
     @classmethod
-    def of(cls, module: nn.Module, chunks: Sequence[Chunk] = ()) -> ModelLayout:
-        """The layout of ``module``, sharded into ``chunks`` (or not yet: then shapes are the parameters' own)."""
+    def of(cls, module: nn.Module, chunks: Sequence[Chunk] = ()) -> ModelKeys:
+        """The state dict keys of ``module``, sharded into ``chunks`` (or not yet: then shapes are the parameters' own)."""
         slots = {id(slot.param): (chunk, i) for chunk in chunks for i, slot in enumerate(chunk.slots)}
         # between steps the modules hold the sharded parameters: each stands for its unsharded one here
         unsharded = {id(seg.param): chunk.slots[seg.slot].param for chunk in chunks for seg in chunk.segments}
@@ -89,7 +89,7 @@ def _listed(names: Sequence[str]) -> str:
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
-def check_names(layout: ModelLayout, shapes: Mapping[str, tuple[int, ...]], *, strict: bool, what: str,
+def check_names(state_keys: ModelKeys, shapes: Mapping[str, tuple[int, ...]], *, strict: bool, what: str,
                 aliases: Mapping[str, str] | None = None, lenient: str = "pass strict=False") -> None:
     """Raise :class:`CheckpointError` naming every missing key, unexpected key and shape mismatch.
 
@@ -97,13 +97,13 @@ def check_names(layout: ModelLayout, shapes: Mapping[str, tuple[int, ...]], *, s
     and unexpected keys (those parameters keep their values), never a shape mismatch.
     ``lenient`` says how the caller relaxes strictness, for the message.
     """
-    missing = [k for k in layout.keys if layout.source_name(k, shapes, aliases) is None]
-    unexpected = [k for k in shapes if k not in layout.shapes]
+    missing = [k for k in state_keys.keys if state_keys.source_name(k, shapes, aliases) is None]
+    unexpected = [k for k in shapes if k not in state_keys.shapes]
     mismatched = []
-    for key in layout.keys:
-        name = layout.source_name(key, shapes, aliases)
-        if name is not None and tuple(shapes[name]) != layout.shapes[key]:
-            mismatched.append(f"{key!r}: {tuple(shapes[name])} saved, {layout.shapes[key]} in the model")
+    for key in state_keys.keys:
+        name = state_keys.source_name(key, shapes, aliases)
+        if name is not None and tuple(shapes[name]) != state_keys.shapes[key]:
+            mismatched.append(f"{key!r}: {tuple(shapes[name])} saved, {state_keys.shapes[key]} in the model")
     problems = []
     if mismatched:
         problems.append(f"shape mismatch for {len(mismatched)} key(s): " + "; ".join(mismatched[:_SHOWN]))
@@ -120,7 +120,7 @@ def check_names(layout: ModelLayout, shapes: Mapping[str, tuple[int, ...]], *, s
 
 
 @torch.no_grad()
-def fill_from_source(layout: ModelLayout, source: object, chunks: Sequence[Chunk], *, comm: CommBackend,
+def fill_from_source(state_keys: ModelKeys, source: object, chunks: Sequence[Chunk], *, comm: CommBackend,
                      before: object = None, after: object = None) -> None:
     """Write every parameter found in ``source`` into this rank's shards, one chunk at a time, and the buffers.
 
@@ -137,7 +137,7 @@ def fill_from_source(layout: ModelLayout, source: object, chunks: Sequence[Chunk
             error = None
             try:
                 for i, slot in enumerate(chunk.slots):
-                    name = layout.param_source(slot.param, available)
+                    name = state_keys.param_source(slot.param, available)
                     if name is None or not chunk.runs(i):
                         continue
                     if slot.strided:  # a block of the parameter (see [Note: shard dimension] in zero_core.chunks._slots)
@@ -151,21 +151,21 @@ def fill_from_source(layout: ModelLayout, source: object, chunks: Sequence[Chunk
             except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the next collective
                 error = f"reading {source.description} failed ({type(exc).__name__}: {exc})"  # type: ignore[attr-defined]
             agree_ok(comm, error, "loading stopped partway; the model is partly loaded, so load again")
-            publish_kept(chunk, comm)
+            refresh_kept(chunk, comm)
         finally:
             if after is not None:
                 after([chunk])  # type: ignore[operator]
-    for key, buf in layout.buffers.items():
-        name = layout.source_name(key, available)
+    for key, buf in state_keys.buffers.items():
+        name = state_keys.source_name(key, available)
         if name is not None:
             buf.copy_(source.read(name).view(buf.shape))  # type: ignore[attr-defined]
 
 
-def publish_kept(chunk: Chunk, comm: CommBackend) -> None:
+def refresh_kept(chunk: Chunk, comm: CommBackend) -> None:
     """A kept full buffer (or a group shard) takes the values just written into the shards (every rank's slice).
     Collective."""
-    publish_group_shard(chunk)
+    refresh_group_shard(chunk)
     if chunk.persistent:
-        pending = publish_chunk(chunk, comm)
+        pending = refresh_chunk(chunk, comm)
         if pending is not None:
             pending.wait()

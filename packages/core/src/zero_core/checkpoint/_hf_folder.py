@@ -1,6 +1,6 @@
-"""The Hugging Face checkpoint directory layout, written one tensor at a time.
+"""The Hugging Face checkpoint folder format, written one tensor at a time.
 
-[Note: Hugging Face directory layout]
+[Note: Hugging Face folder format]
 A directory holds ``model.safetensors`` when every tensor fits in one shard, else
 ``model-00001-of-0000N.safetensors`` ... and ``model.safetensors.index.json``
 (``{"metadata": {"total_size": bytes}, "weight_map": {key: file}}``), split the way
@@ -177,7 +177,7 @@ def with_dtype(configs: dict[str, dict[str, Any]], dtype: torch.dtype | None) ->
 
 # -- the writer --------------------------------------------------------------------------------------
 class HFDirectoryWriter:
-    """Streams tensors into an HF layout directory: :meth:`write` each entry in order, then :meth:`commit`.
+    """Streams tensors into a Hugging Face folder: :meth:`write` each entry in order, then :meth:`commit`.
 
     Holds no tensor: each value goes straight to the open shard file. Files are written under
     temporary names and renamed into place by :meth:`commit` (see the note above); :meth:`abort`
@@ -188,7 +188,7 @@ class HFDirectoryWriter:
                  configs: dict[str, dict[str, Any]] | None = None, single_file: bool = False) -> None:
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
-            raise CheckpointError(f"{self.directory} is a file; give a directory to write the Hugging Face layout "
+            raise CheckpointError(f"{self.directory} is a file; give a directory to write the Hugging Face format "
                                   "into, or a path ending in .safetensors for one file")
         self.directory.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(self.directory)
@@ -294,7 +294,7 @@ def write_directory(directory: str | os.PathLike[str], entries: Sequence[Entry],
                     values: Iterable[tuple[str, torch.Tensor]], *, max_shard_size: int,
                     configs: dict[str, dict[str, Any]] | None = None, single_file: bool = False,
                     on_written: Callable[[str], None] | None = None) -> HFDirectoryWriter:
-    """Write ``values`` (``(key, tensor)`` in the order of ``entries``) as an HF layout directory, atomically."""
+    """Write ``values`` (``(key, tensor)`` in the order of ``entries``) as a Hugging Face folder, atomically."""
     writer = HFDirectoryWriter(directory, entries, max_shard_size=max_shard_size, configs=configs,
                                single_file=single_file)
     try:
