@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                               loss_scale=LossScale() if args.precision == "fp16" else None)
         config = ZeroConfig(strategy=args.strategy, stage=args.stage, precision=precision,
                             chunk=ChunkPolicy(chunk_size=args.chunk_size, search_interval=args.d_model),
-                            static_graph=args.static_graph, comm=args.comm, reduce_bucket_mb=args.bucket_mb,
+                            static_graph=args.static_graph, comm_backend=args.comm, reduce_bucket_mb=args.bucket_mb,
                             placement=args.placement, placement_options=args.placement_options)
         model, optimizer = shard(model, optimizer, config=config)
         stats = model.comm_stats

@@ -20,7 +20,7 @@ STRATEGIES = ZeroPlugins.load().strategies.names()
 def test_no_sync_accumulation_equals_one_big_batch(strategy, case, world, stage):
     micro = 2 if world == 4 else 4  # 8 samples: 2 per rank at 4 ranks, split into 2 micro-batches
     # the torch backend, so the count below is one reduce-scatter per chunk (bucketing has its own tests)
-    config = ZeroConfig(strategy=strategy, stage=stage, comm="torch", chunk=ChunkPolicy(chunk_size=get_case(case).chunk_size))
+    config = ZeroConfig(strategy=strategy, stage=stage, comm_backend="torch", chunk=ChunkPolicy(chunk_size=get_case(case).chunk_size))
     results = run_distributed(train_sharded, world, case, micro_batches=micro, config=config)
     assert_parity(train_reference(case), results[0])
     chunks = results[0].chunks
@@ -32,7 +32,7 @@ def test_no_sync_accumulation_equals_one_big_batch(strategy, case, world, stage)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_reducing_every_micro_batch_also_equals_one_big_batch(strategy, stage):
-    config = ZeroConfig(strategy=strategy, stage=stage, comm="torch", chunk=ChunkPolicy(chunk_size=300))
+    config = ZeroConfig(strategy=strategy, stage=stage, comm_backend="torch", chunk=ChunkPolicy(chunk_size=300))
     results = run_distributed(train_sharded, 2, "gpt", micro_batches=2, no_sync=False, config=config)
     assert_parity(train_reference("gpt"), results[0])
     chunks = results[0].chunks

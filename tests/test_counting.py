@@ -29,7 +29,7 @@ STRATEGIES = ZeroPlugins.load().strategies.names()
 
 
 def gpt_config(strategy, stage=3, precision="fp32", **kwargs):
-    kwargs.setdefault("comm", "torch")
+    kwargs.setdefault("comm_backend", "torch")
     return ZeroConfig(strategy=strategy, stage=stage, precision=PRECISIONS[precision], chunk=ChunkPolicy(chunk_size=300),
                       **kwargs)
 
@@ -207,7 +207,7 @@ def test_fp16_checks_overflow_with_one_collective_per_step():
 @pytest.mark.parametrize(("world", "bucket_mb"), [(2, 0.0), (2, 2.0**-10), (2, 2.0**-8), (2, 25.0), (4, 2.0**-9)])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_bucketed_reduce_scatters_follow_the_bucket_size(strategy, world, bucket_mb):
-    config = gpt_config(strategy, comm="bucketed", reduce_bucket_mb=bucket_mb)
+    config = gpt_config(strategy, comm_backend="bucketed", reduce_bucket_mb=bucket_mb)
     results = run_distributed(train_sharded, world, "gpt", steps=2, config=config)
     chunks = results[0].chunks
     # the engine reduces trainable chunks in reverse plan order; each sends its shard-sized slice per rank

@@ -106,7 +106,7 @@ def test_estimate_follows_kept_chunks_the_policy_moves():
 @pytest.mark.parametrize("stage", [1, 3])
 def test_estimate_counts_frozen_parameters(stage):
     """Frozen chunks hold no gradient or optimizer state, and a kept frozen chunk is never refreshed."""
-    config = ZeroConfig(strategy="tensor", stage=stage, comm="torch", chunk=ChunkPolicy(chunk_size=64))
+    config = ZeroConfig(strategy="tensor", stage=stage, comm_backend="torch", chunk=ChunkPolicy(chunk_size=64))
     results = run_distributed(train_sharded, 2, "frozen", steps=2, config=config)
     case = get_case("frozen")
     torch.manual_seed(0)
@@ -145,9 +145,9 @@ def test_one_rank_sends_nothing_and_holds_everything():
 def test_bucketed_reduce_scatter_calls_follow_the_bucket_rule():
     model = quick_model()
     chunk = ChunkPolicy(chunk_size=4096)
-    each = estimate(model, world_size=4, config=ZeroConfig(chunk=chunk, comm="torch"))
-    one = estimate(model, world_size=4, config=ZeroConfig(chunk=chunk, comm="bucketed", reduce_bucket_mb=25.0))
-    off = estimate(model, world_size=4, config=ZeroConfig(chunk=chunk, comm="bucketed", reduce_bucket_mb=0.0))
+    each = estimate(model, world_size=4, config=ZeroConfig(chunk=chunk, comm_backend="torch"))
+    one = estimate(model, world_size=4, config=ZeroConfig(chunk=chunk, comm_backend="bucketed", reduce_bucket_mb=25.0))
+    off = estimate(model, world_size=4, config=ZeroConfig(chunk=chunk, comm_backend="bucketed", reduce_bucket_mb=0.0))
     assert one.calls["reduce_scatter"] == 1 and off.calls["reduce_scatter"] == each.calls["reduce_scatter"] > 1
     assert one.bytes_sent == each.bytes_sent
 
@@ -229,7 +229,7 @@ def test_mesh_of_one_rank_per_row_is_data_parallelism():
 
 def test_mesh_on_a_model_is_the_shard_groups_world_plus_all_reduces():
     model = quick_model()
-    config = ZeroConfig(chunk=ChunkPolicy(chunk_size=4096), comm="bucketed", reduce_bucket_mb=25.0)
+    config = ZeroConfig(chunk=ChunkPolicy(chunk_size=4096), comm_backend="bucketed", reduce_bucket_mb=25.0)
     hsdp = estimate(model, mesh_shape=(2, 2), config=config)
     two = estimate(model, world_size=2, config=config)
     assert list(hsdp.per_rank) == [two.per_rank[0], two.per_rank[1]] * 2  # rank r holds shard r % S

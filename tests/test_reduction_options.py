@@ -37,7 +37,7 @@ def test_any_predivide_factor_gives_the_mean(strategy):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_reduce_dtype_is_what_travels(strategy, reduce):
     precision = Precision(compute="bf16", reduce=reduce)
-    results = run_distributed(train_sharded, 2, "gpt", steps=2, config=config(strategy, precision=precision, comm="torch"))
+    results = run_distributed(train_sharded, 2, "gpt", steps=2, config=config(strategy, precision=precision, comm_backend="torch"))
     padded = sum(c["size"] for c in results[0].chunks)
     width = 4 if reduce == "fp32" else 2
     for step in results[0].step_stats:

@@ -84,7 +84,7 @@ def by_group(comm: dict[str, dict[str, int]]) -> dict[str, int]:
 
 def zero_config(config: dict[str, Any], model: dict[str, int]) -> ZeroConfig:
     precision = config["precision"]
-    return ZeroConfig(strategy=config["strategy"], stage=config["stage"], comm=config["comm"],
+    return ZeroConfig(strategy=config["strategy"], stage=config["stage"], comm_backend=config["comm"],
                       placement=config["placement"], placement_options=config["placement_options"],
                       precision=Precision(compute=None if precision == "fp32" else precision,
                                           loss_scale=LossScale() if precision == "fp16" else None),

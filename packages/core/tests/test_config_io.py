@@ -22,7 +22,7 @@ CONFIGS = {
                                              hysteresis=3, min_scale=0.5, dynamic=False),
         gradient_predivide_factor=4)),
     "everything-set": ZeroConfig(
-        strategy="tensor", comm="bucketed", reduce_bucket_mb=12.5, device="cuda:1", collective_timeout_s=30,
+        strategy="tensor", comm_backend="bucketed", reduce_bucket_mb=12.5, device="cuda:1", collective_timeout_s=30,
         sync_module_states=False, check_ranks_agree=False, static_graph=True, reshard_after_forward=4,
         shard_optimizer_across_replicas=True, release_host_memory=False,
         chunk=ChunkPolicy(chunk_size=300, min_chunk_size=64, search_interval=8, search_range=4096, param_order="first_use")),

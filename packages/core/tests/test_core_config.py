@@ -10,7 +10,7 @@ from zero_core import ChunkPolicy, ConfigError, LossScale, Precision, ZeroConfig
     ("kwargs", "fragment"),
     [
         ({"strategy": ""}, "ZeroConfig.strategy"),
-        ({"comm": 3}, "ZeroConfig.comm"),
+        ({"comm_backend": 3}, "ZeroConfig.comm_backend"),
         ({"placement": None}, "ZeroConfig.placement"),
         ({"device": "tpu"}, "ZeroConfig.device"),
         ({"collective_timeout_s": 0}, "collective_timeout_s"),
@@ -100,3 +100,31 @@ def test_the_gpu_follows_local_rank_unless_the_script_chose_one():
     assert cuda_index("3", 0, 1) == 0  # one visible GPU per process (CUDA_VISIBLE_DEVICES)
     assert cuda_index(None, 0, 8) == 0  # not launched by torchrun
     assert cuda_index("9", 0, 8) == 1  # more processes than GPUs: shared round-robin
+
+
+def test_comm_is_a_deprecated_alias_of_comm_backend():
+    """``comm`` (a name) was renamed ``comm_backend``: ``comm`` elsewhere is a backend object. The old keyword,
+    ``dataclasses.replace`` keyword, attribute and file key still work, each with a warning naming the new one."""
+    import dataclasses
+
+    with pytest.warns(DeprecationWarning, match="renamed comm_backend; pass comm_backend= instead"):
+        old = ZeroConfig(comm="bucketed")  # type: ignore[call-arg]
+    assert old == ZeroConfig(comm_backend="bucketed")
+    with pytest.warns(DeprecationWarning, match="read config.comm_backend instead"):
+        assert old.comm == "bucketed"
+    with pytest.warns(DeprecationWarning, match="renamed comm_backend"):
+        assert dataclasses.replace(ZeroConfig(), comm="torch") == ZeroConfig(comm_backend="torch")
+    with pytest.warns(DeprecationWarning, match="write the key comm_backend instead"):
+        assert ZeroConfig.from_dict({"comm": "torch"}) == ZeroConfig(comm_backend="torch")
+    assert ZeroConfig(comm_backend="torch").to_dict()["comm_backend"] == "torch"  # files get the new key
+    assert "comm" not in ZeroConfig(comm_backend="torch").to_dict()
+
+
+def test_comm_and_comm_backend_together_are_refused():
+    with pytest.raises(ConfigError, match="got both comm= and comm_backend=.*pass comm_backend= only"):
+        ZeroConfig(comm="torch", comm_backend="bucketed")  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match="comm and comm_backend are both set.*keep comm_backend only"):
+        ZeroConfig.from_dict({"comm": "torch", "comm_backend": "bucketed"})
+    with pytest.raises(ConfigError, match="ZeroConfig.comm_backend must be a non-empty plugin name"):
+        with pytest.warns(DeprecationWarning):
+            ZeroConfig(comm="")  # type: ignore[call-arg]

@@ -102,7 +102,7 @@ def test_a_policy_class_with_an_abstract_method_left_is_refused_by_name():
 @pytest.mark.parametrize(("kwargs", "kind", "close"), [
     ({"strategy": "chunked"}, "shard strategy", "chunk"),
     ({"placement": "hots"}, "placement policy", "host"),
-    ({"comm": "bucketd"}, "comm backend", "bucketed"),
+    ({"comm_backend": "bucketd"}, "comm backend", "bucketed"),
 ])
 def test_an_unknown_plugin_name_gets_the_closest_one(kwargs, kind, close):
     from zero_core import shard

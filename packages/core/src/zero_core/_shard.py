@@ -151,7 +151,7 @@ def shard(
     plugins_ = ZeroPlugins.load(plugins)
     plugins_.manager.hook.zero_configure.call_historic(kwargs={"config": config})
     strategy = plugins_.strategies.get(config.strategy)()
-    comm_cls = plugins_.comm_backends.get(config.comm or strategy.comm)
+    comm_cls = plugins_.comm_backends.get(config.comm_backend or strategy.comm)
     timeout = timedelta(seconds=config.collective_timeout_s)
     comm = comm_cls.from_config(group, timeout=timeout, config=config)
     reduce_group = _check_reduce_group(reduce_process_group, group, comm) or _new_group_like(group, comm)
@@ -470,14 +470,14 @@ def _register_dtensor_ops() -> None:
 def _open_load_source(model: nn.Module, load_from: Any, strict: bool, comm: Any) -> tuple[Any, bool]:
     """The opened ``load_from``, checked against the model before anything is built; and whether it holds
     every parameter (then a lazily built model's initialisers need not run for them)."""
-    state_keys = ModelKeys.of(model)  # not sharded yet: names and shapes are the plain model's
+    model_keys = ModelKeys.of(model)  # not sharded yet: names and shapes are the plain model's
     error, source, complete = None, None, False
     try:
         source = open_source(load_from)
         available = set(source.keys())
-        check_names(state_keys, {k: source.shape(k) for k in available}, strict=strict, what=source.description,
+        check_names(model_keys, {k: source.shape(k) for k in available}, strict=strict, what=source.description,
                     lenient="pass load_strict=False to shard")
-        complete = all(state_keys.source_name(names[0], available) is not None for names in state_keys.names.values())
+        complete = all(model_keys.source_name(names[0], available) is not None for names in model_keys.names.values())
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait for this one
         error = str(exc) if isinstance(exc, CheckpointError) else f"cannot read {load_from!r} ({exc})"
     raise_if_any_failed(comm, error, "shard(load_from=...) failed; nothing was built")

@@ -68,6 +68,6 @@ def test_plan_validation_rejects_groups_that_break_the_rules():
 @pytest.mark.parametrize(("comm", "expected"), [(None, "bucketed"), ("torch", "torch")])
 def test_the_strategy_selects_the_bucketed_backend_unless_the_config_names_one(comm, expected):
     model = Block()
-    model, _ = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=ZeroConfig(strategy="tensor", comm=comm))
+    model, _ = shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=ZeroConfig(strategy="tensor", comm_backend=comm))
     assert (model.engine.comm.name, model.engine.reduce_comm.name) == (expected, expected)
     assert [[c.index for c in g.chunks] for g in model.engine.groups] == [[0], [1, 2], [3, 4]]

@@ -257,7 +257,7 @@ def _write_rank_file(engine: Engine, directory: Path, save_id: str, rank: int, w
 def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_optimizer: bool) -> RankFilePlan:
     """What this rank's file of save ``save_id`` holds; see :class:`RankFilePlan`."""
     states, groups = _segment_states(engine) if with_optimizer else ({}, None)
-    state_keys = ModelKeys.of(engine.module, engine.chunks)
+    model_keys = ModelKeys.of(engine.module, engine.chunks)
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     pieces: list[list[Any]] = []
     scalars: dict[str, dict[str, Any]] = {}
@@ -307,7 +307,7 @@ def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_opt
                     scalars.setdefault(name, {})[key] = {"value": _jsonable(value)}
     entries += [(key, value.dtype, tuple(value.shape)) for key, value in whole_states]  # written in this order
     if rank == 0:
-        entries += [(f"b/{key}", buf.dtype, tuple(buf.shape)) for key, buf in state_keys.buffers.items()]
+        entries += [(f"b/{key}", buf.dtype, tuple(buf.shape)) for key, buf in model_keys.buffers.items()]
     rng = torch.random.get_rng_state()
     entries.append(("rng/cpu", rng.dtype, tuple(rng.shape)))
     cuda_rng = torch.cuda.get_rng_state(engine.device) if engine.device.type == "cuda" else None
@@ -339,7 +339,7 @@ def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_opt
         for key, value in whole_states:
             yield key, value.reshape(-1)
         if rank == 0:
-            for key, buf in state_keys.buffers.items():
+            for key, buf in model_keys.buffers.items():
                 yield f"b/{key}", buf
         yield "rng/cpu", rng
         if cuda_rng is not None:
@@ -353,8 +353,8 @@ def plan_rank_file(engine: Engine, save_id: str, rank: int, world: int, with_opt
         "params": {s.name: {"shape": list(s.shape), "dtype": _dtype_name(c.master_dtype), "group": c.param_group,
                             "requires_grad": c.requires_grad}
                    for c in engine.chunks for s in c.slots},
-        "buffers": {k: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)} for k, b in state_keys.buffers.items()},
-        "tied": {names[0]: names[1:] for names in state_keys.names.values() if len(names) > 1}}
+        "buffers": {k: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)} for k, b in model_keys.buffers.items()},
+        "tied": {names[0]: names[1:] for names in model_keys.names.values() if len(names) > 1}}
     return RankFilePlan(_rank_file(save_id, rank, world), entries, save_id, description, tensors)
 
 
@@ -531,19 +531,19 @@ def read_sharded(
     engine.settle("load_checkpoint", collective=True)
     directory = Path(directory)
     comm = engine.comm
-    state_keys = ModelKeys.of(engine.module, engine.chunks)
+    model_keys = ModelKeys.of(engine.module, engine.chunks)
     error = None
     extra = None
     metadata: dict[str, Any] = {}
     reads: list[tuple[Chunk, int, str]] = []
-    needed = {0} if state_keys.buffers else set()
+    needed = {0} if model_keys.buffers else set()
     try:
         metadata = read_metadata(directory)
         shapes = {**{n: tuple(i["shape"]) for n, i in metadata["params"].items()},
                   **{n: tuple(i["shape"]) for n, i in metadata["buffers"].items()}}
         # the saved model's ties: a twin's values are stored under its first name only
         aliases = {twin: name for name, twins in metadata.get("tied", {}).items() for twin in twins}
-        check_names(state_keys, shapes, strict=strict, what=f"the checkpoint at {directory}", aliases=aliases)
+        check_names(model_keys, shapes, strict=strict, what=f"the checkpoint at {directory}", aliases=aliases)
         if load_optimizer:
             if metadata["optimizer"] is None:
                 raise CheckpointError(
@@ -560,7 +560,7 @@ def read_sharded(
         saved_runs = _Reader(directory, metadata)
         for chunk in engine.chunks:
             for i, slot in enumerate(chunk.slots):
-                name = state_keys.param_source(slot.param, reader_meta, aliases)
+                name = model_keys.param_source(slot.param, reader_meta, aliases)
                 runs = chunk.runs(i)
                 if not runs or name is None:
                     continue
@@ -587,7 +587,7 @@ def read_sharded(
 
     reader = _Reader(directory, metadata)
     with torch.no_grad():
-        _load_params(engine, reader, reads, state_keys, metadata, load_optimizer)
+        _load_params(engine, reader, reads, model_keys, metadata, load_optimizer)
     if engine.bridge.scaler is not None and metadata.get("loss_scaler") is not None:
         engine.bridge.scaler.load_state_dict(metadata["loss_scaler"])
     engine.step_count = int(metadata["step"])
@@ -599,7 +599,7 @@ def read_sharded(
     return extra
 
 
-def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, str]], state_keys: ModelKeys,
+def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, str]], model_keys: ModelKeys,
                  metadata: dict[str, Any], load_optimizer: bool) -> None:
     """Parameters (and optimizer states) chunk by chunk: read straight into the shard, states beside it,
     then the placement policy takes both where it keeps them before the next chunk is read."""
@@ -626,8 +626,8 @@ def _load_params(engine: Engine, reader: _Reader, reads: list[tuple[Any, int, st
             engine.residency.mark_refreshed([chunk])
         finally:
             placement.after_load([chunk])
-    for key, buf in state_keys.buffers.items():
-        source = state_keys.source_name(key, reader.metadata["buffers"])
+    for key, buf in model_keys.buffers.items():
+        source = model_keys.source_name(key, reader.metadata["buffers"])
         if source is not None:
             buf.copy_(reader.tensor(0, f"b/{source}").view(buf.shape))
     if load_optimizer:

@@ -35,13 +35,13 @@ def _keys_of(engine: Engine) -> ModelKeys:
     return ModelKeys.of(engine.module, engine.chunks)
 
 
-def _param_values(engine: Engine, state_keys: ModelKeys, keep: bool):
+def _param_values(engine: Engine, model_keys: ModelKeys, keep: bool):
     """``(key, CPU tensor)`` for every parameter key, chunk by chunk (tied parameters under each name)."""
     for chunk, full in _full_chunks(engine):
         for slot in chunk.slots:
             value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
             value = value.to("cpu", copy=True) if keep else value
-            for key in state_keys.names.get(id(slot.param), []):
+            for key in model_keys.names.get(id(slot.param), []):
                 yield key, value
             del value
         del full  # before the next chunk is gathered: one at a time
@@ -55,16 +55,16 @@ def full_state_dict(engine: Engine, *, rank0_only: bool = True) -> dict[str, tor
     memory holds one gathered chunk at a time; with ``rank0_only`` only rank 0 keeps the
     values (the others return ``{}``), so only rank 0's host memory holds the model.
     """
-    state_keys = _keys_of(engine)
+    model_keys = _keys_of(engine)
     keep = not rank0_only or engine.comm.rank == 0
     if not keep:
-        for _ in _param_values(engine, state_keys, keep=False):  # join every gather, hold nothing
+        for _ in _param_values(engine, model_keys, keep=False):  # join every gather, hold nothing
             pass
         return {}
-    values = dict(_param_values(engine, state_keys, keep=True))
-    for key, buf in state_keys.buffers.items():
+    values = dict(_param_values(engine, model_keys, keep=True))
+    for key, buf in model_keys.buffers.items():
         values[key] = buf.detach().to("cpu", copy=True)
-    return {key: values[key] for key in state_keys.keys}
+    return {key: values[key] for key in model_keys.keys}
 
 
 def _format(path: Path, format: str | None) -> str:
@@ -87,7 +87,7 @@ def write_full_state(engine: Engine, path: str | os.PathLike[str], *, format: st
     """
     path = Path(path)
     fmt = _format(path, format)
-    state_keys = _keys_of(engine)
+    model_keys = _keys_of(engine)
     rank0 = engine.comm.rank == 0
     error = None
     try:
@@ -97,22 +97,22 @@ def write_full_state(engine: Engine, path: str | os.PathLike[str], *, format: st
                 state = {k: v.to(cast_dtype(v.dtype, dtype)) for k, v in state.items()}
                 atomic_write(path, lambda stream: torch.save(state, stream))  # type: ignore[arg-type]  # save() needs write/flush only
         else:
-            _stream_safetensors(engine, state_keys, path, rank0, dtype)
+            _stream_safetensors(engine, model_keys, path, rank0, dtype)
     except Exception as exc:  # noqa: BLE001 - any failure on rank 0 must reach the other ranks
         error = f"{type(exc).__name__}: {exc}"
     raise_if_any_failed(engine.comm, error, f"saving the full state dict to {path} failed; no file was written "
                                              "(an older file at that path is intact)")
 
 
-def _stream_safetensors(engine: Engine, state_keys: ModelKeys, path: Path, rank0: bool,
+def _stream_safetensors(engine: Engine, model_keys: ModelKeys, path: Path, rank0: bool,
                         dtype: torch.dtype | None) -> None:
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for chunk in engine.chunks:
         for slot in chunk.slots:
             entries += [(key, cast_dtype(chunk.master_dtype, dtype), tuple(slot.shape))
-                        for key in state_keys.names.get(id(slot.param), [])]
-    entries += [(key, cast_dtype(buf.dtype, dtype), tuple(buf.shape)) for key, buf in state_keys.buffers.items()]
-    values = _param_values(engine, state_keys, keep=False)
+                        for key in model_keys.names.get(id(slot.param), [])]
+    entries += [(key, cast_dtype(buf.dtype, dtype), tuple(buf.shape)) for key, buf in model_keys.buffers.items()]
+    values = _param_values(engine, model_keys, keep=False)
     if not rank0:
         for _ in values:  # join every gather
             pass
@@ -123,7 +123,7 @@ def _stream_safetensors(engine: Engine, state_keys: ModelKeys, path: Path, rank0
         for key, value in values:
             writer.write(key, value.to(cast_dtype(value.dtype, dtype)))  # one tensor's cast copy at a time
             del value  # a view of the gathered chunk: it must not outlive it into the next gather
-        for key, buf in state_keys.buffers.items():
+        for key, buf in model_keys.buffers.items():
             writer.write(key, buf.to(cast_dtype(buf.dtype, dtype)))
         writer.close()
 
@@ -144,17 +144,17 @@ def write_hf_folder(engine: Engine, directory: str | os.PathLike[str], *, max_sh
     holds what it held before.
     """
     directory = Path(directory)
-    state_keys = _keys_of(engine)
+    model_keys = _keys_of(engine)
     rank0 = engine.comm.rank == 0
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     first: dict[int, str] = {}  # id(param) -> the one name it is stored under
     for chunk in engine.chunks:
         for slot in chunk.slots:
-            names = state_keys.names.get(id(slot.param), [])
+            names = model_keys.names.get(id(slot.param), [])
             if names:
                 first[id(slot.param)] = names[0]
                 entries.append((names[0], cast_dtype(chunk.master_dtype, dtype), tuple(slot.shape)))
-    entries += [(key, cast_dtype(buf.dtype, dtype), tuple(buf.shape)) for key, buf in state_keys.buffers.items()]
+    entries += [(key, cast_dtype(buf.dtype, dtype), tuple(buf.shape)) for key, buf in model_keys.buffers.items()]
 
     def values():
         for chunk, full in _full_chunks(engine):
@@ -162,7 +162,7 @@ def write_hf_folder(engine: Engine, directory: str | os.PathLike[str], *, max_sh
                 if id(slot.param) in first:
                     yield first[id(slot.param)], full[slot.offset : slot.offset + slot.numel].view(slot.shape)
             del full  # before the next chunk is gathered: one at a time
-        yield from state_keys.buffers.items()
+        yield from model_keys.buffers.items()
 
     stream = values()
     error = None
@@ -186,12 +186,12 @@ def load_full_state_dict(engine: Engine, source: Any, *, strict: bool = True) ->
     raises and nothing is changed.
     """
     engine.settle("load_full_state_dict", collective=True)
-    state_keys = _keys_of(engine)
+    model_keys = _keys_of(engine)
     error = None
     opened = None
     try:
         opened = open_source(source)
-        check_names(state_keys, {k: opened.shape(k) for k in opened.keys()}, strict=strict, what=opened.description)
+        check_names(model_keys, {k: opened.shape(k) for k in opened.keys()}, strict=strict, what=opened.description)
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it, or the others wait for this one
@@ -199,6 +199,6 @@ def load_full_state_dict(engine: Engine, source: Any, *, strict: bool = True) ->
     raise_if_any_failed(engine.comm, error, "load_full_state_dict failed; nothing was changed")
     assert opened is not None
     with torch.no_grad():
-        fill_from_source(state_keys, opened, engine.chunks, comm=engine.comm, before=engine.placement.before_load,
+        fill_from_source(model_keys, opened, engine.chunks, comm=engine.comm, before=engine.placement.before_load,
                          after=engine.placement.after_load)
     opened.close()

@@ -89,7 +89,7 @@ def _listed(names: Sequence[str]) -> str:
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
-def check_names(state_keys: ModelKeys, shapes: Mapping[str, tuple[int, ...]], *, strict: bool, what: str,
+def check_names(model_keys: ModelKeys, shapes: Mapping[str, tuple[int, ...]], *, strict: bool, what: str,
                 aliases: Mapping[str, str] | None = None, lenient: str = "pass strict=False") -> None:
     """Raise :class:`CheckpointError` naming every missing key, unexpected key and shape mismatch.
 
@@ -97,13 +97,13 @@ def check_names(state_keys: ModelKeys, shapes: Mapping[str, tuple[int, ...]], *,
     and unexpected keys (those parameters keep their values), never a shape mismatch.
     ``lenient`` says how the caller relaxes strictness, for the message.
     """
-    missing = [k for k in state_keys.keys if state_keys.source_name(k, shapes, aliases) is None]
-    unexpected = [k for k in shapes if k not in state_keys.shapes]
+    missing = [k for k in model_keys.keys if model_keys.source_name(k, shapes, aliases) is None]
+    unexpected = [k for k in shapes if k not in model_keys.shapes]
     mismatched = []
-    for key in state_keys.keys:
-        name = state_keys.source_name(key, shapes, aliases)
-        if name is not None and tuple(shapes[name]) != state_keys.shapes[key]:
-            mismatched.append(f"{key!r}: {tuple(shapes[name])} saved, {state_keys.shapes[key]} in the model")
+    for key in model_keys.keys:
+        name = model_keys.source_name(key, shapes, aliases)
+        if name is not None and tuple(shapes[name]) != model_keys.shapes[key]:
+            mismatched.append(f"{key!r}: {tuple(shapes[name])} saved, {model_keys.shapes[key]} in the model")
     problems = []
     if mismatched:
         problems.append(f"shape mismatch for {len(mismatched)} key(s): " + "; ".join(mismatched[:_SHOWN]))
@@ -120,7 +120,7 @@ def check_names(state_keys: ModelKeys, shapes: Mapping[str, tuple[int, ...]], *,
 
 
 @torch.no_grad()
-def fill_from_source(state_keys: ModelKeys, source: object, chunks: Sequence[Chunk], *, comm: CommBackend,
+def fill_from_source(model_keys: ModelKeys, source: object, chunks: Sequence[Chunk], *, comm: CommBackend,
                      before: object = None, after: object = None) -> None:
     """Write every parameter found in ``source`` into this rank's shards, one chunk at a time, and the buffers.
 
@@ -137,7 +137,7 @@ def fill_from_source(state_keys: ModelKeys, source: object, chunks: Sequence[Chu
             error = None
             try:
                 for i, slot in enumerate(chunk.slots):
-                    name = state_keys.param_source(slot.param, available)
+                    name = model_keys.param_source(slot.param, available)
                     if name is None or not chunk.runs(i):
                         continue
                     if slot.strided:  # a block of the parameter (see [Note: shard dimension] in zero_core.chunks._slots)
@@ -155,8 +155,8 @@ def fill_from_source(state_keys: ModelKeys, source: object, chunks: Sequence[Chu
         finally:
             if after is not None:
                 after([chunk])  # type: ignore[operator]
-    for key, buf in state_keys.buffers.items():
-        name = state_keys.source_name(key, available)
+    for key, buf in model_keys.buffers.items():
+        name = model_keys.source_name(key, available)
         if name is not None:
             buf.copy_(source.read(name).view(buf.shape))  # type: ignore[attr-defined]
 

@@ -111,7 +111,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="compute dtype (default: the parameters' own, fp32); fp16 adds dynamic loss scaling")
     cfg.add_argument("--reduce", choices=_DTYPES, help="dtype gradients are reduced in (default fp32)")
     cfg.add_argument("--strategy", metavar="NAME", help="shard strategy plugin: chunk (default), tensor, ...")
-    cfg.add_argument("--comm", metavar="NAME", help="comm backend plugin: torch, bucketed (default: the strategy's)")
+    cfg.add_argument("--comm-backend", "--comm", dest="comm_backend", metavar="NAME",
+                     help="comm backend plugin: torch, bucketed (default: the strategy's); --comm is its old name")
     cfg.add_argument("--placement", metavar="NAME", help="placement policy plugin: device (default), host, static, gemini")
     cfg.add_argument("--placement-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                      help="an option of the placement policy (repeat it), e.g. offload_optim_frac=1")
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     plugins = ZeroPlugins.load()
     # a count never consults the strategy or comm backend, but a misspelt name must not pass unnoticed
     strategy = plugins.strategies.get(config.strategy)
-    plugins.comm_backends.get(config.comm or strategy.comm)
+    plugins.comm_backends.get(config.comm_backend or strategy.comm)
     e = estimate(model, world_size=args.world_size, mesh_shape=args.mesh, config=config,
                  optimizer_bytes_per_element=args.optimizer_bytes_per_element, plugins=plugins)
     # DDP for comparison: every rank a full fp32 replica, one fp32 all-reduce of the gradients per step,
@@ -192,7 +193,7 @@ def _config(args: argparse.Namespace) -> ZeroConfig:
         if not path.is_file():
             raise CommandError(f"--config {args.config}: no such file; give a zero config file (JSON, TOML or YAML)")
         config = ZeroConfig.from_file(path)
-    changes: dict[str, Any] = {name: getattr(args, name) for name in ("stage", "strategy", "comm", "placement",
+    changes: dict[str, Any] = {name: getattr(args, name) for name in ("stage", "strategy", "comm_backend", "placement",
                                                                       "shard_optimizer_across_replicas")
                                if getattr(args, name, None) is not None}
     if args.precision is not None or args.reduce is not None:

@@ -11,7 +11,7 @@ scalar. Three rules make every format read back exactly what was written:
 
 - dtypes are written as ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``Precision`` accepts them);
 - a field whose value is ``None`` is left out, because TOML has no null: every field that
-  may be ``None`` (``comm``, ``device``, ``precision.compute``, ``precision.loss_scale``,
+  may be ``None`` (``comm_backend``, ``device``, ``precision.compute``, ``precision.loss_scale``,
   ``chunk.chunk_size``) defaults to ``None``, so a missing key reads back as the same ``None``;
 - ``placement_options`` is a table of the placement policy's keyword arguments. A policy's
   config object (``zero_offload.StaticConfig(...)``) is written as the fields that differ
@@ -29,21 +29,25 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
 import re
 import tomllib
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import torch
 
 from zero_core.base.errors import ConfigError
 
-__all__ = ["FORMATS", "KeywordsChecked", "Nested", "dataclass_from_dict", "dataclass_to_dict", "did_you_mean", "read_file",
-           "write_file"]
+T = TypeVar("T")
+
+__all__ = ["FORMATS", "KeywordsChecked", "Nested", "dataclass_from_dict", "dataclass_to_dict", "did_you_mean", "keep_old_keywords",
+           "read_file", "renamed_fields", "write_file"]
 
 #: File suffix -> format name.
 FORMATS = {".json": "json", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml"}
@@ -121,8 +125,14 @@ def dataclass_from_dict(cls: type, data: Any, nested: Nested, prefix: str = "") 
         )
     names = [f.name for f in dataclasses.fields(cls)]
     inner = nested.get(cls, {})
+    renamed = renamed_fields(cls)
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
+        if key in renamed:  # a file written before the rename: read as the new key, with a warning
+            if renamed[key] in data:
+                raise ConfigError(f"{prefix}{key} and {prefix}{renamed[key]} are both set; {key} is the deprecated "
+                                  f"name of {renamed[key]}: keep {prefix}{renamed[key]} only.")
+            key = new_name(cls, key, renamed[key], instead=f"write the key {prefix}{renamed[key]} instead", stacklevel=4)
         if key not in names:
             raise _unknown_key(key, names, prefix)
         if key in inner:
@@ -166,11 +176,52 @@ class KeywordsChecked:
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         if kwargs:  # (positional arguments are left to __init__'s TypeError: keyword-only is Python's own rule)
             names = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+            renamed = renamed_fields(cls)
             for key in kwargs:
-                if key not in names:
+                if key not in names and key not in renamed:
                     raise ConfigError(f"{cls.__name__} has no field {key!r}{did_you_mean(key, names)} "
                                       f"Its fields: {', '.join(names)}.")
         return super().__new__(cls)
+
+
+def renamed_fields(cls: type) -> Mapping[str, str]:
+    """The old names of ``cls``'s renamed fields -> their new names (see :func:`keep_old_keywords`)."""
+    renamed: Mapping[str, str] = getattr(cls, "_renamed_fields", {})
+    return renamed
+
+
+def new_name(cls: type, old: str, new: str, *, instead: str, stacklevel: int = 3) -> str:
+    """Warn that ``old`` (a keyword or a file key of ``cls``) is the deprecated name of ``new``; return ``new``."""
+    warnings.warn(f"{cls.__name__}.{old} is deprecated: it was renamed {new}; {instead}. The old name will be "
+                  "removed in a later release.", DeprecationWarning, stacklevel=stacklevel)
+    return new
+
+
+def keep_old_keywords(**renamed: str) -> Callable[[type[T]], type[T]]:
+    """Class decorator (outside ``@dataclass``): each ``old=new`` keeps a renamed field's old keyword working as
+    a deprecated alias of the new one. The constructor (and ``dataclasses.replace``) takes ``old=`` with a
+    ``DeprecationWarning`` and refuses ``old=`` together with a ``new=`` that is not None (``replace`` passes
+    every field, so ``new=None`` is no choice of the caller's); the dataclass's own ``__init__`` runs underneath,
+    unchanged. Reading ``obj.old`` is the class's own business (a property)."""
+
+    def wrap(cls: type[T]) -> type[T]:
+        generated = cls.__init__
+
+        @functools.wraps(generated)
+        def __init__(self: Any, **kwargs: Any) -> None:
+            for old, new in renamed.items():
+                if old in kwargs:
+                    if kwargs.get(new) is not None:
+                        raise ConfigError(f"{cls.__name__} got both {old}= and {new}=; {old} is the deprecated name "
+                                          f"of {new}: pass {new}= only.")
+                    kwargs[new_name(cls, old, new, instead=f"pass {new}= instead")] = kwargs.pop(old)
+            generated(self, **kwargs)
+
+        cls.__init__ = __init__  # type: ignore[method-assign]
+        cls._renamed_fields = dict(renamed)  # type: ignore[attr-defined]
+        return cls
+
+    return wrap
 
 
 def _blame(cls: type, message: str, prefix: str, names: list[str]) -> str:

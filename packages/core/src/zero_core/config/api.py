@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -16,7 +17,15 @@ from typing import Any, Literal
 import torch
 
 from zero_core.base.errors import ConfigError
-from zero_core.config._config_io import KeywordsChecked, Nested, dataclass_from_dict, dataclass_to_dict, read_file, write_file
+from zero_core.config._config_io import (
+    KeywordsChecked,
+    Nested,
+    dataclass_from_dict,
+    dataclass_to_dict,
+    keep_old_keywords,
+    read_file,
+    write_file,
+)
 
 __all__ = ["ChunkPolicy", "LossScale", "Precision", "ZeroConfig"]
 
@@ -205,6 +214,7 @@ class Precision(KeywordsChecked):
             )
 
 
+@keep_old_keywords(comm="comm_backend")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroConfig(KeywordsChecked):
     """What :func:`zero_core.shard` builds.
@@ -218,10 +228,11 @@ class ZeroConfig(KeywordsChecked):
             stages 1 and 2, 1.5x for stage 3.
         precision: Compute and reduction dtypes and loss scaling, see :class:`Precision`.
         strategy: Name of the shard strategy plugin (``"chunk"`` from zero-strategy-chunk).
-        comm: Name of the comm backend plugin: ``"torch"`` (zero-comm) runs each collective
+        comm_backend: Name of the comm backend plugin: ``"torch"`` (zero-comm) runs each collective
             when asked; ``"bucketed"`` (zero-comm) packs small gradient reduce-scatters into
             buckets of ``reduce_bucket_mb``. ``None`` takes the strategy's choice
-            (:attr:`zero_core.plugin.ShardStrategy.comm`).
+            (:attr:`zero_core.plugin.ShardStrategy.comm`). Its old name ``comm=`` (keyword,
+            config file key and attribute) still works, with a ``DeprecationWarning``.
         reduce_bucket_mb: Size of one reduce-scatter bucket in MiB, for backends that
             bucket (split evenly over the ranks; never more than one backward reduces, for a
             small model); ``<= 0`` reduces every gradient at once.
@@ -285,7 +296,7 @@ class ZeroConfig(KeywordsChecked):
     stage: int = 3
     precision: Precision = field(default_factory=Precision)
     strategy: str = "chunk"
-    comm: str | None = None
+    comm_backend: str | None = None
     reduce_bucket_mb: float = 25.0
     placement: str = "device"
     placement_options: Any = field(default_factory=dict)
@@ -313,8 +324,8 @@ class ZeroConfig(KeywordsChecked):
             )
         for name in ("strategy", "placement"):
             _check_name("ZeroConfig", name, getattr(self, name))
-        if self.comm is not None:
-            _check_name("ZeroConfig", "comm", self.comm)
+        if self.comm_backend is not None:
+            _check_name("ZeroConfig", "comm_backend", self.comm_backend)
         options = self.placement_options
         if not (isinstance(options, Mapping) or dataclasses.is_dataclass(options)) or isinstance(options, type):
             raise ConfigError(
@@ -357,6 +368,13 @@ class ZeroConfig(KeywordsChecked):
     def replace(self, **changes: Any) -> ZeroConfig:
         """Return a copy with ``changes`` applied (validated like a new config)."""
         return dataclasses.replace(self, **changes)
+
+    @property
+    def comm(self) -> str | None:
+        """Deprecated: the old name of :attr:`comm_backend` (``comm`` elsewhere is a backend object, not a name)."""
+        warnings.warn("ZeroConfig.comm is deprecated: it was renamed comm_backend; read config.comm_backend instead. "
+                      "The old name will be removed in a later release.", DeprecationWarning, stacklevel=2)
+        return self.comm_backend
 
     def to_dict(self) -> dict[str, Any]:
         """This config as plain data (nested dicts of str, int, float and bool), for JSON, TOML or YAML.

@@ -202,7 +202,7 @@ class ShardStrategy(ABC):
 
     Attributes:
         name: The name users select it by (``ZeroConfig(strategy=name)``).
-        comm: The comm backend used when ``ZeroConfig.comm`` is ``None``.
+        comm: The comm backend used when ``ZeroConfig.comm_backend`` is ``None``.
     """
 
     name: ClassVar[str]

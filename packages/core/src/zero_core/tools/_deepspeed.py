@@ -912,7 +912,7 @@ class _Converter:
         mib = elements * _BYTES[reduce] / 2**20
         self.set("reduce_bucket_mb", mib, path,
                  f"reduce_bucket_mb={mib:.6g} ({elements:g} elements of {reduce}; used by bucketing comm backends: "
-                 "strategy='tensor' or comm='bucketed'; the chunk strategy reduces whole chunks)")
+                 "strategy='tensor' or comm_backend='bucketed'; the chunk strategy reduces whole chunks)")
 
     # ------------------------------------------------------------------ the rest
 

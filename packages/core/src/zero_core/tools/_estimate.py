@@ -252,7 +252,7 @@ def estimate(
                               "needs a forward pass, so estimate with param_order='registration' (the bytes differ only by padding)")
         chunks, groups, psi = _plan(model, optimizer, mesh, config, plugins, outer=outer)
         strategy = plugins.strategies.get(config.strategy)
-        comm_cls = plugins.comm_backends.get(config.comm or strategy.comm)
+        comm_cls = plugins.comm_backends.get(config.comm_backend or strategy.comm)
     else:
         raise ConfigError(f"estimate needs an nn.Module or a parameter count, got {type(model).__name__}")
 
