@@ -126,7 +126,6 @@ from zero_core.base._trace import (
     PRE_STEP,
     ROOT_POST_FORWARD,
     ROOT_PRE_FORWARD,
-    phase,
     traced,
 )
 from zero_core.base.errors import CollectiveTimeoutError, GradientLostError, RanksOutOfStepError, ZeroError
@@ -389,17 +388,20 @@ class Engine:
     def _pre_forward(self, chunks: tuple[Chunk, ...], module: nn.Module, args: Any) -> None:
         if self.state is TrainingState.FORWARD and self._ready(chunks):
             return
-        with phase(PRE_FORWARD, chunks):  # after the return above: a unit with nothing to do opens no range
-            if self.state in (TrainingState.IDLE, TrainingState.BACKWARD_PENDING):
-                if not in_backward():
-                    raise ZeroError(
-                        f"{type(module).__name__} ran outside the wrapped model's forward, but its parameters are "
-                        "sharded; call the model returned by zero_core.shard, not one of its submodules"
-                    )
-                self._enter_backward()  # activation checkpointing recomputes before any other backward hook
-            if self.state is TrainingState.BACKWARD:
-                self.params.use_unsharded()  # a recomputation reads the modules' parameters
-            self.residency.gather(chunks, backward=self.state is TrainingState.BACKWARD)
+        self._pre_forward_gather(chunks, module)
+
+    @traced(PRE_FORWARD, chunks="chunks")  # apart from the return above: a unit with nothing to do opens no range
+    def _pre_forward_gather(self, chunks: tuple[Chunk, ...], module: nn.Module) -> None:
+        if self.state in (TrainingState.IDLE, TrainingState.BACKWARD_PENDING):
+            if not in_backward():
+                raise ZeroError(
+                    f"{type(module).__name__} ran outside the wrapped model's forward, but its parameters are "
+                    "sharded; call the model returned by zero_core.shard, not one of its submodules"
+                )
+            self._enter_backward()  # activation checkpointing recomputes before any other backward hook
+        if self.state is TrainingState.BACKWARD:
+            self.params.use_unsharded()  # a recomputation reads the modules' parameters
+        self.residency.gather(chunks, backward=self.state is TrainingState.BACKWARD)
 
     @traced(POST_FORWARD, chunks="chunks")
     def _post_forward(self, chunks: tuple[Chunk, ...], module_id: int, module: nn.Module, args: Any, outputs: Any) -> None:
