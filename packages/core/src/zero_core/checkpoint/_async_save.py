@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zero_core.base._atomic import atomic_write
+from zero_core.base._trace import CHECKPOINT_SAVE, traced
 from zero_core.base.errors import CheckpointError
 from zero_core.checkpoint._checkpoint import RankFilePlan, begin_save, commit_save, engine_metadata, plan_rank_file
 from zero_core.comm._agreement import raise_if_any_failed
@@ -141,6 +142,7 @@ def _stage(engine: Engine, plan: RankFilePlan) -> tuple[list[tuple[str, torch.Te
     return staged, total
 
 
+@traced(CHECKPOINT_SAVE)
 def save_async(engine: Engine, directory: str | os.PathLike[str], *, extra: Any, with_optimizer: bool) -> AsyncSave:
     """The blocking part of an asynchronous save (the preamble, staging), then the background thread. Collective.
     See [Note: asynchronous checkpoints]."""

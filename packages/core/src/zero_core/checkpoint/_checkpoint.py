@@ -44,6 +44,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zero_core.base._atomic import TMP_MARK, atomic_write, file_sha256, fsync_dir
+from zero_core.base._trace import CHECKPOINT_LOAD, CHECKPOINT_SAVE, traced
 from zero_core.base._version import __version__
 from zero_core.base.errors import CheckpointError
 from zero_core.checkpoint._hf_folder import model_config_texts
@@ -173,6 +174,7 @@ def begin_save(engine: Engine, directory: str | os.PathLike[str]) -> tuple[Path,
     return directory, save_id
 
 
+@traced(CHECKPOINT_SAVE)
 def write_sharded(engine: Engine, directory: str | os.PathLike[str], *, extra: Any = None,
                   with_optimizer: bool = True) -> None:
     """Write a sharded checkpoint of the model, optimizer, loss scaler and step. Collective.
@@ -518,6 +520,7 @@ class _Reader:
         self._files = {}
 
 
+@traced(CHECKPOINT_LOAD)
 def read_sharded(
     engine: Engine, directory: str | os.PathLike[str], *, load_optimizer: bool = True, strict: bool = True,
     load_rng: bool = True,

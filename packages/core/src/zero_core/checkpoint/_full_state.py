@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zero_core.base._atomic import atomic_write
+from zero_core.base._trace import STATE_DICT_GATHER, STATE_DICT_LOAD, STATE_DICT_SAVE, traced
 from zero_core.base.errors import CheckpointError
 from zero_core.checkpoint._hf_folder import cast_dtype, write_directory
 from zero_core.checkpoint._safetensors_stream import SafetensorsWriter
@@ -47,6 +48,7 @@ def _param_values(engine: Engine, model_keys: ModelKeys, keep: bool):
         del full  # before the next chunk is gathered: one at a time
 
 
+@traced(STATE_DICT_GATHER)
 def full_state_dict(engine: Engine, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The plain model's state dict, whole, on the CPU. Collective: call on every rank.
 
@@ -75,6 +77,7 @@ def _format(path: Path, format: str | None) -> str:
     return format
 
 
+@traced(STATE_DICT_SAVE)
 def write_full_state(engine: Engine, path: str | os.PathLike[str], *, format: str | None = None,
                      dtype: torch.dtype | None = None) -> None:
     """Write the full state dict to one file from rank 0. Collective: call on every rank.
@@ -134,6 +137,7 @@ def _stream_safetensors(engine: Engine, model_keys: ModelKeys, path: Path, rank0
             pass
 
 
+@traced(STATE_DICT_SAVE)
 def write_hf_folder(engine: Engine, directory: str | os.PathLike[str], *, max_shard_size: int,
                     dtype: torch.dtype | None = None, configs: Callable[[], dict[str, Any]] | None = None) -> None:
     """Write the Hugging Face format (see [Note: Hugging Face folder format]) from rank 0. Collective.
@@ -179,6 +183,7 @@ def write_hf_folder(engine: Engine, directory: str | os.PathLike[str], *, max_sh
                                             "what it held before (files of an earlier save there are intact)")
 
 
+@traced(STATE_DICT_LOAD)
 def load_full_state_dict(engine: Engine, source: Any, *, strict: bool = True) -> None:
     """Load a plain state dict (mapping or file) into the shards: each rank reads only its part.
 

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zero_core.base._accounting import engine_work_context as _engine_work
+from zero_core.base._trace import STATE_DICT_GATHER, traced
 from zero_core.chunks._collectives import gather_master
 from zero_core.chunks.chunk import Chunk, to_local
 from zero_core.comm.backend import CommBackend
@@ -161,6 +162,7 @@ def iter_full_chunks(chunks: Sequence[Chunk], *, placement: PlacementPolicy,
                 placement.after_release([chunk])
 
 @torch.no_grad()
+@traced(STATE_DICT_GATHER)
 def full_parameters(chunks: Sequence[Chunk], *, placement: PlacementPolicy, comm: CommBackend) -> dict[str, torch.Tensor]:
     """Every parameter, whole, as CPU copies of the master values, one chunk at a time.
 

@@ -117,6 +117,17 @@ from torch import nn
 from zero_core.base._accounting import engine_work
 from zero_core.base._dtensor_ops import register_mesh_round
 from zero_core.base._state import ChunkState, TrainingState
+from zero_core.base._trace import (
+    POST_BACKWARD,
+    POST_FORWARD,
+    POST_STEP,
+    PRE_BACKWARD,
+    PRE_FORWARD,
+    PRE_STEP,
+    ROOT_POST_FORWARD,
+    ROOT_PRE_FORWARD,
+    traced,
+)
 from zero_core.base.errors import CollectiveTimeoutError, GradientLostError, RanksOutOfStepError, ZeroError
 from zero_core.chunks._group import GatherGroup
 from zero_core.chunks.chunk import Chunk
@@ -282,6 +293,7 @@ class Engine:
         self.placement.on_transition(state)
 
     # -- forward -------------------------------------------------------------------
+    @traced(ROOT_PRE_FORWARD)
     def pre_forward_root(self) -> None:
         """The wrapped model's forward begins."""
         if self.state is TrainingState.FORWARD or (self.state is TrainingState.BACKWARD and in_backward()):
@@ -309,6 +321,7 @@ class Engine:
         self._ran = {}
         self.residency.scheduler.begin_pass(reverse=False)
 
+    @traced(ROOT_POST_FORWARD)
     @engine_work  # its drain may serve other ranks' gathers: buffers made then must not be inference tensors
     def post_forward_root(self, outputs: Any) -> None:
         """The wrapped model's forward returned ``outputs``."""
@@ -375,6 +388,10 @@ class Engine:
     def _pre_forward(self, chunks: tuple[Chunk, ...], module: nn.Module, args: Any) -> None:
         if self.state is TrainingState.FORWARD and self._ready(chunks):
             return
+        self._pre_forward_gather(chunks, module)
+
+    @traced(PRE_FORWARD, chunks="chunks")  # apart from the return above: a unit with nothing to do opens no range
+    def _pre_forward_gather(self, chunks: tuple[Chunk, ...], module: nn.Module) -> None:
         if self.state in (TrainingState.IDLE, TrainingState.BACKWARD_PENDING):
             if not in_backward():
                 raise ZeroError(
@@ -386,6 +403,7 @@ class Engine:
             self.params.use_unsharded()  # a recomputation reads the modules' parameters
         self.residency.gather(chunks, backward=self.state is TrainingState.BACKWARD)
 
+    @traced(POST_FORWARD, chunks="chunks")
     def _post_forward(self, chunks: tuple[Chunk, ...], module_id: int, module: nn.Module, args: Any, outputs: Any) -> None:
         if self.state is not TrainingState.FORWARD:
             return  # recomputation under activation checkpointing: keep gathered for the backward
@@ -434,6 +452,7 @@ class Engine:
         return chunk.slots[slot].param
 
     # -- backward ------------------------------------------------------------------
+    @traced(PRE_BACKWARD, chunks="chunks")
     @engine_work
     def _enter_backward(self, *_: Any, chunks: tuple[Chunk, ...] = ()) -> None:
         """A backward begins (the root's outputs got a gradient, or the first gradient hook ran), or reaches the
@@ -472,13 +491,15 @@ class Engine:
                     chunk.grads.prepare()  # stages 2 and 3: see [Note: gradient buffers on arrival]
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
-        self._enter_backward()
+        if self.state is not TrainingState.BACKWARD:  # once per backward, not per parameter (nothing to do after)
+            self._enter_backward()
         self.reducer.accumulated(param)
         if self.reducer.sync:
             for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
                 if not self._hold_gathered:
                     self.residency.release([chunk])
 
+    @traced(POST_BACKWARD)
     @engine_work
     def _finish_backward(self) -> None:
         """Queued on the autograd engine: runs once when the outermost backward finishes."""
@@ -612,6 +633,7 @@ class Engine:
         self.reducer.discard_unreduced(set_to_none=set_to_none, chunks=chunks)
 
     # -- the optimizer's hooks ------------------------------------------------------------
+    @traced(PRE_STEP)
     @engine_work
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.bridge.in_substep:
@@ -634,6 +656,7 @@ class Engine:
         self.bridge.begin(optimizer)
         self.placement.before_step(self.chunks)
 
+    @traced(POST_STEP)
     @engine_work
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.bridge.in_substep:

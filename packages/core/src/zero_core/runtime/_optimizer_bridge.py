@@ -19,6 +19,7 @@ from torch import nn
 
 from zero_core.base._accounting import engine_work
 from zero_core.base._devices import by_device
+from zero_core.base._trace import STEP_CHUNKS, traced
 from zero_core.base.errors import ZeroError
 from zero_core.chunks.chunk import Chunk, to_local
 from zero_core.comm._agreement import any_rank
@@ -176,6 +177,7 @@ class OptimizerBridge:
                     seg.param.grad = None  # the optimizer skips parameters without a gradient
         self.scaler.update(overflow)
 
+    @traced(STEP_CHUNKS)
     @engine_work
     def step_chunks(self, chunks: Sequence[Chunk]) -> None:
         """Run the optimizer on these chunks' segments only, now (for placement policies, from ``before_step``).

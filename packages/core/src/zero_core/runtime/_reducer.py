@@ -16,6 +16,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from zero_core.base._accounting import engine_work
 from zero_core.base._state import ReduceState
+from zero_core.base._trace import REDUCE_SCATTER, REDUCE_WAIT, phase, traced
 from zero_core.base.errors import GradientLostError
 from zero_core.chunks._collectives import reduce_gradients
 from zero_core.chunks._group import GatherGroup
@@ -148,9 +149,10 @@ class GradientReducer:
 
     @engine_work
     def _launch(self, chunk: Chunk, loss_scale: float) -> None:
-        with torch.profiler.record_function("ZeRO::reduce_scatter"):
+        with phase(REDUCE_SCATTER, chunk):
             self._waiter.submit(reduce_gradients(chunk, self._comm, loss_scale=loss_scale))
 
+    @traced(REDUCE_WAIT)
     def complete(self) -> None:
         """Every reduce group launches what a bucketing backend still holds (on every rank, in one order), and
         every launched reduction completes; re-raises the first failure."""

@@ -30,10 +30,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
 from zero_core.base._accounting import engine_work
 from zero_core.base._state import ChunkState
+from zero_core.base._trace import ALL_GATHER, REFRESH_GROUP_SHARDS, REFRESH_PARAMETERS, phase
 from zero_core.chunks._collectives import refresh_group, refresh_group_shard
 from zero_core.chunks._group import GatherGroup
 from zero_core.chunks.chunk import Chunk
@@ -74,7 +73,7 @@ class Residency:
     @engine_work
     def gather(self, chunks: Sequence[Chunk], *, backward: bool) -> None:
         self._placement.before_compute(chunks, backward=backward)
-        with torch.profiler.record_function("ZeRO::all_gather"):
+        with phase(ALL_GATHER, chunks):
             self.scheduler.gather(chunks)
         self._params.show(chunks)
 
@@ -132,7 +131,7 @@ class Residency:
         refresh = self._refresh_after_step if changed is None else \
             [g for g in self._refresh_after_step if any(c.index in changed for c in g.chunks)]
         if refresh_kept and refresh:
-            with torch.profiler.record_function("ZeRO::refresh_parameters"):
+            with phase(REFRESH_PARAMETERS):
                 # one group at a time: each all-gather's receive buffer is free again before the next one takes it
                 for group in refresh:
                     for pending in refresh_group(group, self._comm):
@@ -140,7 +139,7 @@ class Residency:
                             pending.wait()
         stepped = [c for c in self._group_sharded if c.requires_grad and (changed is None or c.index in changed)]
         if refresh_kept and stepped:
-            with torch.profiler.record_function("ZeRO::refresh_group_shards"):
+            with phase(REFRESH_GROUP_SHARDS, stepped):
                 for chunk in stepped:
                     refresh_group_shard(chunk)
         self.free_idle_buffers()
@@ -175,7 +174,7 @@ class Residency:
     @engine_work
     def refresh(self) -> None:
         """Refresh every kept full buffer from the masters (collective: every rank calls it, see ``written``)."""
-        with torch.profiler.record_function("ZeRO::refresh_parameters"):
+        with phase(REFRESH_PARAMETERS):
             for group in self._refresh_after_step:
                 for pending in refresh_group(group, self._comm, members=[c for c in group.chunks if c.persistent]):
                     if pending is not None:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from zero_core.base._trace import MATERIALIZE, traced
 from zero_core.base.errors import ZeroSetupError
 from zero_core.chunks.chunk import Chunk
 from zero_core.comm._agreement import rank0_value
@@ -21,6 +22,7 @@ def _view(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=like.dtype).set_(storage, like.storage_offset(), like.size(), like.stride())
 
 
+@traced(MATERIALIZE)
 def materialize(
     recording: LazyRecording, module: nn.Module, chunks: Sequence[Chunk], metas: dict[int, torch.Tensor], *,
     comm: CommBackend, from_rank0: bool, params_loaded: bool,
