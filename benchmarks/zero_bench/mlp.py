@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["MLPBlock", "ThinMLP"]
+__all__ = ["MLPBlock", "ThinMLP", "block_params"]
+
+
+def block_params(width: int) -> int:
+    """Elements in one :class:`MLPBlock`: the linear's weight and bias, the norm's weight and bias."""
+    return width * width + 3 * width
 
 
 class MLPBlock(nn.Module):

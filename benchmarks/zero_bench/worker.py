@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from zero_bench.configs import build_model
 from zero_bench.counting import Counter, count_ddp, count_fsdp2
+from zero_bench.mlp import block_params
 from zero_bench.teardown import destroy_process_group_checked
 from zero_bench.timeline import MemoryProbe, MemoryTimeline, breakdown_at_peak
 from zero_core import ChunkPolicy, CommStats, ConfigError, LossScale, Precision, ZeroConfig, estimate, shard
@@ -84,14 +85,15 @@ def by_group(comm: dict[str, dict[str, int]]) -> dict[str, int]:
 
 def zero_config(config: dict[str, Any], model: dict[str, Any]) -> ZeroConfig:
     precision = config["precision"]
-    # The thin MLP (55K parameters) would be one chunk under the default 1M-element floor; from a floor of one
-    # element the search finds a chunk per block, the unit FSDP2 wraps, which is what the host-overhead rows compare.
-    floor = {"min_chunk_size": 1} if model.get("block") == "mlp" else {}
+    # The thin MLP (58K parameters) would be one chunk under the search's 1M-element floor, and the search may pack
+    # several blocks into one; a block's size gives a chunk per block, the unit FSDP2 wraps, as the host-overhead rows
+    # compare (the embedding and the head's weight and bias are larger or apart, so they get chunks of their own).
+    chunking = {"chunk_size": block_params(model["d_model"])} if model.get("block") == "mlp" else {}
     return ZeroConfig(strategy=config["strategy"], stage=config["stage"], comm=config["comm"],
                       placement=config["placement"], placement_options=config["placement_options"],
                       precision=Precision(compute=None if precision == "fp32" else precision,
                                           loss_scale=LossScale() if precision == "fp16" else None),
-                      chunk=ChunkPolicy(search_interval=model["d_model"], **floor))
+                      chunk=ChunkPolicy(search_interval=model["d_model"], **chunking))
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
