@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None, prog: str = "nox -s bench --") -> argpars
                         "writes host-overhead.{json,md,png}")
     p.add_argument("--world-sizes", default=",".join(map(str, host_overhead.WORLD_SIZES)),
                    help="with --host-overhead: comma-separated world sizes to run every row at")
-    p.add_argument("--model", choices=sorted(MODELS), default=None, help="model preset (default gpt2-small; tiny with --quick)")
+    p.add_argument("--model", choices=sorted(MODELS), default=None,
+                   help="model preset (default gpt2-small; tiny with --quick, mlp-48 with --host-overhead)")
     for name in ("vocab", "d-model", "layers", "heads", "seq-len", "batch-size", "ffn", "kv-heads", "experts"):
         p.add_argument(f"--{name}", type=positive_int, default=None, help=f"override the preset's {name.replace('-', ' ')}")
     p.add_argument("--world-size", type=positive_int, default=2, help="ranks (processes) per configuration")
