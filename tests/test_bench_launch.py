@@ -117,13 +117,14 @@ def test_every_model_preset_builds_its_architecture():
     import torch
 
     from zero_bench.configs import build_model
+    from zero_bench.mlp import ThinMLP
     from zero_core.testing.gpt import GPT
     from zero_core.testing.llama import Llama
 
     for name, size in MODELS.items():
         with torch.device("meta"):
             model = build_model(size.options())
-        assert isinstance(model, Llama if size.ffn else GPT), name
+        assert isinstance(model, ThinMLP if size.block == "mlp" else Llama if size.ffn else GPT), name
         assert len(model.blocks) == size.layers, name
     with torch.device("meta"):
         moe = build_model(MODELS["moe-small"].options())

@@ -48,7 +48,7 @@ def test_results_folders_hold_results_and_say_where_they_came_from():
     results = ROOT / "benchmarks" / "results"
     scripts = sorted(str(p.relative_to(results)) for p in results.rglob("*") if p.suffix in (".py", ".sh", ".ipynb"))
     assert not scripts, f"scripts under benchmarks/results (move them into zero_bench, or leave them to git): {scripts}"
-    for folder in sorted(p for p in results.iterdir() if p.is_dir() and p.name.startswith("gpu-")):
+    for folder in sorted(p for p in results.iterdir() if p.is_dir() and p.name.startswith(("gpu-", "cpu-"))):
         readme = folder / "README.md"
         assert readme.is_file(), f"{folder.name} has no README.md naming its commit and command"
         text = readme.read_text()

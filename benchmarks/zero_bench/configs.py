@@ -26,7 +26,8 @@ __all__ = ["MODELS", "BenchConfig", "ModelSize", "build_model", "discover", "mes
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSize:
-    """A model and the per-rank batch it trains on: GPT-shaped, or Llama-shaped when ``ffn`` is set.
+    """A model and the per-rank batch it trains on: GPT-shaped, or Llama-shaped when ``ffn`` is set, or
+    ``block="mlp"``'s :class:`zero_bench.mlp.ThinMLP` (``layers`` blocks ``d_model`` wide; ``heads`` unused).
 
     Llama's shapes (``zero_core.testing.llama``): ``kv_heads`` key/value heads (grouped-query
     attention), a SwiGLU MLP ``ffn`` wide, and with ``experts`` a fused mixture of experts.
@@ -41,13 +42,25 @@ class ModelSize:
     ffn: int = 0
     kv_heads: int = 0
     experts: int = 0
+    block: str = "transformer"
 
-    def options(self) -> dict[str, int]:
+    def __post_init__(self) -> None:
+        if self.block not in BLOCKS:
+            raise ValueError(f"ModelSize.block must be one of {', '.join(BLOCKS)}, got {self.block!r}")
+
+    def options(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def build_model(options: dict[str, int]) -> Any:
+BLOCKS = ("transformer", "mlp")  # ModelSize.block: what each of the model's layers is
+
+
+def build_model(options: dict[str, Any]) -> Any:
     """The model ``ModelSize(**options)`` describes, on the current default device."""
+    if options.get("block") == "mlp":
+        from zero_bench.mlp import ThinMLP
+
+        return ThinMLP(vocab=options["vocab"], width=options["d_model"], layers=options["layers"])
     if options.get("ffn"):
         from zero_core.testing.llama import Llama, LlamaConfig
 
@@ -73,6 +86,9 @@ MODELS = {
     # Llama's ratios (154M parameters): grouped-query attention, SwiGLU 2752 wide, an untied 32000-token head
     "llama-small": ModelSize(vocab=32000, d_model=1024, layers=8, heads=16, kv_heads=4, ffn=2752, seq_len=128,
                              batch_size=2),
+    # 48 blocks of Linear(32, 32) + LayerNorm + GELU (55K parameters): the arithmetic is microseconds, so the step
+    # is the host's per-module and per-unit work; the host-overhead section's model (zero_bench.host_overhead)
+    "mlp-48": ModelSize(vocab=64, d_model=32, layers=48, heads=1, seq_len=16, batch_size=4, block="mlp"),
     # Mixtral's layout (17.4M parameters): 8 experts fused into [8, 1024, 256] and [8, 256, 512], top-2 routing
     "moe-small": ModelSize(vocab=8192, d_model=256, layers=4, heads=8, kv_heads=2, ffn=512, experts=8, seq_len=64,
                            batch_size=4),

@@ -6,6 +6,7 @@
     nox -s bench -- --quick --meshes 2x2,1x4,4x1 --mesh-stages 1,2,3   # HSDP 2x2, full sharding 1x4, plain DP 4x1
     nox -s bench -- --quick --compare benchmarks/results/baseline.json --threshold 0.15
     nox -s bench -- --compare-only benchmarks/results/baseline.json   # no run: latest.json against it
+    nox -s bench -- --host-overhead             # host cost per unit: the 48-block MLP on 1 and 2 ranks, host-overhead.*
 
 Each configuration trains in its own torchrun launch (so peak memory is its own), for the same steps
 on the same data (a mesh row, and the references beside it, on the mesh's own ranks). Results go
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from zero_bench import compare as compare_mod
+from zero_bench import host_overhead
 from zero_bench.configs import MODELS, ModelSize, build_model, discover
 from zero_bench.launch import launch, sigterm_raises
 from zero_bench.plot import plot, plot_memory
@@ -69,12 +71,21 @@ def parse_args(argv: list[str] | None, prog: str = "nox -s bench --") -> argpars
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
     p.add_argument("--quick", action="store_true", help="the tiny model for 6 steps (under 5 minutes on 2 CPU cores)")
-    p.add_argument("--model", choices=sorted(MODELS), default=None, help="model preset (default gpt2-small; tiny with --quick)")
+    p.add_argument("--host-overhead", action="store_true",
+                   help=f"the host-overhead section instead: the {host_overhead.MODEL} model (48 thin MLP blocks) under plain "
+                        f"PyTorch (DDP on 2 ranks and more), chunk stages 2 and 3, tensor stage 3 and FSDP2 on each of "
+                        f"--world-sizes, {host_overhead.STEPS} steps ({host_overhead.WARMUP} warm-up), one thread per rank; "
+                        "writes host-overhead.{json,md,png}")
+    p.add_argument("--world-sizes", default=",".join(map(str, host_overhead.WORLD_SIZES)),
+                   help="with --host-overhead: comma-separated world sizes to run every row at")
+    p.add_argument("--model", choices=sorted(MODELS), default=None,
+                   help="model preset (default gpt2-small; tiny with --quick, mlp-48 with --host-overhead)")
     for name in ("vocab", "d-model", "layers", "heads", "seq-len", "batch-size", "ffn", "kv-heads", "experts"):
         p.add_argument(f"--{name}", type=positive_int, default=None, help=f"override the preset's {name.replace('-', ' ')}")
     p.add_argument("--world-size", type=positive_int, default=2, help="ranks (processes) per configuration")
     p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps per configuration (default 10; 6 with --quick)")
-    p.add_argument("--warmup", type=non_negative_int, default=2, help="leading steps left out of the median step time")
+    p.add_argument("--warmup", type=non_negative_int, default=None,
+                   help=f"leading steps left out of the median step time (default 2; {host_overhead.WARMUP} with --host-overhead)")
     p.add_argument("--strategies", default=None, help="comma-separated strategy names (default: every registered one)")
     p.add_argument("--stages", default="1,2,3", help="comma-separated ZeRO stages for every strategy")
     p.add_argument("--policies", default=None, help="comma-separated placement policies (default: every registered one)")
@@ -90,17 +101,20 @@ def parse_args(argv: list[str] | None, prog: str = "nox -s bench --") -> argpars
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="relative loss tolerance of fp32 runs against DDP")
     p.add_argument("--loss-rtol-16", type=float, default=3e-2, help="the same for bf16/fp16 runs")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="seconds one configuration may take")
-    p.add_argument("--out", type=Path, default=RESULTS, metavar="DIR",
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="results folder: latest.json, .md, .png and -memory.png (default: a checkout's benchmarks/results, else "
-                        "./bench-results); a path ending in .json names the results file, the .md and .png go beside it")
+                        "./bench-results; host-overhead.* with --host-overhead); a path ending in .json names the results "
+                        "file, the .md and .png go beside it")
     p.add_argument("--compare", type=Path, default=None, help="after the run, compare with this saved results file")
     p.add_argument("--compare-only", type=Path, default=None, metavar="BASELINE", help="compare --out with BASELINE; run nothing")
     p.add_argument("--threshold", type=float, default=0.10, help="step-time and memory regression threshold (fraction)")
     p.add_argument("--save-baseline", type=Path, default=None, help="also copy the results to this path")
     p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress display")
     args = p.parse_args(argv)
+    stem = "host-overhead" if args.host_overhead else "latest"
+    args.out = args.out or RESULTS
     if args.out.suffix != ".json":
-        args.out = args.out / "latest.json"
+        args.out = args.out / f"{stem}.json"
     if args.world_size < 1:
         p.error(f"--world-size must be at least 1, got {args.world_size}")
     for path in (args.compare, args.compare_only):
@@ -112,8 +126,22 @@ def parse_args(argv: list[str] | None, prog: str = "nox -s bench --") -> argpars
         unknown = [n for n in (getattr(args, option) or "").split(",") if n and n not in registry]
         if unknown:
             p.error(f"--{option}: {', '.join(unknown)} not registered; registered: {', '.join(registry.names())}")
+    if args.host_overhead and args.quick:
+        p.error("--host-overhead runs a model of its own; leave out --quick (--steps and --layers make it shorter)")
+    text = args.world_sizes
+    try:
+        args.world_sizes = [int(n) for n in text.split(",") if n]
+    except ValueError:
+        args.world_sizes = []
+    if not args.world_sizes or min(args.world_sizes) < 1:
+        p.error(f"--world-sizes takes comma-separated positive integers, e.g. 1,2; got {text!r}")
+    if args.host_overhead:
+        args.model = args.model or host_overhead.MODEL
+        args.steps = args.steps or host_overhead.STEPS
+        args.warmup = host_overhead.WARMUP if args.warmup is None else args.warmup
     args.model = args.model or ("tiny" if args.quick else "gpt2-small")
     args.steps = args.steps or (6 if args.quick else 10)
+    args.warmup = 2 if args.warmup is None else args.warmup
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) so that some steps are timed")
     for option in ("stages", "mesh_stages"):
@@ -156,7 +184,7 @@ def parse_args(argv: list[str] | None, prog: str = "nox -s bench --") -> argpars
 def model_size(args: argparse.Namespace) -> ModelSize:
     base = MODELS[args.model].options()
     for key in base:
-        override = getattr(args, key)
+        override = getattr(args, key, None)  # the architecture (block) has no option
         if override is not None:
             base[key] = override
     if base["d_model"] % base["heads"]:
@@ -217,17 +245,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     num_params = sum(p.numel() for p in meta_model.parameters())
     state_mib = estimate(meta_model, world_size=args.world_size).max_model_state_bytes / 2**20
     plugins = ZeroPlugins.load()
-    configs = discover(plugins=plugins, strategies=args.strategies and args.strategies.split(","), stages=args.stages,
-                       policies=args.policies and args.policies.split(","), comms=args.comms and args.comms.split(","),
-                       references=args.references, precision=args.precision, state_mib=state_mib, size=size,
-                       placement_options=args.placement_options, meshes=args.meshes,
-                       mesh_stages=args.mesh_stages, world_size=args.world_size)
-    mesh_rows = sum(c.world_size not in (None, args.world_size) for c in configs)
-    print(f"bench: {len(configs)} configurations x {args.world_size} ranks"
-          f"{f' ({mesh_rows} on their own ranks)' if mesh_rows else ''}, model {args.model} ({num_params / 1e6:.2f}M "
+    if args.host_overhead:  # its rows are fixed: the strategy, reference and mesh options do not apply
+        configs = host_overhead.configs(args.world_sizes)
+        ranks = f"at world sizes {', '.join(map(str, args.world_sizes))}, 1 thread per rank"
+    else:
+        configs = discover(plugins=plugins, strategies=args.strategies and args.strategies.split(","), stages=args.stages,
+                           policies=args.policies and args.policies.split(","), comms=args.comms and args.comms.split(","),
+                           references=args.references, precision=args.precision, state_mib=state_mib, size=size,
+                           placement_options=args.placement_options, meshes=args.meshes,
+                           mesh_stages=args.mesh_stages, world_size=args.world_size)
+        mesh_rows = sum(c.world_size not in (None, args.world_size) for c in configs)
+        ranks = f"x {args.world_size} ranks" + (f" ({mesh_rows} on their own ranks)" if mesh_rows else "")
+    print(f"bench: {len(configs)} configurations {ranks}, model {args.model} ({num_params / 1e6:.2f}M "
           f"parameters), {args.steps} steps ({args.warmup} warm-up), {machine()['backend']}", flush=True)
     # collectives give up well before the launch is killed, so a stuck rank reports which collective hung
     spec = {"model": size.options(), "steps": args.steps, "warmup": args.warmup, "timeout_s": max(10.0, 0.8 * args.timeout)}
+    if args.host_overhead:
+        spec["threads"] = host_overhead.THREADS
     records = []
     progress = Progress(len(configs), args.no_progress)
     started = time.perf_counter()
@@ -244,11 +278,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         progress.close()
     reference = check_losses(records, rtol=args.loss_rtol, rtol_16=args.loss_rtol_16)
     add_ratios(records)
-    return {"schema_version": SCHEMA_VERSION, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "machine": machine(), "world_size": args.world_size, "steps": args.steps, "warmup": args.warmup,
-            "model": {"preset": args.model, **size.options(), "params": num_params},
-            "loss_reference": reference, "loss_rtol": args.loss_rtol, "loss_rtol_16": args.loss_rtol_16,
-            "wall_s": time.perf_counter() - started, "records": records}
+    result = {"schema_version": SCHEMA_VERSION, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "machine": machine(), "world_size": args.world_size, "steps": args.steps, "warmup": args.warmup,
+              "model": {"preset": args.model, **size.options(), "params": num_params},
+              "loss_reference": reference, "loss_rtol": args.loss_rtol, "loss_rtol_16": args.loss_rtol_16,
+              "wall_s": time.perf_counter() - started, "records": records}
+    if args.host_overhead:
+        result["world_sizes"] = args.world_sizes
+        result["host_overhead"] = host_overhead.summary(records, units=size.layers)
+    return result
 
 
 def main(argv: list[str] | None = None, *, prog: str = "nox -s bench --") -> int:
@@ -262,14 +300,21 @@ def main(argv: list[str] | None = None, *, prog: str = "nox -s bench --") -> int
         return 1 if regressions else 0
     result = run(args)
     records = result["records"]
-    text = (table(records) + "\n\nCollectives per step by kind, zero rows, rank 0, measured after warm-up:\n\n" + comm_table(records)
+    host = result.get("host_overhead")
+    text = ("" if host is None else
+            f"Host overhead: each row's step against plain PyTorch's on its ranks (DDP on 2 and more) and FSDP2's, and the "
+            f"host time above plain PyTorch's per block ({result['model']['layers']}) and step:\n\n"
+            + host_overhead.host_table(host) + "\n\n" + "\n".join(host_overhead.targets(host)) + "\n\nEvery row:\n\n")
+    text += (table(records) + "\n\nCollectives per step by kind, zero rows, rank 0, measured after warm-up:\n\n" + comm_table(records)
             + "\n\nWhere the peak goes (rank 0, MiB, at the highest RSS of one sampled step after the timed ones):\n\n"
             + peak_table(records))
     m = result["model"]
     own = sorted({r["world_size"] for r in records} - {result["world_size"]})
     ranks = f"{result['world_size']} ranks" + (f" ({', '.join(map(str, own))} for the mesh rows)" if own else "")
-    title = (f"{m['preset']} GPT ({m['params'] / 1e6:.2f}M params), {ranks}, {result['machine']['backend']}, "
-             f"torch {result['machine']['torch']}")
+    if host is not None:
+        ranks = f"world sizes {', '.join(map(str, result['world_sizes']))}, 1 thread per rank"
+    title = (f"{m['preset']} {'MLP' if m.get('block') == 'mlp' else 'GPT'} ({m['params'] / 1e6:.2f}M params), {ranks}, "
+             f"{result['machine']['backend']}, torch {result['machine']['torch']}")
     print(f"\n{title}; median of steps {args.warmup + 1}..{args.steps}\n\n{text}\n")
     for r in records:
         if r.get("log_tail"):

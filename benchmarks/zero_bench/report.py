@@ -19,18 +19,18 @@ def world_size(r: dict[str, Any]) -> int | None:
 
 
 def _references(records: list[dict[str, Any]]) -> dict[Any, dict[str, dict[str, Any]]]:
-    """The reference rows that ran, by world size, then kind (``ddp``, ``fsdp2``)."""
+    """The reference rows that ran, by world size, then kind (``plain``: one rank, no wrapper; ``ddp``, ``fsdp2``)."""
     refs: dict[Any, dict[str, dict[str, Any]]] = {}
     for r in records:
         kind = r["config"]["kind"]
-        if kind in ("ddp", "fsdp2") and r.get("median_step_s") is not None:
+        if kind in ("plain", "ddp", "fsdp2") and r.get("median_step_s") is not None:
             refs.setdefault(world_size(r), {}).setdefault(kind, r)
     return refs
 
 
 def check_losses(records: list[dict[str, Any]], *, rtol: float, rtol_16: float) -> str | None:
-    """Mark every record ``losses_agree``; return the reference rows' names (DDP, else FSDP2, at each
-    world size, comma-separated; None: unchecked).
+    """Mark every record ``losses_agree``; return the reference rows' names (plain PyTorch, else DDP, else
+    FSDP2, at each world size, comma-separated; None: unchecked).
 
     Only plain PyTorch is a reference: a bug every zero row shared would pass against a zero row.
     A row is checked against the reference on its own ranks (the same global batch); a row whose
@@ -39,7 +39,7 @@ def check_losses(records: list[dict[str, Any]], *, rtol: float, rtol_16: float) 
     ok = [r for r in records if r["status"] == "ok"]
     by_world = {}
     for world, refs in _references(ok).items():
-        by_world[world] = refs.get("ddp") or refs.get("fsdp2")
+        by_world[world] = refs.get("plain") or refs.get("ddp") or refs.get("fsdp2")
     used = []
     for r in records:
         reference = by_world.get(world_size(r))

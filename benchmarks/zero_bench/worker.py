@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from zero_bench.configs import build_model
 from zero_bench.counting import Counter, count_ddp, count_fsdp2
+from zero_bench.mlp import block_params
 from zero_bench.teardown import destroy_process_group_checked
 from zero_bench.timeline import MemoryProbe, MemoryTimeline, breakdown_at_peak
 from zero_core import ChunkPolicy, CommStats, ConfigError, LossScale, Precision, ZeroConfig, estimate, shard
@@ -82,13 +83,17 @@ def by_group(comm: dict[str, dict[str, int]]) -> dict[str, int]:
     return {"shard": sent.get("all_gather", 0) + sent.get("reduce_scatter", 0), "replicate": sent.get("all_reduce", 0)}
 
 
-def zero_config(config: dict[str, Any], model: dict[str, int]) -> ZeroConfig:
+def zero_config(config: dict[str, Any], model: dict[str, Any]) -> ZeroConfig:
     precision = config["precision"]
+    # The thin MLP (58K parameters) would be one chunk under the search's 1M-element floor, and the search may pack
+    # several blocks into one; a block's size gives a chunk per block, the unit FSDP2 wraps, as the host-overhead rows
+    # compare (the embedding and the head's weight and bias are larger or apart, so they get chunks of their own).
+    chunking = {"chunk_size": block_params(model["d_model"])} if model.get("block") == "mlp" else {}
     return ZeroConfig(strategy=config["strategy"], stage=config["stage"], comm_backend=config["comm"],
                       placement=config["placement"], placement_options=config["placement_options"],
                       precision=Precision(compute=None if precision == "fp32" else precision,
                                           loss_scale=LossScale() if precision == "fp16" else None),
-                      chunk=ChunkPolicy(search_interval=model["d_model"]))
+                      chunk=ChunkPolicy(search_interval=model["d_model"], **chunking))
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -162,7 +167,7 @@ def _not_applicable(exc: BaseException) -> bool:
     return isinstance(exc, ConfigError) or type(exc).__name__ == "TierBudgetError"
 
 
-def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, warmup: int, lr: float = 1e-3) -> dict | None:
+def run_config(config: dict[str, Any], model: dict[str, Any], *, steps: int, warmup: int, lr: float = 1e-3) -> dict | None:
     """Train ``config`` for ``steps`` steps on the process group that is up; rank 0 gets the record."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -185,6 +190,10 @@ def run_config(config: dict[str, Any], model: dict[str, int], *, steps: int, war
             predicted = estimate(net, world_size=world, mesh_shape=None if mesh is None else tuple(mesh), config=zcfg,
                                  optimizer=optimizer)
             net, optimizer = shard(net, optimizer, config=zcfg, **({} if mesh is None else {"mesh": device_mesh(device, mesh)}))
+        elif kind == "plain":
+            if world != 1:  # nothing would average the gradients: each rank would train a model of its own
+                raise ValueError(f"the plain reference trains on one rank, not {world}; use ddp on {world} ranks")
+            optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
         elif kind == "ddp":
             net = torch.nn.parallel.DistributedDataParallel(net.to(device), gradient_as_bucket_view=True)
             count_ddp(net, counter)
@@ -301,7 +310,7 @@ def reference_theory(kind: str, params: int, world: int) -> dict[str, int]:
     """The ZeRO paper's formulas for the references (Adam, fp32): DDP is plain data
     parallelism (16 Psi per rank, one ring all-reduce of the gradients), FSDP2 is ZeRO-3
     (16 Psi / N per rank; two all-gathers of the parameters and one reduce-scatter of the gradients)."""
-    if kind == "ddp":
+    if kind in ("ddp", "plain"):  # plain PyTorch on one rank holds what DDP holds and sends nothing
         return {"model_state_bytes": 16 * params, "bytes_sent": round(2 * (world - 1) / world * 4 * params)}
     return {"model_state_bytes": round(16 * params / world), "bytes_sent": round(3 * (world - 1) / world * 4 * params)}
 
@@ -312,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="where rank 0 writes its record (JSON)")
     args = p.parse_args(argv)
     spec = json.loads(args.spec)
+    if spec.get("threads"):  # torchrun sets OMP_NUM_THREADS=1 for 2 ranks and more, not for one: the same for every size
+        torch.set_num_threads(spec["threads"])
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -1,0 +1,91 @@
+"""The bench's host-overhead section (``zero bench --host-overhead``): its command line, its rows at every world
+size, and, end to end on one rank at a tiny size, that every row trains the plain reference's model and the table
+reports each row's ratios and host microseconds per block from the measured steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from zero_core.testing import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from zero_bench import host_overhead  # noqa: E402
+from zero_bench import main as bench_main  # noqa: E402
+from zero_bench.configs import MODELS  # noqa: E402
+from zero_bench.report import check_losses  # noqa: E402
+from zero_bench.worker import run_config, zero_config  # noqa: E402
+
+LAYERS = 4
+MODEL = dataclasses.replace(MODELS[host_overhead.MODEL], layers=LAYERS).options()
+
+
+def test_the_option_selects_the_section_and_its_defaults():
+    args = bench_main.parse_args(["--host-overhead"])
+    assert (args.model, args.steps, args.warmup, args.world_sizes) == ("mlp-48", 50, 10, [1, 2])
+    assert args.out == Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "host-overhead.json"
+    assert bench_main.parse_args([]).warmup == 2  # the rest of the bench keeps its own
+    with pytest.raises(SystemExit):
+        bench_main.parse_args(["--host-overhead", "--quick"])
+    with pytest.raises(SystemExit):
+        bench_main.parse_args(["--host-overhead", "--world-sizes", "1,x"])
+
+
+def test_every_world_size_gets_the_plain_reference_the_zero_rows_and_fsdp2():
+    names = [(c.name, c.kind, c.world_size) for c in host_overhead.configs((1, 2))]
+    assert names == [("plain-1rank", "plain", 1), ("chunk-s2-1rank", "zero", 1), ("chunk-s3-1rank", "zero", 1),
+                     ("tensor-s3-1rank", "zero", 1), ("fsdp2-1rank", "fsdp2", 1),
+                     ("ddp-2ranks", "ddp", 2), ("chunk-s2-2ranks", "zero", 2), ("chunk-s3-2ranks", "zero", 2),
+                     ("tensor-s3-2ranks", "zero", 2), ("fsdp2-2ranks", "fsdp2", 2)]
+
+
+def _rows(configs: list[dict]) -> tuple[list[dict | None], int]:
+    import torch
+
+    from zero_bench.configs import build_model
+    from zero_core import shard
+
+    torch.set_num_threads(host_overhead.THREADS)  # as the section's launches do
+    records = [run_config(config, MODEL, steps=4, warmup=2) for config in configs]
+    model = build_model(MODEL)
+    net, _ = shard(model, torch.optim.AdamW(model.parameters()), config=zero_config(configs[2], MODEL))
+    chunks = len(net.engine.chunks)
+    net.close()
+    return records, chunks
+
+
+def test_the_section_runs_end_to_end_and_reports_host_time_per_block():
+    configs = [c.as_dict() for c in host_overhead.configs((1,))]
+    assert configs[2]["name"] == "chunk-s3-1rank"
+    records, chunks = run_distributed(_rows, 1, configs, timeout=120)[0]
+    assert chunks == 1 + LAYERS + 2  # chunk stage 3: the embedding's, one per block, the head's weight's and bias's
+    records = [{"name": c["name"], "config": c, **r} for c, r in zip(configs, records)]  # as main() records a row
+    reference = check_losses(records, rtol=1e-4, rtol_16=3e-2)
+    assert reference == "plain-1rank"
+    assert [r["status"] for r in records] == ["ok"] * 5 and all(r["losses_agree"] for r in records)
+    rows = host_overhead.summary(records, units=LAYERS)
+    plain, fsdp2 = records[0]["median_step_s"], records[-1]["median_step_s"]
+    for row, record in zip(rows, records):
+        step = record["median_step_s"]
+        assert row["name"] == record["name"] and row["step_s"] == step and row["reference"] == "plain-1rank"
+        assert row["step_vs_plain"] == pytest.approx(step / plain) and row["step_vs_fsdp2"] == pytest.approx(step / fsdp2)
+        expected = None if record["config"]["kind"] == "plain" else pytest.approx(1e6 * (step - plain) / LAYERS)
+        assert row["host_us_per_unit"] == expected
+    lines = host_overhead.host_table(rows).splitlines()
+    assert len(lines) == 2 + 5 and lines[2].startswith("| plain-1rank | 1 | ok |") and lines[2].endswith(" | – |")
+    cells = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert cells[:3] == ["chunk-s2-1rank", "1", "ok"] and cells[6] == f"{rows[1]['host_us_per_unit']:.0f}"
+    verdicts = [line.rsplit(": ", 1) for line in host_overhead.targets(rows)]
+    assert [target for target, _ in verdicts] == [
+        "chunk-s2 at 1 rank: step at most 1.3x plain PyTorch's", "chunk-s2 at 1 rank: step at most 0.3x FSDP2's",
+        "chunk-s3 at 1 rank: step at most 1.5x plain PyTorch's", "chunk-s3 at 1 rank: step at most 0.3x FSDP2's"]
+    for (_, verdict), (row, against) in zip(verdicts, [(rows[1], "plain"), (rows[1], "fsdp2"), (rows[2], "plain"),
+                                                       (rows[2], "fsdp2")]):
+        ratio = row[f"step_vs_{against}"]
+        limit = host_overhead.TARGETS[row["name"].removesuffix("-1rank")][against]
+        assert verdict == f"{ratio:.2f}x, {'met' if ratio <= limit else 'not met'}"
+
