@@ -9,6 +9,9 @@ On CUDA the data plane runs on four streams of the compute device, as FSDP2 does
 - the **reduce-scatter** stream: every reduce-scatter of gradients;
 - the **copy** stream: host<->device copies of master shards and offloaded gradients (pinned host buffers).
 
+The host counts as one more stream (``host``): waiting an event there blocks the host until it passes, which a
+copy into host memory needs before the host reads it.
+
 Four rules keep them apart without ``record_stream``:
 
 1. A stream reads what another wrote only after waiting an event the writer recorded after the write
@@ -58,6 +61,7 @@ class Streams:
     all_gather: Any = None
     reduce_scatter: Any = None
     copy: Any = None
+    host: Any = None
 
     def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         """Run what the block enqueues on ``stream``."""
@@ -88,6 +92,7 @@ class CudaStreams(Streams):
     """The streams of one CUDA device (see [Note: streams of the data plane])."""
 
     active = True
+    host = "host"  # wait(host, event) blocks the host until the event passes
 
     def __init__(self, device: torch.device) -> None:
         self.compute = torch.cuda.current_stream(device)
@@ -103,7 +108,11 @@ class CudaStreams(Streams):
         return stream.record_event()
 
     def wait(self, stream: Any, event: Any) -> None:
-        if event is not None:
+        if event is None:
+            return
+        if stream is self.host:
+            event.synchronize()
+        else:
             stream.wait_event(event)
 
 

@@ -68,7 +68,10 @@ class BufferPool:
 
     def give(self, buf: torch.Tensor, after: Any = None) -> None:
         """Take back ``buf``, free once ``after`` (an event of the stream that used it last) has passed; ``None``: free
-        in the compute stream's order (the compute stream used it last, or waited for whoever did)."""
+        in the compute stream's order (the compute stream used it last, or waited for whoever did): the pool
+        records the compute stream's event now, which the next borrower's stream waits."""
+        if after is None:
+            after = self.streams.record(self.streams.compute)
         with self._lock:
             self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append((buf, after))
             self.lent -= buf.numel() * buf.element_size()

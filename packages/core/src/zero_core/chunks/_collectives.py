@@ -451,7 +451,7 @@ class Reduction:
             self._reduced = mine
         if self._reduced is not None:
             # moved to where the master shard lives (the host, when offloaded), never copied and kept twice
-            grad = to_host(self._reduced, chunk.grads.device, chunk.master_dtype)
+            grad = to_host(self._reduced, chunk.grads.device, chunk.master_dtype, streams=chunk.streams)
             if self._divisor != 1.0:
                 grad.div_(self._divisor)
             chunk.grads.land(grad)

@@ -370,7 +370,7 @@ class Chunk:
         assert self._shard is not None
         if self._shard_in_group:
             return self._shard
-        return to_compute_device(self._shard, self.device, self.dtype)
+        return to_compute_device(self._shard, self.device, self.dtype, streams=self.streams)
 
     def _build_segments(self) -> None:
         """Create the sharded parameters, once: every later move re-points their local tensors."""
@@ -527,14 +527,14 @@ class Chunk:
         """This rank's shard in the compute dtype, on the compute device: what an all-gather sends."""
         if self._shard is None:
             return self._pack(self.layout.own_pieces(self.full), self.dtype)
-        return to_compute_device(self._shard, self.device, self.dtype)
+        return to_compute_device(self._shard, self.device, self.dtype, streams=self.streams)
 
     def refresh_own_slice(self) -> None:
         """Copy the updated master shard into this rank's pieces of a kept full buffer (nothing to do while the
         buffer holds the master: ``shard_is_view``)."""
         # a shard out of memory (on disk) was copied here by its placement policy before it left
         if self._shard is not None and self.shard_in_memory:
-            self.layout.scatter_own(to_compute_device(self._shard, self.device, self.dtype), self.full)
+            self.layout.scatter_own(to_compute_device(self._shard, self.device, self.dtype, streams=self.streams), self.full)
 
     def pack_own(self, out: torch.Tensor) -> torch.Tensor:
         """This rank's pieces of the kept full buffer packed into ``out`` (``shard_size`` elements, compute
