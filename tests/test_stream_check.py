@@ -10,11 +10,13 @@ steps also run under torch's CUDA sanitizer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -188,29 +190,34 @@ def _scenario(path: str, **options: object) -> dict:
         model, opt = shard(model, opt, config=ZeroConfig(stage=stage, strategy=strategy, chunk=chunk, **options))
         _mark_compute(model, rec)
 
-        def phase(name: str, run) -> None:
+        @contextlib.contextmanager
+        def phase(name: str) -> Iterator[None]:
             before = Counter(rec.counts)
             try:
-                run()
+                yield
             finally:
                 phases[name] = Counter(rec.counts) - before
 
         for step in range(3):
             if path == "no_sync":
-                with model.no_sync():
-                    phase(f"no_sync backward {step}", lambda: _loss(model, step).backward())
+                with model.no_sync(), phase(f"no_sync backward {step}"):
+                    _loss(model, step).backward()
             if path == "recovery" and step == 1:
                 handle = model.layers[2].register_forward_hook(_raise)
                 try:
-                    phase("failed forward", lambda: _loss(model, step))
+                    with phase("failed forward"):
+                        _loss(model, step)
                 except _Raise:
                     pass
                 finally:
                     handle.remove()
-            out: list[torch.Tensor] = []
-            phase(f"forward {step}", lambda: out.append(_loss(model, step)))
-            phase(f"backward {step}", lambda: out[0].backward())
-            phase(f"step {step}", lambda: (opt.step(), opt.zero_grad()))
+            with phase(f"forward {step}"):
+                loss = _loss(model, step)
+            with phase(f"backward {step}"):
+                loss.backward()
+            with phase(f"step {step}"):
+                opt.step()
+                opt.zero_grad()
     return {"violations": list(rec.violations), "counts": dict(rec.counts),
             "phases": {k: dict(v) for k, v in phases.items()}}
 
@@ -266,6 +273,7 @@ def test_the_next_units_gather_travels_while_the_current_one_computes(two_ranks,
 
 def test_no_sync_accumulates_without_reduce_scatters(two_ranks):
     for results in two_ranks:
+        _clean(results["no_sync"])
         phases = results["no_sync"]["phases"]
         assert phases["no_sync backward 0"].get("write on reduce-scatter", 0) == 0
         assert phases["no_sync backward 0"].get("write on all-gather", 0) > 0  # stage 3 gathers again for backward
@@ -274,6 +282,7 @@ def test_no_sync_accumulates_without_reduce_scatters(two_ranks):
 
 def test_a_failed_forward_leaves_nothing_unordered(two_ranks):
     for results in two_ranks:
+        _clean(results["recovery"])
         phases = results["recovery"]["phases"]
         assert phases["failed forward"].get("write on all-gather", 0) > 0  # it raised after gathering
         assert phases["forward 1"].get("compute waits all-gather", 0) > 0
