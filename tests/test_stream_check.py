@@ -306,8 +306,9 @@ _SANITIZED = textwrap.dedent("""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)]).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # at stage 3 on one GPU, shards kept on the host make every unit gather (and copy shards on the copy stream)
     model, opt = shard(model, opt, config=ZeroConfig(stage={stage}, chunk=ChunkPolicy(chunk_size=64 * 65),
-                                                     placement="{placement}"))
+                                                     placement="{placement}", placement_options={options}))
     for step in range(3):
         x = torch.randn(8, 64, device="cuda")
         model(x).square().mean().backward()
@@ -319,10 +320,12 @@ _SANITIZED = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's CUDA sanitizer needs a CUDA device")
-@pytest.mark.parametrize(("stage", "placement"), [(3, "host"), (2, "device")])
-def test_cuda_steps_pass_the_cuda_sanitizer(stage, placement):
+@pytest.mark.parametrize(("stage", "placement", "options"), [
+    (3, "static", {"offload_param_frac": 1.0, "offload_optim_frac": 1.0}), (2, "device", {})])
+def test_cuda_steps_pass_the_cuda_sanitizer(stage, placement, options):
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
-    done = subprocess.run([sys.executable, "-c", _SANITIZED.format(stage=stage, placement=placement)], env=env,
+    script = _SANITIZED.format(stage=stage, placement=placement, options=repr(options))
+    done = subprocess.run([sys.executable, "-c", script], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr
     assert "CSAN" not in done.stderr, done.stderr
