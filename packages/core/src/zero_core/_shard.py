@@ -14,6 +14,7 @@ from torch import nn
 from zero_core._module import ZeroModule, adopt
 from zero_core.base._host_memory import return_freed_host_memory
 from zero_core.base._log import logger
+from zero_core.base._streams import streams_for
 from zero_core.base.errors import CheckpointError, ConfigError, ZeroSetupError
 from zero_core.checkpoint._sources import open_source
 from zero_core.checkpoint._state_keys import ModelKeys, check_names, fill_from_source, refresh_kept
@@ -180,7 +181,7 @@ def shard(
     keep = placement.keep_gathered(plan.chunks, groups) if config.stage == 3 else set()
     keep_alone = placement.keep_gathered_alone()
     chunks = []
-    pool = BufferPool()
+    pool = BufferPool(streams_for(device))  # see [Note: streams of the data plane] in zero_core.base._streams
     default_mesh = mesh if mesh is not None and mesh.ndim == 1 else _data_parallel_mesh(group, device, comm)
     mesh_groups = MeshGroups(
         world_comm=comm, world_reduce_comm=reduce_comm, default=topology.default, default_mesh=default_mesh,

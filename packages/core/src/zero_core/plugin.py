@@ -39,6 +39,7 @@ from zero_core.interfaces.placement import (
     PlacementContext,
     PlacementPolicy,
     absent_shard,
+    copy_shard,
     move_shard,
 )
 from zero_core.interfaces.strategy import ChunkPlan, Reduction, ShardPlan, ShardStrategy, reshard_for_mesh, round_up
@@ -88,6 +89,7 @@ __all__ = [
     "ZeroError",
     "ZeroPlugins",
     "absent_shard",
+    "copy_shard",
     "hookimpl",
     "get_logger",
     "hookspec",

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from zero_core.plugin import Chunk, MemoryTier, PlacementContext, absent_shard, get_logger, rewrap, to_local
+from zero_core.plugin import Chunk, MemoryTier, PlacementContext, absent_shard, copy_shard, get_logger, rewrap, to_local
 from zero_offload._disk import DiskStore
 from zero_offload.config import TierConfig, mib
 from zero_offload.errors import DiskTierError, TierBudgetError
@@ -272,9 +272,9 @@ class Tiers:
                         self._discharge(HOST, chunk.shard_bytes)  # the kept copy's bytes now count as the shard's
                     if copy is None:
                         copy = self._host_buffer(chunk)
-                        copy.copy_(chunk.shard)
+                        copy_shard(chunk, copy, chunk.shard)
                     elif i in self.host_stale:  # written back only when the device copy changed
-                        copy.copy_(chunk.shard)
+                        copy_shard(chunk, copy, chunk.shard)
                     self.host_stale.discard(i)
                     host = copy
                 else:
@@ -283,7 +283,10 @@ class Tiers:
             return
         # to the device
         shard = torch.empty(chunk.shard_size, dtype=chunk.master_dtype, device=self.device)
-        shard.copy_(host if host is not None else chunk.shard, non_blocking=True)
+        if self.cuda:  # on the copy stream, from pinned memory
+            copy_shard(chunk, shard, host if host is not None else chunk.shard)
+        else:
+            shard.copy_(host if host is not None else chunk.shard, non_blocking=True)
         if self.cuda and host is not None:
             self.host_copy[i] = host  # kept, pinned: moving back down is free until the optimizer changes the shard
             self.host_stale.discard(i)

@@ -11,6 +11,12 @@ the buffer, issue on the communication stream) and what keeps the chunk's state 
 one place: a chunk changes state only through its own transitions (``begin_gather``,
 ``wait``, ``release``), never inside a collective.
 
+The streams themselves are [Note: streams of the data plane] in ``zero_core.base._streams``:
+all-gathers are issued on the chunk's all-gather stream (:func:`_issue_all_gather`) after the
+compute stream's event, reduce-scatters on its reduce-scatter stream after the same, and every
+completion makes the compute stream wait the collective's event before it copies out or lands
+anything. On CPU those calls do nothing.
+
 The completion objects (``_CopyOut``, ``_Unpack``, ``_CopiesOut``, ``PendingReduction``) copy results
 out and return buffers; a ``PendingReduction`` completes on the reducer's waiter thread and touches
 only the chunk's gradients (:meth:`~zero_core.chunks._chunk_grads.ChunkGradients.land`).
@@ -26,6 +32,7 @@ import torch
 from zero_core.base._devices import to_host
 from zero_core.base._host_memory import advise_huge_pages
 from zero_core.base._state import ChunkState
+from zero_core.base._streams import Streams
 from zero_core.chunks.chunk import Chunk
 from zero_core.comm.backend import CommBackend, Pending
 
@@ -50,10 +57,13 @@ def gather_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) -> 
     else:
         send = chunk.gather_send()
         done_order = True
-    received = None if chunk.direct else chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False)
-    done = _CopyOut(chunk, received, gather_order=done_order)
+    streams = chunk.streams
+    received = None if chunk.direct else chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False,
+                                                         stream=streams.all_gather)
+    done = _CopyOut(chunk, received, gather_order=done_order, held=send)
     chunk.begin_gather(done)  # allocates the full buffer: the ranks' shards side by side are it when direct
-    done.pending = comm.all_gather(chunk.full if received is None else received, send, async_op=async_op)
+    done.pending = _issue_all_gather(streams, comm, chunk.full if received is None else received, send,
+                                     async_op=async_op)
     if not async_op:
         chunk.wait()
 
@@ -79,17 +89,20 @@ def gather_group(group: GatherGroup, comm: CommBackend, *, async_op: bool = Fals
     if all(c.state is ChunkState.SHARDED_POST_FORWARD for c in chunks):  # copies kept by the forward
         _gather_copies(group, targets, async_op=async_op)
         return
+    streams = group.pool.streams
     send = group.pool.take(group.shard_numel, group.dtype, group.device, zeroed=False)
+    streams.wrote(send, streams.compute)
     offset = 0
     with torch.no_grad():
         for chunk in chunks:
             send[offset : offset + chunk.gather_numel].copy_(chunk.gather_send())
             offset += chunk.gather_numel
-    received = group.pool.take(group.world_size * group.shard_numel, group.dtype, group.device, zeroed=False)
+    received = group.pool.take(group.world_size * group.shard_numel, group.dtype, group.device, zeroed=False,
+                               stream=streams.all_gather)
     unpack = _Unpack(group, send, received, chunks, targets)
     for chunk in targets:
         chunk.begin_gather(unpack)
-    unpack.pending = comm.all_gather(received, send, async_op=True)
+    unpack.pending = _issue_all_gather(streams, comm, received, send, async_op=True)
     if not targets:
         unpack.wait()
         return
@@ -105,12 +118,14 @@ def _gather_copies(group: GatherGroup, targets: Sequence[Chunk], *, async_op: bo
     sub = group.chunks[0].comms.sub
     k = sub.world_size
     parts = [c.size // k for c in group.chunks]
+    streams = group.pool.streams
     send = torch.cat([c.take_post_forward_copy() for c in group.chunks])
-    received = group.pool.take(k * sum(parts), group.dtype, group.device, zeroed=False)
-    unpack = _CopiesOut(group, received, parts, targets)
+    streams.allocated(send, streams.compute)
+    received = group.pool.take(k * sum(parts), group.dtype, group.device, zeroed=False, stream=streams.all_gather)
+    unpack = _CopiesOut(group, received, parts, targets, held=send)
     for chunk in targets:
         chunk.begin_gather(unpack)
-    unpack.pending = sub.all_gather(received, send, async_op=True)
+    unpack.pending = _issue_all_gather(streams, sub, received, send, async_op=True)
     if not async_op:
         for chunk in targets:
             chunk.wait()
@@ -132,14 +147,19 @@ def refresh_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) ->
     chunk.refresh_own_slice()
     if chunk.world_size == 1:  # the full buffer is this rank's slice: nothing to send
         return None
+    streams = chunk.streams
     if chunk.direct:  # in place: this rank's slice of the full buffer is what it sends
         own = chunk.full[chunk.rank * chunk.shard_size : (chunk.rank + 1) * chunk.shard_size]
-        return comm.all_gather(chunk.full, own, async_op=async_op)
-    # pooled, like the receive buffer: a fresh send buffer every step would be faulted in page by page
-    send = chunk.pack_own(chunk.pool.take(chunk.shard_size, chunk.dtype, chunk.device, zeroed=False))
-    received = chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False)
-    copy = _CopyOut(chunk, received, send=send)
-    copy.pending = comm.all_gather(received, send, async_op=async_op)
+        copy = _CopyOut(chunk, None)
+        copy.pending = _issue_all_gather(streams, comm, chunk.full, own, async_op=async_op)
+    else:
+        # pooled, like the receive buffer: a fresh send buffer every step would be faulted in page by page
+        send = chunk.pool.take(chunk.shard_size, chunk.dtype, chunk.device, zeroed=False)
+        streams.wrote(send, streams.compute)
+        chunk.pack_own(send)
+        received = chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False, stream=streams.all_gather)
+        copy = _CopyOut(chunk, received, send=send)
+        copy.pending = _issue_all_gather(streams, comm, received, send, async_op=async_op)
     if not async_op:
         copy.wait()
         return None
@@ -154,15 +174,18 @@ def refresh_group(group: GatherGroup, comm: CommBackend, *, members: Sequence[Ch
     if len(refreshed) <= 1 or group.world_size == 1:
         return [refresh_chunk(c, comm, async_op=True) for c in refreshed]
     numel = sum(c.shard_size for c in refreshed)
+    streams = group.pool.streams
     send = group.pool.take(numel, group.dtype, group.device, zeroed=False)
+    streams.wrote(send, streams.compute)
     offset = 0
     for chunk in refreshed:
         chunk.refresh_own_slice()
         chunk.pack_own(send[offset : offset + chunk.shard_size])
         offset += chunk.shard_size
-    received = group.pool.take(group.world_size * numel, group.dtype, group.device, zeroed=False)
+    received = group.pool.take(group.world_size * numel, group.dtype, group.device, zeroed=False,
+                               stream=streams.all_gather)
     unpack = _Unpack(group, send, received, refreshed, refreshed)
-    unpack.pending = comm.all_gather(received, send, async_op=True)
+    unpack.pending = _issue_all_gather(streams, comm, received, send, async_op=True)
     return [unpack]
 
 
@@ -176,27 +199,70 @@ def refresh_group_shard(chunk: Chunk) -> None:
     chunk.comms.outer.all_gather(shard, chunk.outer_send())
 
 
-class _CopyOut:
+def _issue_all_gather(streams: Streams, comm: CommBackend, out: torch.Tensor, send: torch.Tensor, *,
+                      async_op: bool) -> Pending | None:
+    """Issue an all-gather on the all-gather stream, after the compute stream's work so far (which packed ``send``
+    and allocated ``out``): see [Note: streams of the data plane] in ``zero_core.base._streams``. Its completion
+    object lands it (:meth:`_Gathered._land`)."""
+    gather = streams.all_gather
+    streams.wait(gather, streams.record(streams.compute))
+    streams.read(send, gather)
+    streams.wrote(out, gather)
+    with streams.on(gather):
+        return comm.all_gather(out, send, async_op=async_op)
+
+
+class _Gathered:
+    """An all-gather in flight on the all-gather stream. :meth:`_land` (once) waits for it and makes the compute
+    stream wait its event; until then it holds ``held``, an unpooled send buffer, which dropped earlier would let the
+    allocator give its memory to the compute stream while the all-gather still reads it (no ``record_stream``)."""
+
+    def __init__(self, streams: Streams, held: torch.Tensor | None) -> None:
+        self._streams, self._held = streams, held
+        self.pending: Pending | None = None
+        self._landed = False
+
+    def _land(self) -> bool:
+        """Whether this call landed it (False when an earlier one did)."""
+        if self._landed:
+            return False
+        self._landed = True
+        streams = self._streams
+        if self.pending is not None:
+            with streams.on(streams.all_gather):
+                self.pending.wait()
+            self.pending = None
+        streams.wait(streams.compute, streams.record(streams.all_gather))
+        if self._held is not None:
+            streams.dropped(self._held)
+            self._held = None
+        return True
+
+
+class _CopyOut(_Gathered):
     """A chunk's all-gather in flight; ``wait()`` (idempotent) copies the ranks' shards out into its full buffer
     (nothing to copy when the chunk gathered in place). ``gather_order``: the shard group's all-gather of group
-    shards, whose rows are in the shard group's order (:meth:`ChunkLayout.from_gather_order`)."""
+    shards, whose rows are in the shard group's order (:meth:`ChunkLayout.from_gather_order`). ``send``: a pooled
+    send buffer (an after-step refresh), given back once the gather is done; ``held``: an unpooled one."""
 
     def __init__(self, chunk: Chunk, received: torch.Tensor | None, *, gather_order: bool = False,
-                 send: torch.Tensor | None = None) -> None:
+                 send: torch.Tensor | None = None, held: torch.Tensor | None = None) -> None:
+        super().__init__(chunk.streams, held)
         self._chunk, self._received, self._send = chunk, received, send
         self._gather_order = gather_order
-        self.pending: Pending | None = None
 
     def wait(self) -> None:
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-        if self._send is not None:  # a pooled send buffer (an after-step refresh), free once the gather is done
-            self._chunk.pool.give(self._send)
-            self._send = None
-        if self._received is None:  # gathered in place (a one-parameter chunk), or already copied out
+        if not self._land():
             return
-        chunk, received, self._received = self._chunk, self._received, None
+        chunk, streams = self._chunk, self._streams
+        if self._send is not None:
+            chunk.pool.give(self._send)
+            self._send = None
+        if self._received is None:  # gathered in place (a one-parameter chunk)
+            return
+        received, self._received = self._received, None
+        streams.read(received, streams.compute)
+        streams.wrote(chunk.full, streams.compute)
         if self._gather_order:
             rows = chunk.layout.from_gather_order(received.view(chunk.gather_world, chunk.gather_numel))
         else:
@@ -205,7 +271,7 @@ class _CopyOut:
         chunk.pool.give(received)
 
 
-class _Unpack:
+class _Unpack(_Gathered):
     """A group's all-gather in flight; ``wait()`` (idempotent) cuts each target's full buffer out of it.
 
     ``packed`` are the chunks whose shards the send buffer holds, in order; ``targets`` those to fill.
@@ -213,24 +279,25 @@ class _Unpack:
 
     def __init__(self, group: GatherGroup, send: torch.Tensor, received: torch.Tensor, packed: Sequence[Chunk],
                  targets: Sequence[Chunk]) -> None:
+        super().__init__(group.pool.streams, None)
         self._group = group
         self._packed, self._targets = tuple(packed), {id(c) for c in targets}
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = (send, received)
-        self.pending: Pending | None = None
 
     def wait(self) -> None:
-        if self._buffers is None:
+        if not self._land():
             return
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
+        streams = self._streams
+        assert self._buffers is not None  # kept until the one landing
         send, received = self._buffers
         self._buffers = None
+        streams.read(received, streams.compute)
         packed = received.view(self._group.world_size, -1)
         offset = 0
         with torch.no_grad():
             for chunk in self._packed:
                 if id(chunk) in self._targets:
+                    streams.wrote(chunk.full, streams.compute)
                     block = packed[:, offset : offset + chunk.gather_numel]
                     chunk.layout.copy_out(chunk.layout.from_gather_order(block), chunk.full)
                 offset += chunk.gather_numel
@@ -238,29 +305,30 @@ class _Unpack:
         self._group.pool.give(received)
 
 
-class _CopiesOut:
+class _CopiesOut(_Gathered):
     """A gather of kept copies in flight; ``wait()`` (idempotent) rebuilds each target's full buffer."""
 
     def __init__(self, group: GatherGroup, received: torch.Tensor, parts: Sequence[int],
-                 targets: Sequence[Chunk]) -> None:
+                 targets: Sequence[Chunk], *, held: torch.Tensor | None = None) -> None:
+        super().__init__(group.pool.streams, held)
         self._received: torch.Tensor | None  # None once waited for
         self._group, self._received = group, received
         self._parts, self._targets = list(parts), {id(c) for c in targets}
-        self.pending: Pending | None = None
 
     def wait(self) -> None:
-        if self._received is None:
+        if not self._land():
             return
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
+        streams = self._streams
+        assert self._received is not None  # kept until the one landing
         received, self._received = self._received, None
+        streams.read(received, streams.compute)
         k = len(received) // sum(self._parts)
         by_rank = received.view(k, -1)
         offset = 0
         with torch.no_grad():
             for chunk, part in zip(self._group.chunks, self._parts):
                 if id(chunk) in self._targets:  # rank p of the group sent ranks p*S/k .. of the chunk's rank-major buffer
+                    streams.wrote(chunk.full, streams.compute)
                     chunk.layout.copy_out(by_rank[:, offset : offset + part].reshape(chunk.world_size, chunk.shard_size), chunk.full)
                 offset += part
         self._group.pool.give(received)
@@ -288,7 +356,7 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
         if all_reduce:
             comm = chunk.comms.reduce_all
     flat = chunk.grads.take_for_reduction()
-    pool = chunk.pool
+    pool, streams = chunk.pool, chunk.streams
     pooled = flat if flat is not chunk.grads.kept else None
     divisor = chunk.world_size * chunk.replicas * loss_scale
     if chunk.world_size == 1:  # one rank: the layouts coincide, the buffer itself becomes the gradient
@@ -307,6 +375,8 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
     else:
         send = pool.take(chunk.size, chunk.reduce_dtype, chunk.device, zeroed=False)
         # rank-major (in the shard group's order), cast to the reduce dtype: the parameter-major buffer is free again
+        streams.read(flat, streams.compute)
+        streams.wrote(send, streams.compute)
         chunk.layout.copy_in(flat, send, gather_order=True)
         if pooled is not None:
             pool.give(pooled)
@@ -316,11 +386,20 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
         divisor /= chunk.predivide
     if all_reduce:  # the whole gradient is summed on the waiter thread; this rank then keeps its row
         return PendingReduction(chunk, None, send, pooled_send, divisor, replicate=replicate, all_reduce=comm, outer=outer)
-    # becomes the gradient: see [Note: huge pages for the engine's host buffers]
+    # becomes the gradient: see [Note: huge pages for the engine's host buffers]. Allocated on the compute stream,
+    # which consumes it; the reduce-scatter stream writes it after the compute stream's event (see [Note: streams of
+    # the data plane] in zero_core.base._streams), which also orders it after the packing of ``send``.
     reduced = advise_huge_pages(torch.empty(chunk.gather_numel, dtype=chunk.reduce_dtype, device=chunk.device))
-    pending = comm.reduce_scatter(reduced, send, async_op=True)
+    streams.allocated(reduced, streams.compute)
+    scatter = streams.reduce_scatter
+    streams.wait(scatter, streams.record(streams.compute))
+    streams.read(send, scatter)
+    streams.wrote(reduced, scatter)
+    with streams.on(scatter):
+        pending = comm.reduce_scatter(reduced, send, async_op=True)
     if pooled_send is not None and getattr(pending, "input_released", False):
-        pool.give(pooled_send)  # a bucketing backend copied it: reuse it for the next gradient now
+        # a bucketing backend copied it: reuse it for the next gradient once the stream that copied it is past
+        pool.give(pooled_send, after=streams.record(scatter))
         pooled_send = None
     return PendingReduction(chunk, pending, reduced, pooled_send, divisor, replicate=replicate, outer=outer)
 
@@ -340,9 +419,20 @@ class PendingReduction:
 
     def complete(self) -> None:
         chunk = self._chunk
+        streams = chunk.streams
         if self._pending is not None:
-            self._pending.wait()
+            with streams.on(streams.reduce_scatter):
+                self._pending.wait()
             self._pending = None
+            # the rest runs on the compute stream (this is the waiter thread, whose current stream is not it), after
+            # the reduce-scatter's event: see [Note: streams of the data plane] in zero_core.base._streams
+            streams.wait(streams.compute, streams.record(streams.reduce_scatter))
+            if self._reduced is not None:
+                streams.read(self._reduced, streams.compute)
+        with streams.on(streams.compute):
+            self._finish(chunk)
+
+    def _finish(self, chunk: Chunk) -> None:
         if self._all_reduce is not None and self._reduced is not None:
             # Reduction.ALL_REDUCE over the shard group: the rank-major sum, of which this rank keeps its row
             comm, self._all_reduce = self._all_reduce, None
@@ -361,7 +451,7 @@ class PendingReduction:
             self._reduced = mine
         if self._reduced is not None:
             # moved to where the master shard lives (the host, when offloaded), never copied and kept twice
-            grad = to_host(self._reduced, chunk.grads.device, chunk.master_dtype)
+            grad = to_host(self._reduced, chunk.grads.device, chunk.master_dtype, streams=chunk.streams)
             if self._divisor != 1.0:
                 grad.div_(self._divisor)
             chunk.grads.land(grad)

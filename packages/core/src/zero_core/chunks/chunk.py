@@ -96,6 +96,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from zero_core.base._devices import to_compute_device
 from zero_core.base._host_memory import advise_huge_pages
 from zero_core.base._state import ChunkState, MemoryTier
+from zero_core.base._streams import streams_for
 from zero_core.base.errors import OwnershipError, PlanError, ZeroError
 from zero_core.chunks._buffers import BufferPool
 from zero_core.chunks._chunk_grads import ChunkGradients
@@ -196,7 +197,9 @@ class Chunk:
             self.full.untyped_storage().resize_(0)
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         self._pending_gather: Any = None  # the completion object of the gather in flight
-        self.pool = pool or BufferPool()
+        # The device's streams (no-ops on CPU): see [Note: streams of the data plane] in zero_core.base._streams.
+        self.pool = pool or BufferPool(streams_for(device))
+        self.streams = self.pool.streams
         # This rank's shard (master dtype), None while the kept full buffer holds it (shard_is_view).
         self._shard: torch.Tensor | None = None
         # outer > 1: the group shard (compute dtype), kept between steps; the master shard is its slice in one dtype.
@@ -367,7 +370,7 @@ class Chunk:
         assert self._shard is not None
         if self._shard_in_group:
             return self._shard
-        return to_compute_device(self._shard, self.device, self.dtype)
+        return to_compute_device(self._shard, self.device, self.dtype, streams=self.streams)
 
     def _build_segments(self) -> None:
         """Create the sharded parameters, once: every later move re-points their local tensors."""
@@ -474,6 +477,7 @@ class Chunk:
         self.check_state(ChunkState.SHARDED)
         self.full.untyped_storage().resize_(self.size * self.full.element_size())
         advise_huge_pages(self.full)  # see [Note: huge pages for the engine's host buffers]
+        self.streams.allocated(self.full, self.streams.compute)
         self._pending_gather = pending
         self.state = ChunkState.GATHERING
 
@@ -482,6 +486,7 @@ class Chunk:
         if self.state is ChunkState.GATHERING:
             pending, self._pending_gather = self._pending_gather, None
             pending.wait()
+            self.streams.read(self.full, self.streams.compute)  # what the modules compute with from here
             self._to_gathered()
 
     def _to_gathered(self) -> None:
@@ -510,6 +515,7 @@ class Chunk:
             at = self.comms.sub.rank * part
             kept = rank_major[at : at + part].clone()
             del rank_major
+        self.streams.dropped(self.full)
         self.full.untyped_storage().resize_(0)
         for slot in self.slots:
             slot.param.data = self._empty
@@ -521,14 +527,14 @@ class Chunk:
         """This rank's shard in the compute dtype, on the compute device: what an all-gather sends."""
         if self._shard is None:
             return self._pack(self.layout.own_pieces(self.full), self.dtype)
-        return to_compute_device(self._shard, self.device, self.dtype)
+        return to_compute_device(self._shard, self.device, self.dtype, streams=self.streams)
 
     def refresh_own_slice(self) -> None:
         """Copy the updated master shard into this rank's pieces of a kept full buffer (nothing to do while the
         buffer holds the master: ``shard_is_view``)."""
         # a shard out of memory (on disk) was copied here by its placement policy before it left
         if self._shard is not None and self.shard_in_memory:
-            self.layout.scatter_own(to_compute_device(self._shard, self.device, self.dtype), self.full)
+            self.layout.scatter_own(to_compute_device(self._shard, self.device, self.dtype, streams=self.streams), self.full)
 
     def pack_own(self, out: torch.Tensor) -> torch.Tensor:
         """This rank's pieces of the kept full buffer packed into ``out`` (``shard_size`` elements, compute

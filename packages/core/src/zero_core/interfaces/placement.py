@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from zero_core.base._devices import copy_on_copy_stream
 from zero_core.base._state import MemoryTier, TrainingState
 from zero_core.base.errors import ConfigError, PluginContractError
 from zero_core.chunks._ownership import policy_call
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from zero_core.config.api import ZeroConfig
 
 __all__ = ["ChunkParts", "DevicePlacementPolicy", "HostPlacementPolicy", "PlacementContext", "PlacementPolicy", "absent_shard",
-           "move_shard"]
+           "copy_shard", "move_shard"]
 
 # The hooks inside which a policy may move shards between tiers. See [Note: who moves a chunk].
 _TIER_HOOKS = ("attach", "on_transition", "before_compute", "before_gather", "after_release", "before_load",
@@ -282,8 +283,19 @@ def move_shard(chunk: Chunk, device: torch.device) -> None:
     pin = device.type == "cpu" and chunk.device.type == "cuda"
     with torch.no_grad():
         shard = torch.empty(chunk.shard_size, dtype=chunk.master_dtype, device=device, pin_memory=pin)
-        shard.copy_(chunk.shard)
+        copy_shard(chunk, shard, chunk.shard)
     chunk.replace_shard(shard)
+
+
+def copy_shard(chunk: Chunk, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a copy of ``chunk``'s shard between the host (pinned, on CUDA) and its device: on the
+    chunk's copy stream when it has streams, and ``dst`` is ready to read when this returns (the host waited the
+    copy when ``dst`` is on the host, the compute stream when it is on the device); see [Note: streams of the data
+    plane] in ``zero_core.base._streams``. Placement policies that keep their own host buffers copy with it."""
+    if dst.device.type == src.device.type:
+        dst.copy_(src)
+        return
+    copy_on_copy_stream(dst, src, chunk.streams)
 
 
 def absent_shard(chunk: Chunk) -> torch.Tensor:
