@@ -270,6 +270,8 @@ def test_the_report_names_the_helper_for_a_scheduler_section():
 
 VOCAB, SEQ, SAMPLES, BATCH = 96, 16, 32, 4  # 8 steps of 4 sequences
 TOL = 1e-5
+# the ranks build Trainers: the suite's fork server imports it once (tests/conftest.py)
+SPAWN_PRELOAD = ("transformers.trainer",)
 ENV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}  # Accelerate insists on them
 DS = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
       "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}

@@ -1,0 +1,40 @@
+"""What the whole suite shares: a fork server that has already imported what every spawned rank imports.
+
+[Note: the suite's fork server]
+``run_distributed`` forks each rank from multiprocessing's fork server, which it starts with torch,
+torch.distributed and zero_core imported. zero_core is a lazy package, so each rank still imported
+``zero_core.testing`` (torch.distributed.tensor and sympy under it) to unpickle the harness's rank
+function, ``torch._dynamo`` at its first ``optimizer.step()`` (torch.optim imports it there) and pytest with
+its test module: about 2 s of one core per rank per spawn unloaded, several times the test's own work in
+most distributed tests, and the suite spawns some hundreds of worlds. Started here first, the fork server
+imports them once; ``run_distributed`` reuses a running server and its preload list applies only to a
+server it starts itself. This is speed only: a rank that did not get them imports them as before.
+The HF and Lightning tests' ranks import those libraries too (a few seconds of one core each): a test
+module that spawns with one names it in ``SPAWN_PRELOAD``, and one a test module imported at collection
+is preloaded as well.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import sys
+
+import pytest
+
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zero_core", "zero_core.testing", "pytest"]
+# preloaded when a collected test module has imported them: the ranks it spawns import them again
+OPTIONAL = ["transformers", "lightning.pytorch"]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the fork server when a collected test's module spawns ranks, before the first test runs."""
+    modules = {id(m): m for m in (getattr(item, "module", None) for item in session.items) if m is not None}
+    if not any(hasattr(m, "run_distributed") for m in modules.values()):
+        return
+    extra = [name for name in OPTIONAL if name in sys.modules]
+    for module in modules.values():
+        extra += [name for name in getattr(module, "SPAWN_PRELOAD", ()) if name not in extra]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD + extra)
+    multiprocessing.forkserver.ensure_running()
