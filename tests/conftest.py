@@ -1,6 +1,5 @@
 """What the whole suite shares: a fork server that has already imported what every spawned rank imports.
 
-[Note: the suite's fork server]
 ``run_distributed`` forks each rank from multiprocessing's fork server, which it starts with torch,
 torch.distributed and zero_core imported. zero_core is a lazy package, so each rank still imported
 ``zero_core.testing`` (torch.distributed.tensor and sympy under it) to unpickle the harness's rank
