@@ -53,9 +53,13 @@ def build(session: nox.Session) -> None:
 @nox.session(default=False)
 def soak(session: nox.Session) -> None:
     """The long runs of the robustness tests: the random user-action driver with more seeds and longer
-    sequences, and the 1,000-step heap and hook soak at every stage (``ZERO_SOAK=1``)."""
-    install_zero(session, "pytest>=8", "pytest-timeout>=2.3")
+    sequences, and the 1,000-step heap and hook soak at every stage; and the cases the suite runs fewer of:
+    every DeepSpeed schedule under ZeroTrainer at 2 ranks (the suite runs two there, all six at 1 rank)
+    (``ZERO_SOAK=1``)."""
+    install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "-e", "packages/integrations[hf]")
     session.run("pytest", "tests/test_fuzz.py", "tests/test_robust.py::test_long_run_keeps_heap_and_hooks_flat",
+                "tests/test_deepspeed_scheduler.py::"
+                "test_zero_trainer_at_two_ranks_follows_each_schedule_and_training_arguments_deepspeed_works",
                 "-p", "no:cacheprovider", *session.posargs, env={"ZERO_SOAK": "1"})
 
 

@@ -3,16 +3,19 @@
 Each rank trains the same tiny HF GPT-2 twice under zero, once eager and once with each
 transformer block compiled (``block.compile()``, before or after ``shard()``, the pattern
 FSDP2 documents), on the same slices of the same batches; losses and final weights must
-agree. The backend is ``aot_eager``: it runs dynamo and AOT autograd, the two layers that
-meet zero's hooks and parameter swaps, while inductor only changes the kernels and takes
-tens of seconds per compile on a CPU (measured by hand with inductor: max abs weight
-difference 1.1e-6 at stage 2, see docs/integrations/compile.md). The runs also check that
-compiled graphs stop being added after the first step (no recompilation per step), and that a
-compiled block is one unit of gather and release, hence one graph: zero hooks the block, not the
+agree (one spawn per stage runs its eager run once and every compiled case after it). The
+backend is ``aot_eager``: it runs dynamo and AOT autograd, the two layers that meet zero's
+hooks and parameter swaps, while inductor only changes the kernels and takes tens of seconds
+per compile on a CPU (measured by hand with inductor: max abs weight difference 1.1e-6 at
+stage 2, see docs/integrations/compile.md). The runs also check that compiled graphs stop
+being added after the first step (no recompilation per step), and that a compiled block is
+one unit of gather and release, hence one graph: zero hooks the block, not the
 modules inside it (with the hooks on each Linear and LayerNorm a block split into 6 graphs).
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -87,15 +90,26 @@ def _train(stage: int, compile_blocks: str | None) -> dict:
             "breaks": sum(counters["graph_break"].values())}
 
 
-def train_rank(stage: int, when: str) -> dict:
-    return {"eager": _train(stage, None), "compiled": _train(stage, when)}
+# when each block is compiled, per stage: each is compared with the same stage's eager run
+WHENS = {2: ("before", "after"), 3: ("before", "after", "wrapped", "midway", "checkpointed")}
 
 
-@pytest.mark.parametrize(("stage", "when"), [(2, "before"), (2, "after"), (3, "before"), (3, "after"), (3, "wrapped"),
-                                             (3, "midway"), (3, "checkpointed")])
+def train_rank(stage: int, whens: tuple[str, ...]) -> dict:
+    """The eager run and then each compiled one, in one process (``_train`` resets dynamo before each)."""
+    return {"eager": _train(stage, None), **{when: _train(stage, when) for when in whens}}
+
+
+@functools.cache
+def _stage_runs(stage: int) -> list[dict]:
+    """One spawn per stage runs every case of it, so the eager run and dynamo's and AOT autograd's first-compile
+    imports are paid once per stage, not once per case."""
+    return run_distributed(train_rank, WORLD, stage, WHENS[stage], timeout=600)
+
+
+@pytest.mark.parametrize(("stage", "when"), [(stage, when) for stage, whens in WHENS.items() for when in whens])
 def test_per_block_compile_trains_to_eager_parity(stage, when):
-    for rank, result in enumerate(run_distributed(train_rank, WORLD, stage, when, timeout=240)):
-        eager, compiled = result["eager"], result["compiled"]
+    for rank, result in enumerate(_stage_runs(stage)):
+        eager, compiled = result["eager"], result[when]
         assert compiled["losses"] == pytest.approx(eager["losses"], abs=TOL, rel=0), rank
         for key, expected in eager["params"].items():
             torch.testing.assert_close(compiled["params"][key], expected, atol=TOL, rtol=0,

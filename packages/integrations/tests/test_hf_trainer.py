@@ -30,6 +30,8 @@ MAX_NORM = 0.5
 TOL = 1e-5
 # zero's 16-bit compute (16-bit copies of the weights) against the plain Trainer's autocast over fp32 weights
 MIXED_TOL = {"bf16": 1e-3, "fp16": 2e-4}  # measured: 1.6e-4 and 4.1e-5
+# the ranks build Trainers: the suite's fork server imports it once (tests/conftest.py)
+SPAWN_PRELOAD = ("transformers.trainer",)
 # Accelerate insists on these even though the ranks' process group is initialised already (it joins that group).
 ENV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
 
