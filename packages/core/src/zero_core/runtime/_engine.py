@@ -389,7 +389,8 @@ class Engine:
     def _post_forward(self, chunks: tuple[Chunk, ...], module_id: int, module: nn.Module, args: Any, outputs: Any) -> None:
         if self.state is not TrainingState.FORWARD:
             return  # recomputation under activation checkpointing: keep gathered for the backward
-        returned = self.params.returned(tensors_of(outputs))
+        outs = tensors_of(outputs)
+        returned = self.params.returned(outs)
         if returned:  # a module returned one of its parameters: its caller reads it after this hook
             if torch.is_grad_enabled():
                 self._exposed.update(returned)
@@ -404,7 +405,7 @@ class Engine:
         if torch.is_grad_enabled():
             # Not on leaves (a module that returns one of its parameters): a hook on a leaf stays for good,
             # one more every step.
-            tensors = [t for t in tensors_of(outputs) if t.requires_grad and t.grad_fn is not None]
+            tensors = [t for t in outs if t.requires_grad and t.grad_fn is not None]
             if tensors:
                 on_first_gradient(tensors, functools.partial(self._enter_backward, chunks=chunks))
 
@@ -472,7 +473,8 @@ class Engine:
                     chunk.grads.prepare()  # stages 2 and 3: see [Note: gradient buffers on arrival]
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
-        self._enter_backward()
+        if self.state is not TrainingState.BACKWARD:
+            self._enter_backward()
         self.reducer.accumulated(param)
         if self.reducer.sync:
             for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
