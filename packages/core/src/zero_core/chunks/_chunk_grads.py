@@ -43,6 +43,8 @@ class ChunkGradients:
         # a view held here would be a second reference to the parameter's ``.grad``, and autograd accumulates in
         # place only into a gradient nothing else holds (it would add out of place, and every gradient be copied).
         self._ptrs: list[int] = []
+        # Each slot's local shape (and its element count) on this rank, read from the layout at the first publish.
+        self._local_shapes: list[tuple[torch.Size, int]] = []
         self.kept: torch.Tensor | None = None
         # 2: this rank's mean gradient pieces from the last backward (one per slot), until published.
         self.reduced: list[torch.Tensor] | None = None
@@ -194,11 +196,16 @@ class ChunkGradients:
         self.got = [False] * len(chunk.slots)
         if reduced is None:
             return
+        if not self._local_shapes:  # the layout is fixed once the chunk is packed: read it once
+            layout = chunk.layout
+            self._local_shapes = [(s.local_shape(layout.rank), s.local_shape(layout.rank).numel()) for s in layout.slots]
+        shapes = self._local_shapes
         with torch.no_grad():
             for seg in chunk.segments:
                 if not present[seg.slot] or not seg.param.requires_grad:
                     continue
-                piece = chunk.layout.local(seg.slot, reduced[seg.slot])
+                shape, numel = shapes[seg.slot]  # this rank's rows of the padded piece (ChunkLayout.local)
+                piece = reduced[seg.slot][:numel].view(shape)
                 if seg.param.grad is None:
                     seg.param.grad = chunk.wrap(seg.slot, piece)
                 else:

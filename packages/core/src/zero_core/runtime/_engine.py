@@ -232,7 +232,7 @@ class Engine:
         self.step_count = 0
 
         # What the step's round compares beyond the phase: see [Note: what a step round agrees on].
-        self._gradient_state = GradientState(lambda: self.reducer.order)
+        self._gradient_state = GradientState(lambda: self.reducer.order, active=self._lockstep.enabled)
 
         self._module_hooks.install()
         # zero_grad() drops what a no_sync() window accumulated, as in DDP; refused only during backward
@@ -476,7 +476,7 @@ class Engine:
         if self.state is not TrainingState.BACKWARD:
             self._enter_backward()
         self.reducer.accumulated(param)
-        if self.reducer.sync:
+        if self.reducer.sync and self.reducer.next_ready:
             for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
                 if not self._hold_gathered:
                     self.residency.release([chunk])

@@ -126,6 +126,12 @@ class GradientReducer:
             chunk.grads.adopt(slot)  # see [Note: gradient buffers on arrival]
         return group.arrived(id(param))
 
+    @property
+    def next_ready(self) -> bool:
+        """Whether the next group of the order is ready to reduce (asked after every gradient, before
+        :meth:`launch_ready` makes a generator)."""
+        return self._next < len(self._steps) and self._steps[self._next][0].reduce_state is ReduceState.READY
+
     def launch_ready(self, loss_scale: float) -> Iterator[Chunk]:
         """Launch the reductions of every group that is next in the order and ready; yields each chunk once launched."""
         while self._next < len(self._steps):
