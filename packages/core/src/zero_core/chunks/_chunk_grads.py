@@ -38,6 +38,13 @@ class ChunkGradients:
         self._chunk = chunk
         # 1: the running backward's full-size buffer; stage 1's buffer kept across steps (gradients are replicated).
         self._flat: torch.Tensor | None = None
+        # Where each slot's view of ``_flat`` begins (data_ptr), taken once with the buffer: every later gradient of
+        # the chunk is checked against it (a gradient hook per parameter, every backward). Addresses, not the views:
+        # a view held here would be a second reference to the parameter's ``.grad``, and autograd accumulates in
+        # place only into a gradient nothing else holds (it would add out of place, and every gradient be copied).
+        self._ptrs: list[int] = []
+        # Each slot's local shape (and its element count) on this rank, read from the layout at the first publish.
+        self._local_shapes: list[tuple[torch.Size, int]] = []
         self.kept: torch.Tensor | None = None
         # 2: this rank's mean gradient pieces from the last backward (one per slot), until handed over.
         self.reduced: list[torch.Tensor] | None = None
@@ -66,10 +73,16 @@ class ChunkGradients:
         """
         if self._flat is not None or not self._chunk.requires_grad:
             return
-        self._flat = self._take()
-        for slot in self._chunk.slots:
+        for slot, view in zip(self._chunk.slots, self._set_flat(self._take())):
             if slot.param.grad is None and slot.param.requires_grad:
-                slot.param.grad = self._flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                slot.param.grad = view
+
+    def _set_flat(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Take ``flat`` as this backward's buffer; each slot's view of it, in the parameter's shape."""
+        self._flat = flat
+        views = [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self._chunk.slots]
+        self._ptrs = [v.data_ptr() for v in views]
+        return views
 
     def adopt(self, index: int) -> None:
         """Parameter ``index``'s gradient has just been accumulated: make sure it lives in this backward's buffer.
@@ -84,17 +97,15 @@ class ChunkGradients:
         if self._flat is not None:
             slot = slots[index]
             grad = slot.param.grad
-            target = self._flat[slot.offset : slot.offset + slot.numel]
-            if grad is not None and grad.data_ptr() != target.data_ptr():  # replaced behind our back: take it in
+            if grad is not None and grad.data_ptr() != self._ptrs[index]:  # replaced behind our back: take it in
+                target = self._flat[slot.offset : slot.offset + slot.numel]
                 with torch.no_grad():
                     target.copy_(grad.reshape(-1))
                 slot.param.grad = target.view(slot.shape)
             return
         # Always copied, even where autograd's tensor has the buffer's layout: what the engine keeps must be the
         # engine's allocation, or a memory tracer would count it as activations (see zero_core.base._accounting).
-        self._flat = self._take()
-        for s in slots:
-            view = self._flat[s.offset : s.offset + s.numel].view(s.shape)
+        for s, view in zip(slots, self._set_flat(self._take())):
             if s.param.grad is not None:
                 with torch.no_grad():
                     view.copy_(s.param.grad)
@@ -105,7 +116,7 @@ class ChunkGradients:
     def discard(self) -> None:
         """Drop every gradient not yet handed to the optimizer: the running backward's, a ``no_sync()`` window's,
         a reduction's result. The sharded parameters' gradients stay as they are."""
-        flat, self._flat = self._flat, None
+        flat, self._flat, self._ptrs = self._flat, None, []
         if flat is not None and flat is not self.kept:
             self._chunk.pool.give(flat)
         for slot in self._chunk.slots:
@@ -137,16 +148,16 @@ class ChunkGradients:
         gets the sum. The caller (:func:`zero_core.chunks._collectives.reduce_gradients`) gives a pooled
         buffer back; stage 1's kept buffer is never pooled."""
         chunk = self._chunk
-        flat, self._flat = self._flat, None
+        flat, ptrs, self._flat, self._ptrs = self._flat, self._ptrs, None, []
         if flat is None:
             flat = self._take()
+            ptrs = [-1] * len(chunk.slots)  # nothing points into a fresh buffer
         with torch.no_grad():
-            for slot in chunk.slots:
+            for slot, ptr in zip(chunk.slots, ptrs):
                 grad = slot.param.grad
                 if grad is not None:
-                    target = flat[slot.offset : slot.offset + slot.numel]
-                    if grad.data_ptr() != target.data_ptr():
-                        target.copy_(grad.reshape(-1))
+                    if grad.data_ptr() != ptr:
+                        flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
                     slot.param.grad = None
             if chunk.layout.has_replicated:
                 for slot, region in zip(chunk.slots, chunk.layout.regions(flat)):
@@ -185,11 +196,16 @@ class ChunkGradients:
         self.got = [False] * len(chunk.slots)
         if reduced is None:
             return
+        if not self._local_shapes:  # the layout is fixed once the chunk is packed: read it once
+            layout = chunk.layout
+            self._local_shapes = [(s.local_shape(layout.rank), s.local_shape(layout.rank).numel()) for s in layout.slots]
+        shapes = self._local_shapes
         with torch.no_grad():
             for seg in chunk.segments:
                 if not present[seg.slot] or not seg.param.requires_grad:
                     continue
-                piece = chunk.layout.local(seg.slot, reduced[seg.slot])
+                shape, numel = shapes[seg.slot]  # this rank's rows of the padded piece (ChunkLayout.local)
+                piece = reduced[seg.slot][:numel].view(shape)
                 if seg.param.grad is None:
                     seg.param.grad = chunk.wrap(seg.slot, piece)
                 else:

@@ -77,11 +77,13 @@ class GatherGroup:
         self._waiting = set(expected)
         self.reduce_state = ReduceState.WAITING if self._waiting else ReduceState.READY
 
-    def arrived(self, param: int) -> None:
-        """WAITING -> READY once the last gradient it waits for (parameter id ``param``) has arrived."""
+    def arrived(self, param: int) -> bool:
+        """WAITING -> READY once the last gradient it waits for (parameter id ``param``) has arrived; whether it is
+        READY now."""
         self._waiting.discard(param)
         if self.reduce_state is ReduceState.WAITING and not self._waiting:
             self.reduce_state = ReduceState.READY
+        return self.reduce_state is ReduceState.READY
 
     def mark_reduced(self) -> None:
         """-> REDUCED: its reductions are being launched (ready, or the backward ended without the rest)."""

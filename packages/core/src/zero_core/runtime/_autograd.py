@@ -15,6 +15,15 @@ __all__ = ["in_backward", "on_first_gradient", "reachable_params", "tensors_of"]
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (a module's outputs: any pytree).
+
+    A tensor, or a flat tuple or list of them, is answered without ``tree_flatten``: every unit's forward hook
+    asks this of its outputs, and the general walk costs about 15 us a call in Python (a third of the engine's
+    forward on a deep, thin model)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if type(obj) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in obj):
+        return list(obj)
     leaves, _ = tree_flatten(obj)
     return [t for t in leaves if isinstance(t, torch.Tensor)]
 

@@ -243,7 +243,7 @@ class Engine:
         self.step_count = 0
 
         # What the step's round compares beyond the phase: see [Note: what a step round agrees on].
-        self._gradient_state = GradientState(lambda: self.reducer.order)
+        self._gradient_state = GradientState(lambda: self.reducer.order, active=self._lockstep.enabled)
 
         self._module_hooks.install()
         # zero_grad() drops what a no_sync() window accumulated, as in DDP; refused only during backward
@@ -407,7 +407,8 @@ class Engine:
     def _post_forward(self, chunks: tuple[Chunk, ...], module_id: int, module: nn.Module, args: Any, outputs: Any) -> None:
         if self.state is not TrainingState.FORWARD:
             return  # recomputation under activation checkpointing: keep gathered for the backward
-        returned = self.params.returned(tensors_of(outputs))
+        outs = tensors_of(outputs)
+        returned = self.params.returned(outs)
         if returned:  # a module returned one of its parameters: its caller reads it after this hook
             if torch.is_grad_enabled():
                 self._exposed.update(returned)
@@ -422,7 +423,7 @@ class Engine:
         if torch.is_grad_enabled():
             # Not on leaves (a module that returns one of its parameters): a hook on a leaf stays for good,
             # one more every step.
-            tensors = [t for t in tensors_of(outputs) if t.requires_grad and t.grad_fn is not None]
+            tensors = [t for t in outs if t.requires_grad and t.grad_fn is not None]
             if tensors:
                 on_first_gradient(tensors, functools.partial(self._enter_backward, chunks=chunks))
 
@@ -494,7 +495,7 @@ class Engine:
         if self.state is not TrainingState.BACKWARD:  # once per backward, not per parameter (nothing to do after)
             self._enter_backward()
         self.reducer.accumulated(param)
-        if self.reducer.sync:
+        if self.reducer.sync and self.reducer.next_ready:
             for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
                 if not self._hold_gathered:
                     self.residency.release([chunk])

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from zero_core.base._accounting import engine_work
+from zero_core.base._accounting import engine_work, engine_work_context
 from zero_core.base._state import ReduceState
 from zero_core.base._trace import REDUCE_SCATTER, REDUCE_WAIT, phase, traced
 from zero_core.base.errors import GradientLostError
@@ -36,16 +36,20 @@ class GradientReducer:
         self._groups = tuple(groups)
         chunks = [c for g in self._groups for c in g.chunks]
         self._chunks = tuple(sorted(chunks, key=lambda c: c.index))
-        self._group_of = {c.index: g for g in self._groups for c in g.chunks}
         self._comm = reduce_comm
         self._mesh_comms = tuple(mesh_comms)
         # Whether ranks agree on which parameters got a gradient anywhere (off with static_graph=True).
         self._agree = agree
-        # Unsharded parameter (by id) -> its chunk, its slot, its (first) name: what a gradient hook is given.
-        self._chunk_of = {id(s.param): c for c in chunks for s in c.slots}
-        self._slot_of = {id(s.param): i for c in chunks for i, s in enumerate(c.slots)}
-        self._name_of = {id(s.param): s.name for c in chunks for s in c.slots}
+        # Unsharded parameter (by id) -> its chunk, its slot, its group: what a gradient hook is given, found with
+        # one lookup per gradient (this runs for every parameter in every backward).
+        group_of = {c.index: g for g in self._groups for c in g.chunks}
+        self._where = {id(s.param): (c, i, group_of[c.index]) for c in chunks for i, s in enumerate(c.slots)}
+        self._group_of = group_of
         self._waiter = ReductionWaiter()
+        # One rank and nothing to sum over replicas: a reduction has nothing to wait for (its complete() only
+        # scales and lands the gradient), so it completes at once on this thread instead of waking the waiter
+        # thread once per chunk (see PendingReduction in zero_core.chunks._collectives).
+        self._local = all(c.world_size == 1 and (c.comms is None or c.comms.replicate is None) for c in chunks)
         # False inside ZeroModule.no_sync(): backwards accumulate full gradients without reducing them.
         self.sync = True
         # Groups reduced in this order on every rank (the reverse of the plan), each with its trainable chunks in
@@ -109,23 +113,25 @@ class GradientReducer:
         """Whether ``chunk``'s reduction was launched in the running backward (a later gradient would be lost)."""
         return self._group_of[chunk.index].reduce_state is ReduceState.REDUCED
 
-    def accumulated(self, param: torch.Tensor) -> None:
-        """Autograd accumulated ``param``'s gradient (an unsharded parameter)."""
-        chunk = self._chunk_of[id(param)]
-        group = self._group_of[chunk.index]
+    def accumulated(self, param: torch.Tensor) -> bool:
+        """Autograd accumulated ``param``'s gradient (an unsharded parameter); whether its group became ready."""
+        chunk, slot, group = self._where[id(param)]
         if group.reduce_state is ReduceState.REDUCED:
             raise GradientLostError(
-                f"parameter {self._name_of[id(param)]!r} received a gradient after its chunk {chunk.index} was already "
+                f"parameter {chunk.slots[slot].name!r} received a gradient after its chunk {chunk.index} was already "
                 "reduce-scattered in this backward, so the gradient would be lost. This happens with reentrant "
                 "activation checkpointing (use torch.utils.checkpoint(..., use_reentrant=False)) or when a "
                 "parameter's gradient does not flow through the wrapped model's outputs."
             )
-        self._adopt(chunk, self._slot_of[id(param)])
-        group.arrived(id(param))
+        with engine_work_context():
+            chunk.grads.adopt(slot)  # see [Note: gradient buffers on arrival]
+        return group.arrived(id(param))
 
-    @engine_work
-    def _adopt(self, chunk: Chunk, slot: int) -> None:
-        chunk.grads.adopt(slot)  # see [Note: gradient buffers on arrival]
+    @property
+    def next_ready(self) -> bool:
+        """Whether the next group of the order is ready to reduce (asked after every gradient, before
+        :meth:`launch_ready` makes a generator)."""
+        return self._next < len(self._steps) and self._steps[self._next][0].reduce_state is ReduceState.READY
 
     def launch_ready(self, loss_scale: float) -> Iterator[Chunk]:
         """Launch the reductions of every group that is next in the order and ready; yields each chunk once launched."""
@@ -150,7 +156,11 @@ class GradientReducer:
     @engine_work
     def _launch(self, chunk: Chunk, loss_scale: float) -> None:
         with phase(REDUCE_SCATTER, chunk):
-            self._waiter.submit(reduce_gradients(chunk, self._comm, loss_scale=loss_scale))
+            reduction = reduce_gradients(chunk, self._comm, loss_scale=loss_scale)
+            if self._local:
+                reduction.complete()
+            else:
+                self._waiter.submit(reduction)
 
     @traced(REDUCE_WAIT)
     def complete(self) -> None:

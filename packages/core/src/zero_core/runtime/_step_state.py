@@ -45,25 +45,38 @@ _WHAT = {_NONE: "no gradient", _ENGINE: "the reduced gradient", _OTHER: "a tenso
 class GradientState:
     """This rank's gradient state, as the step round compares it. See [Note: what a step round agrees on]."""
 
-    def __init__(self, chunks: Any) -> None:
+    def __init__(self, chunks: Any, *, active: bool = True) -> None:
         self._chunks = chunks  # a callable: the trainable chunks, in plan order (the reducer's order)
+        # Whether step rounds run at all (not at one rank, nor with static_graph=True): without them nothing reads
+        # this state, and keeping it would cost a pass over every parameter twice a step.
+        self.active = active
+        # The last segment list, and the order list it was made from (the reducer replaces it when parameters are
+        # frozen or unfrozen): made again only then, not on every read.
+        self._made_from: Any = None
+        self._made: list[tuple[str, Any]] = []
         # each segment's gradient as the engine left it, by the sharded parameter's id; weak, so a gradient the
         # user drops is freed and a new tensor can never pass for it
         self._left: dict[int, weakref.ref[Any]] = {}
         self.backwards = 0  # backwards handed over since zero_grad() last cleared a gradient
 
     def _segments(self) -> list[tuple[str, Any]]:
-        return [(chunk.slots[seg.slot].name, seg.param) for chunk in self._chunks() for seg in chunk.segments]
+        order = self._chunks()
+        if order is not self._made_from:
+            self._made = [(chunk.slots[seg.slot].name, seg.param) for chunk in order for seg in chunk.segments]
+            self._made_from = order
+        return self._made
 
     def mark(self, *, handed_over: bool = False) -> None:
         """The engine left the gradients as they are now (a backward handed them over, or a step ended)."""
+        if not self.active:
+            return
         if handed_over:
             self.backwards += 1
         self._left = {id(p): weakref.ref(p.grad) for _, p in self._segments() if p.grad is not None}
 
     def cleared(self) -> None:
         """``zero_grad()`` runs: it clears something only where a gradient is set."""
-        if any(p.grad is not None for _, p in self._segments()):
+        if self.active and any(p.grad is not None for _, p in self._segments()):
             self.backwards = 0
 
     def state(self) -> bytes:

@@ -41,7 +41,9 @@ from typing import Any
 
 __all__ = ["DistributedTestError", "backend_for", "device_under_test", "rank_device", "run_distributed", "threads_per_rank"]
 
-_PRELOAD = ["torch", "torch.distributed", "zero_core"]
+# what every spawned rank imports (the rank function unpickles zero_core.testing; torch.optim imports torch._dynamo at
+# the first step): imported once in the fork server rather than again in each rank (see tests/conftest.py)
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zero_core", "zero_core.testing"]
 
 
 class DistributedTestError(AssertionError):
