@@ -40,7 +40,8 @@ When the policy *watches* (``GeminiConfig.watch``: on with CUDA, where it reads 
 allocator's figures; on the CPU it counts storages, as the warm-up did), it samples the
 non-model peak of each period of every step and compares it with the plan's figure:
 
-1. at the first period past its figure the step is *over*: from the next compute point
+1. at the first period past its figure (on CUDA, by more than the allocator's rounding
+   of the model's blocks) the step is *over*: from the next compute point
    on, every cached shard not in use goes back to the host and nothing is cached for
    the rest of the step, which gives the activations the cache's room;
 2. before the optimizer step, ranks agree (one flag, MAX) whether any was over; if so,
@@ -114,6 +115,7 @@ class GeminiPolicy(TieredPolicy):
         self._observed: list[int] = []
         self._over = False
         self._over_evictions = 0
+        self._rounding = 0  # set by place(): see there
         self.replans = 0
         # One entry per re-plan: the step, cached shards it sent back once over, need and pinned chunks before and after.
         self.replanned: list[dict[str, int]] = []
@@ -143,6 +145,10 @@ class GeminiPolicy(TieredPolicy):
                 needed=floor,
             )
         self.place_offloaded(chunks, params=HOST)
+        # On CUDA the allocator rounds every block up to 512 bytes, and model data is counted at its exact size: a
+        # later step whose cache holds shards the warm-up did not shows their rounding as non-model bytes. An excess
+        # within that much (each chunk's shard, full buffer, gradient buffer and states, rounded) is no excess.
+        self._rounding = 4 * 512 * len(chunks) if self.context.device.type == "cuda" else 0
         self.tracer = MemoryTracer(self.context.device, on_op=self._audit if self.options.trace_every_step else None)
 
     def keep_gathered_alone(self) -> bool:
@@ -216,7 +222,7 @@ class GeminiPolicy(TieredPolicy):
         """Record the non-model peak of the period that just ended; past the plan's figure, the step is over."""
         period = len(self._observed)
         self._observed.append(peak)
-        if not self._over and peak > self._planned(period):
+        if not self._over and peak > self._planned(period) + self._rounding:
             self._over = True
             log.warning("zero-offload gemini: step %d's non-model data went past the warm-up's trace (%s at period %d, "
                         "planned %s); cached shards go back to the host for the rest of the step and the plan is made "
