@@ -33,6 +33,8 @@ def test_dry_run_writes_every_section(tmp_path):
     (harness,) = sections["cuda tests"]["files"].values()
     assert harness["tests"] > 0 and harness["failures"] == harness["errors"] == 0
     assert all(s.get("error") is None and s["largest_depth"] > 0 for s in sections["capacity"]["systems"])
+    # host memory kept per parameter (zero_bench.host_memory): at least the fp32 parameter and AdamW's two moments
+    assert all(s["host_B_per_param"] >= 12 for s in sections["capacity"]["systems"])
 
 
 def test_without_a_gpu_it_says_how_to_check_the_command(tmp_path):

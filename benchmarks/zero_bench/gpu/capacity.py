@@ -15,6 +15,7 @@ section cannot rot while no GPU is at hand.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -30,6 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from zero_bench.host_memory import host_growth
 from zero_core import ChunkPolicy, Precision, ZeroConfig, shard
 from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
 from zero_offload import GeminiConfig, TierBudgetError
@@ -253,11 +255,16 @@ def _attempt(system: System, env: Env, depth: int) -> Attempt:
         # what earlier attempts left allocated counts against this one's budget: say so in the row
         measured_before = {"left_allocated_MiB": round(torch.cuda.memory_allocated(device) / 2**20, 1)}
     data = SyntheticTokens(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    tokens = [data.batch(i, env.batch).to(device) for i in range(STEPS + 1)]
     start = time.perf_counter()
     measured: dict[str, Any] = dict(measured_before) if device.type == "cuda" else {}
     trainer: Trainer | None = None
     phase = "build"
+    # host memory kept per parameter: build, setup and the first step (untimed for the median), see
+    # [Note: host bytes per parameter] in zero_bench.host_memory
+    window = contextlib.ExitStack()
     try:
+        grown = window.enter_context(host_growth())
         torch.manual_seed(0)
         model = GPT(cfg)  # fp32 on the CPU; each system moves or shards it as it would
         measured["build_s"] = round(time.perf_counter() - start, 2)
@@ -266,12 +273,14 @@ def _attempt(system: System, env: Env, depth: int) -> Attempt:
         trainer = system.build(model, env)
         del model  # the trainer holds what it still needs
         measured["setup_s"] = round(time.perf_counter() - t0, 2)
-        tokens = [data.batch(i, env.batch).to(device) for i in range(STEPS + 1)]
         times = []
         for i in range(STEPS):
             phase = f"step {i + 1}"
-            if i == 1 and trainer.placement_report is not None:
-                before = trainer.placement_report()
+            if i == 1:
+                window.close()
+                measured.update(grown.per_param(cfg.num_params))
+                if trainer.placement_report is not None:
+                    before = trainer.placement_report()
             _sync(device)
             t0 = time.perf_counter()
             trainer.step(tokens[i])
@@ -292,6 +301,7 @@ def _attempt(system: System, env: Env, depth: int) -> Attempt:
         measured.update(_count_copies(trainer, tokens[STEPS], device, step_s))
         return Attempt(depth, "fit", seconds=time.perf_counter() - start, measured=measured)
     finally:
+        window.close()  # an attempt that failed before its second step: the counting stops here
         if trainer is not None:
             try:
                 trainer.close()
@@ -449,6 +459,9 @@ def render_capacity(result: dict[str, Any]) -> list[str]:
         "- host<->device GB/s: bytes copied between host and device, both directions, counted per operator on a 4th "
         "step, over the median step time"
         + (f"; share: of the pinned host-to-device bandwidth above ({pinned} GB/s)." if pinned else "."),
+        "- host B/param: host memory kept per parameter after build, setup and the first step: the host tensors "
+        "alive then (exact), and the resident set's growth (what the machine pays: pinned blocks rounded up and "
+        "cached, malloc's slack); see zero_bench.host_memory.",
         "- tier moves: what gemini's report counts as moved between tiers per step (master shards, gradients, optimizer "
         "states). Gathers reading host-resident shards and the reduced gradients going down are not in it (they are in "
         "the copy count), and a shard moved back to its kept pinned copy counts without being copied.",
@@ -463,7 +476,8 @@ def render_capacity(result: dict[str, Any]) -> list[str]:
     if result.get("error"):
         lines += [f"**ERROR** `{result['error']}`", ""]
     header = ["system", "largest depth", "params (M)", "tokens/s", "step s", "peak alloc MiB", "peak reserved MiB",
-              "host<->device GB/s", "share", "tier moves MiB/step", "depths tried", "what stopped it"]
+              "host<->device GB/s", "share", "host B/param (tensors / resident)", "tier moves MiB/step", "depths tried",
+              "what stopped it"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in result["systems"]:
         params, step_s, moves, rate = row.get("params"), row.get("step_s"), row.get("tier_moves_MiB_per_step"), row.get("offload_GBps")
@@ -473,6 +487,7 @@ def render_capacity(result: dict[str, Any]) -> list[str]:
                  row.get("tokens_per_s"), None if step_s is None else round(statistics.median(step_s[1:]), 3),
                  row.get("peak_alloc_MiB"), row.get("peak_reserved_MiB"), rate,
                  f"{rate / pinned:.0%}" if rate is not None and pinned else None,
+                 None if row.get("host_B_per_param") is None else f"{row['host_B_per_param']} / {row.get('host_rss_B_per_param')}",
                  None if moves is None else round(sum(moves.values()), 1),
                  " ".join(f"{depth}:{status.split(':')[0]}" for depth, status in row.get("tried", [])),
                  "; ".join(stopped).replace("|", "/").replace("\n", " ")]

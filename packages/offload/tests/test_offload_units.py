@@ -2,6 +2,7 @@
 
 import errno
 import os
+import pickle
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from zero_core import ChunkPolicy, ConfigError, PluginNotFoundError, ZeroConfig, shard
 from zero_core.plugin import MemoryTier, ZeroPlugins, policy_call
 from zero_core.testing import PlacementPolicyConformance
-from zero_offload import DiskStore, DiskTierError, GeminiConfig, GeminiPolicy, MemoryTracer, Part, StaticConfig, StaticPolicy
+from zero_offload import DeviceBudgetError, DiskStore, DiskTierError, GeminiConfig, GeminiPolicy, MemoryTracer, Part, StaticConfig, StaticPolicy
 
 DEVICE, HOST, DISK = MemoryTier.DEVICE, MemoryTier.HOST, MemoryTier.DISK
 
@@ -32,6 +33,19 @@ def test_budgets_must_be_positive():
         GeminiConfig(device_budget_mb=0)
     with pytest.raises(ConfigError, match="margin_ratio must be a fraction"):
         GeminiConfig(margin_ratio=2)
+
+
+def test_watch_is_true_false_or_none():
+    with pytest.raises(ConfigError, match=r"GeminiConfig\.watch must be True, False or None, got 'yes'"):
+        GeminiConfig(watch="yes")
+    assert GeminiConfig().watch is None  # on with CUDA, off on the CPU
+
+
+def test_a_device_budget_error_keeps_its_figures_across_processes():
+    """Raised on a rank, re-raised by the launcher: the bytes it names travel with the message."""
+    error = pickle.loads(pickle.dumps(DeviceBudgetError("the device budget (...) is below ...", needed=197504, measured=True)))
+    assert (str(error), error.needed, error.measured) == ("the device budget (...) is below ...", 197504, True)
+    assert isinstance(error, ConfigError)
 
 
 def test_unknown_options_are_listed():

@@ -31,6 +31,25 @@ they are neither traced nor compared, and cache nothing.
 If a step's compute points stop matching the warm-up's (a dynamic graph), the trace no
 longer predicts anything: the policy logs it once and from then on caches nothing and
 assumes the largest non-model peak of the warm-up at every point.
+
+[Note: a step past its trace]
+The plan is exact for the step it measured: ``need`` is the smallest budget it accepts,
+and at that budget every step like the warm-up stays within it (the CPU tests audit
+every operator). A later step can outgrow the trace (a bigger batch, longer sequences).
+When the policy *watches* (``GeminiConfig.watch``: on with CUDA, where it reads the
+allocator's figures; on the CPU it counts storages, as the warm-up did), it samples the
+non-model peak of each period of every step and compares it with the plan's figure:
+
+1. at the first period past its figure (on CUDA, by more than the allocator's rounding
+   of the model's blocks) the step is *over*: from the next compute point
+   on, every cached shard not in use goes back to the host and nothing is cached for
+   the rest of the step, which gives the activations the cache's room;
+2. before the optimizer step, ranks agree (one flag, MAX) whether any was over; if so,
+   each period's figure becomes the larger of the plan's and this step's, and the plan is
+   made again from them: ``need``, prefetch and the chunks pinned in the margin (chunks
+   that no longer fit go back to the host before they step). A new ``need`` above the
+   budget raises :class:`~zero_offload.DeviceBudgetError` naming it, before anything
+   steps. Figures only grow, so a run that alternates batch sizes re-plans once.
 """
 
 from __future__ import annotations
@@ -91,6 +110,15 @@ class GeminiPolicy(TieredPolicy):
         # Largest device total (model data + non-model) seen at any operator, when trace_every_step is on.
         self.audit_max = 0
         self.audit_points = 0
+        # The watch of later steps (see [Note: a step past its trace]): this step's period peaks, whether one went
+        # past the plan's figure, and how many re-plans that caused over the run.
+        self._observed: list[int] = []
+        self._over = False
+        self._over_evictions = 0
+        self._rounding = 0  # set by place(): see there
+        self.replans = 0
+        # One entry per re-plan: the step, cached shards it sent back once over, need and pinned chunks before and after.
+        self.replanned: list[dict[str, int]] = []
 
     # -- setup ------------------------------------------------------------------------
     def place(self, chunks: Sequence[Chunk]) -> None:
@@ -112,9 +140,15 @@ class GeminiPolicy(TieredPolicy):
             raise DeviceBudgetError(
                 f"the device budget ({_mib(budget)}) is below one gather group's buffers and gradient buffers "
                 f"({_mib(floor)}), before any activation; the device needs at least that plus the non-model peak "
-                "the warm-up step will measure. Raise device_budget_mb or use smaller chunks (ChunkPolicy(chunk_size=...))."
+                f"the warm-up step will measure. Raise device_budget_mb above {floor / 2**20!r} (the warm-up's "
+                "refusal then names the exact figure) or use smaller chunks (ChunkPolicy(chunk_size=...)).",
+                needed=floor,
             )
         self.place_offloaded(chunks, params=HOST)
+        # On CUDA the allocator rounds every block up to 512 bytes, and model data is counted at its exact size: a
+        # later step whose cache holds shards the warm-up did not shows their rounding as non-model bytes. An excess
+        # within that much (each chunk's shard, full buffer, gradient buffer and states, rounded) is no excess.
+        self._rounding = 4 * 512 * len(chunks) if self.context.device.type == "cuda" else 0
         self.tracer = MemoryTracer(self.context.device, on_op=self._audit if self.options.trace_every_step else None)
 
     def keep_gathered_alone(self) -> bool:
@@ -137,12 +171,22 @@ class GeminiPolicy(TieredPolicy):
     def warming_up(self) -> bool:
         return self.step_index == 0
 
+    @property
+    def watching(self) -> bool:
+        """Whether later steps are measured against the plan. See [Note: a step past its trace]."""
+        if self.options.trace_every_step:
+            return True
+        return self.tracer.cuda if self.options.watch is None else self.options.watch
+
     def on_transition(self, state: TrainingState) -> None:
         super().on_transition(state)
         if state is TrainingState.FORWARD and not self.in_step and torch.is_grad_enabled():
             self.in_step = True
             self._event = 0
-            if self.warming_up or self.options.trace_every_step:
+            self._observed = []
+            self._over = False
+            self._over_evictions = 0
+            if self.warming_up or self.watching:
                 self.tracer.start(self.device_bytes())
                 self.tracer.sample(self.device_bytes())
 
@@ -161,10 +205,29 @@ class GeminiPolicy(TieredPolicy):
             return
         if self.options.trace_every_step:
             self._audit()
+        if self.watching and k > 0:
+            self._observe(self.tracer.sample(self.device_bytes(), synchronize=False))
         if not self.diverged and (k >= len(self.events) or self.events[k] != key):
             expected = self.events[k] if k < len(self.events) else "nothing"
             self._diverge(f"compute point {k} of step {self.step_index} used {key}, the warm-up trace had {expected}")
         self._make_room(k, chunks, need)
+
+    def _planned(self, period: int) -> int:
+        """The plan's non-model figure for a period of this step (the largest one once the graph diverged)."""
+        if self.diverged or period >= len(self.non_model):
+            return max(self.non_model, default=0)
+        return self.non_model[period]
+
+    def _observe(self, peak: int) -> None:
+        """Record the non-model peak of the period that just ended; past the plan's figure, the step is over."""
+        period = len(self._observed)
+        self._observed.append(peak)
+        if not self._over and peak > self._planned(period) + self._rounding:
+            self._over = True
+            log.warning("zero-offload gemini: step %d's non-model data went past the warm-up's trace (%s at period %d, "
+                        "planned %s); cached shards go back to the host for the rest of the step and the plan is made "
+                        "again before the optimizer step", self.step_index, _mib(peak), period,
+                        _mib(self._planned(period)))
 
     def _diverge(self, why: str) -> None:
         self.diverged = True
@@ -177,11 +240,13 @@ class GeminiPolicy(TieredPolicy):
         tiers = self.tiers
         budget = tiers.budget[DEVICE]
         assert budget is not None
-        non_model = max(self.non_model, default=0) if self.diverged else self.non_model[k]
+        non_model = self._planned(k)
         # on CUDA the allocator's fragmentation measured in the warm-up stays lost in every step: the cache fits beside it
         # (on an H200, steps after a warm-up that ignored it here ran out of memory with 0.4-0.6 GiB stuck in split blocks)
         allowed = (budget - self.prefetch_reserve - self.inflight_reserve - self.tracer.fragmented - non_model
                    - self.context.device_bytes() - need)
+        if self._over:  # the trace underestimates this step: its activations get the cache's room
+            allowed = -1
         # the device holds the pinned chunks' parts and the cached shards (every other part is elsewhere)
         state = self.pinned_bytes + sum(self.chunks[i].shard_bytes for i in self.cached)
         using = {c.index for c in chunks}
@@ -193,8 +258,9 @@ class GeminiPolicy(TieredPolicy):
                 tiers.move(chunk, Part.PARAMS, HOST)
                 self.cached.discard(index)
                 self.evictions += 1
+                self._over_evictions += self._over
                 state -= chunk.shard_bytes
-        if self.diverged:
+        if self.diverged or self._over:
             return
         for chunk in chunks:
             if chunk.index in self.cached or chunk.index in self.pinned or tiers.tier(chunk, Part.PARAMS) is not HOST:
@@ -222,6 +288,16 @@ class GeminiPolicy(TieredPolicy):
             if not self.options.trace_every_step:
                 self.tracer.stop()
             self._plan()
+        elif self.in_step and self.watching:
+            self._observe(self.tracer.sample(self.device_bytes(), synchronize=False))
+            if not self.options.trace_every_step:
+                self.tracer.stop()
+            over = self._over
+            comm = self.context.comm
+            if comm.world_size > 1:  # the plan decides which collectives run (prefetch): every rank re-plans, or none
+                over = comm.agree_any(torch.tensor([over], dtype=torch.uint8))[0].item() > 0
+            if over:
+                self._replan()
         super().before_step(chunks)
 
     def after_step(self, chunks: Sequence[Chunk]) -> None:
@@ -233,44 +309,76 @@ class GeminiPolicy(TieredPolicy):
         self.in_step = False
 
     # -- planning after the warm-up ------------------------------------------------------
+    def _replan(self) -> None:
+        """The plan's figures grow to this step's, and the plan is made again. See [Note: a step past its trace]."""
+        observed = self._observed
+        if not self.diverged and len(observed) == len(self.non_model):
+            self.non_model = [max(a, b) for a, b in zip(self.non_model, observed)]
+        else:  # no point-by-point match: every point assumes the largest peak of either
+            largest = max(max(self.non_model, default=0), max(observed, default=0))
+            self.non_model = [largest] * len(self.non_model)
+        self.replans += 1
+        entry = {"step": self.step_index, "evicted": self._over_evictions, "need_before": self.need,
+                 "pinned_before": len(self.pinned)}
+        self.replanned.append(entry)
+        self._plan()
+        entry.update(need=self.need, pinned=len(self.pinned))
+
     def _plan(self) -> None:
-        """See [Note: gemini's decisions], steps 1 to 3."""
+        """See [Note: gemini's decisions], steps 1 to 3 (and [Note: a step past its trace] for a re-plan)."""
         tiers, comm = self.tiers, self.context.comm
+        self._uses = {}
         for k, (_, indices) in enumerate(self.events):
             for index in indices:
                 self._uses.setdefault(index, []).append(k)
         # on CUDA, cached memory the allocator cannot release counts too (see [Note: what the tracer measures])
-        local = max((w + n for w, n in zip(self.work, self.non_model)), default=0) + self.inflight_reserve
-        local += self.tracer.fragmented
+        if self.diverged:  # the warm-up's points no longer match the steps': the largest of each, at any point
+            local = max(self.work, default=0) + max(self.non_model, default=0)
+        else:
+            local = max((w + n for w, n in zip(self.work, self.non_model)), default=0)
+        local += self.inflight_reserve + self.tracer.fragmented
         self.need = -comm.agree_min(-local) if comm.world_size > 1 else local
         budget = tiers.budget[DEVICE]
         assert budget is not None
         if self.need > budget:
+            what = ("the warm-up step needed at its peak" if not self.replans else
+                    f"step {self.step_index} needed at its peak, past the warm-up's trace (nothing has stepped this step)")
             raise DeviceBudgetError(
-                f"the device budget ({_mib(budget)}) is below what the warm-up step needed at its peak: "
+                f"the device budget ({_mib(budget)}) is below what {what}: "
                 f"{_mib(self.need)} (the gathered chunks and gradient buffers of one compute point plus the "
-                f"activations measured there). Set device_budget_mb to at least {self.need / 2**20:.3f}, or lower the "
-                "activations (smaller micro-batch, activation checkpointing)."
+                f"activations measured there). The smallest budget that trains is device_budget_mb={self.need / 2**20!r} "
+                f"({self.need} bytes); or lower the activations (smaller micro-batch, activation checkpointing).",
+                needed=self.need, measured=True,
             )
         headroom = budget - self.need
         largest = max(self.group_bytes, default=0)
         self.allow_prefetch = self.options.prefetch and headroom >= largest
-        if self.allow_prefetch:
-            self.prefetch_reserve = largest
-            headroom -= largest
+        self.prefetch_reserve = largest if self.allow_prefetch else 0
+        headroom -= self.prefetch_reserve
         margin = int(headroom * self.options.margin_ratio)
+        keep: list[Chunk] = []  # in plan order, while each chunk's parts fit what is left of the margin
         for chunk in self.chunks:
             if not chunk.requires_grad:
                 continue
             cost = tiers.nbytes(chunk)
             if cost > margin:
                 break
+            keep.append(chunk)
+            margin -= cost
+        kept = {c.index for c in keep}
+        for index in sorted(self.pinned - kept):  # a re-plan's smaller margin: these step on the host from now on
+            chunk = self.chunks[index]
+            for part in (Part.GRADS, Part.PARAMS, Part.OPTIM):
+                tiers.move(chunk, part, HOST)
+            self.pinned.discard(index)
+        for chunk in keep:
+            if chunk.index in self.pinned:
+                continue
             for part in (Part.PARAMS, Part.GRADS, Part.OPTIM):  # a gradient may only join its parameter's device
                 tiers.move(chunk, part, DEVICE)
             tiers.drop_host_copy(chunk.index)  # it steps on the device from now on: no host copy to keep fresh
             self.pinned.add(chunk.index)
-            self.pinned_bytes += cost
-            margin -= cost
+        self.pinned_bytes = sum(tiers.nbytes(self.chunks[i]) for i in self.pinned)
 
     # -- audit ----------------------------------------------------------------------------
     def _audit(self) -> None:
@@ -283,7 +391,8 @@ class GeminiPolicy(TieredPolicy):
     def report(self) -> dict[str, Any]:
         return {**super().report(), "need": self.need, "prefetch": self.allow_prefetch, "pinned": sorted(self.pinned),
                 "diverged": self.diverged, "promotions": self.promotions, "evictions": self.evictions,
-                "audit_max": self.audit_max, "audit_points": self.audit_points,
+                "audit_max": self.audit_max, "audit_points": self.audit_points, "replans": self.replans,
+                "replanned": [dict(e) for e in self.replanned],
                 "non_model_peak": max(self.non_model, default=0),
                 "resident": self.tracer.resident, "fragmented": self.tracer.fragmented,
                 "allocator_cached_peak": self.tracer.cached_free}

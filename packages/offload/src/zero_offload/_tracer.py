@@ -97,10 +97,16 @@ class MemoryTracer:
             return max(0, torch.cuda.memory_allocated(self.device) - model_bytes - self.resident)
         return self._mode.live if self._mode is not None else 0
 
-    def sample(self, model_bytes: int = 0) -> int:
-        """The peak non-model bytes since the last sample; starts a new period."""
+    def sample(self, model_bytes: int = 0, *, synchronize: bool = True) -> int:
+        """The peak non-model bytes since the last sample; starts a new period.
+
+        On CUDA ``synchronize=False`` reads the allocator's figures without waiting for the device: they are
+        kept by the host as it allocates and frees, so only frees that wait on another stream's work show late
+        (which makes the figure larger, never smaller). For the watch of later steps, which must not stall them.
+        """
         if self.cuda:
-            torch.cuda.synchronize(self.device)
+            if synchronize:
+                torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - model_bytes - self.resident
             held = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             self.cached_free = max(self.cached_free, held)

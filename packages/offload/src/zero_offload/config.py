@@ -132,11 +132,17 @@ class GeminiConfig(TierConfig):
             has room for one more group at the step's peak (decided once, on every rank alike).
         trace_every_step: Keep the memory tracer on after the warm-up and record the device
             tier's total at every allocation (``policy.audit``). Slow; for tests and debugging.
+        watch: Measure every step's non-model peaks at its compute points, as the warm-up did,
+            and re-plan when one goes past the trace (see [Note: a step past its trace]).
+            ``None``: on with CUDA, where the allocator's figures cost little; off on the CPU,
+            where counting storages at every operator slows a step about tenfold.
+            ``trace_every_step`` watches too.
     """
 
     margin_ratio: float = 0.0
     prefetch: bool = True
     trace_every_step: bool = False
+    watch: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -144,6 +150,8 @@ class GeminiConfig(TierConfig):
         for name in ("prefetch", "trace_every_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"GeminiConfig.{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.watch is not None and not isinstance(self.watch, bool):
+            raise ConfigError(f"GeminiConfig.watch must be True, False or None, got {self.watch!r}.")
 
 
 def mib(value: float | None) -> int | None:
