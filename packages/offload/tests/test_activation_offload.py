@@ -48,8 +48,8 @@ class _Recording(ActivationOffload):
         self.seen = []
         super().__init__(*args, **kwargs)
 
-    def _pack(self, tensor, model):
-        packed = super()._pack(tensor, model)
+    def _pack(self, tensor, model, group):
+        packed = super()._pack(tensor, model, group)
         self.seen.append((tensor, packed))
         return packed
 
@@ -73,6 +73,7 @@ def test_training_with_offloaded_blocks_equals_plain_training_bit_for_bit():
         assert torch.equal(p, q), name
     # every copy that went out came back, and parameters (and views of them, like a Linear's weight.t()) never went
     assert offload.offloaded > 0 and offload.unpacked == offload.offloaded and offload.kept == 0
+    assert offload.prefetched > 0  # block 0's tensors, brought back when block 1's backward began
     storages = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     for tensor, packed in offload.seen:
         if tensor.untyped_storage().data_ptr() in storages:
@@ -93,8 +94,22 @@ def test_counts_are_exact_for_a_known_block():
     offload = offload_activations(block, copy_host_tensors=True)
     x = torch.randn(3, 4)
     block(x).sum().backward()
-    assert offload.counts() == {"offloaded": 3, "kept": 0, "skipped": 1, "unpacked": 3,
+    assert offload.counts() == {"offloaded": 3, "kept": 0, "skipped": 1, "unpacked": 3, "prefetched": 0,
                                 "offloaded_bytes": (3 * 4 + 3 * 8 + 3 * 8) * 4}
+
+
+def test_the_first_unpack_of_a_block_prefetches_the_block_before_it():
+    # Two such blocks in a row: the second one's input needs a gradient, so its first addmm also saves weight.t()
+    # (skipped). Its backward runs first; its first unpack brings back the first block's 3 tensors ahead of their use.
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)) for _ in range(2))
+    offload = offload_activations(blocks, copy_host_tensors=True)
+    x = torch.randn(3, 4)
+    for step in range(2):
+        blocks[1](blocks[0](x)).sum().backward()
+        assert offload.counts() == {"offloaded": 6 * (step + 1), "kept": 0, "skipped": 3 * (step + 1),
+                                    "unpacked": 6 * (step + 1), "prefetched": 3 * (step + 1),
+                                    "offloaded_bytes": 2 * (3 * 4 + 3 * 8 + 3 * 8) * 4 * (step + 1)}
 
 
 def test_without_copies_cpu_tensors_are_kept_and_counted():
@@ -102,7 +117,8 @@ def test_without_copies_cpu_tensors_are_kept_and_counted():
     block = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     with offload_activations(block) as offload:
         block(torch.randn(3, 4)).sum().backward()
-    assert offload.counts() == {"offloaded": 0, "kept": 3, "skipped": 1, "unpacked": 0, "offloaded_bytes": 0}
+    assert offload.counts() == {"offloaded": 0, "kept": 3, "skipped": 1, "unpacked": 0, "prefetched": 0,
+                                "offloaded_bytes": 0}
     assert "forward" not in vars(block)  # removed on exit: the module's own forward again
 
 

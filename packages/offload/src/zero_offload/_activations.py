@@ -12,21 +12,26 @@ forward of each chosen module in ``torch.autograd.graph.saved_tensors_hooks``:
   free as soon as the forward drops it. A tensor already on the host (every tensor on a
   CPU-only machine) is kept as it is: there is nowhere cheaper to put it, and copying it
   would only double it. Both are counted (:class:`ActivationOffload` ``offloaded``, ``kept``).
-- *unpack* (backward): an offloaded tensor comes back to its device on the compute stream,
-  after the compute stream waits for its pack's copy.
+- *unpack* (backward): an offloaded tensor comes back to its device. The first unpack of
+  a block's tensors starts bringing back those of the block whose forward ran just
+  before it (its backward comes next): on CUDA on the copy stream, into memory
+  allocated on the compute stream, which waits for that copy's event only when autograd
+  asks for the tensor. So at most two blocks' offloaded activations are back on the
+  device at once. A tensor not prefetched (the last block's) comes back when asked,
+  on the compute stream after its copy out's event.
 - Parameters, buffers and views of either are never packed: they are model data, which the
   engine and the placement policy own (under ``shard()`` a module's parameters are views of
   a gathered chunk buffer). A saved tensor whose storage is a storage of one of the module's
   parameters or buffers at the time of the call is kept as it is (``skipped``).
 
-Left for later: a prefetch that brings the next block's activations back ahead of its
-backward (today each tensor comes back when autograd asks for it, on the compute stream),
-and Gemini planning which blocks to offload from its warm-up trace (today the caller
-chooses; see docs/placement/gemini.md).
+Left for later: Gemini planning which blocks to offload from its warm-up trace (today the
+caller chooses; see docs/placement/gemini.md). The CUDA streams are written but not yet
+run on a GPU.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -56,13 +61,29 @@ def copy_to(tensor: torch.Tensor, device: torch.device, *, pin: bool = False,
     return out
 
 
+class _Group:
+    """The tensors one call of a wrapped forward offloaded, and the group offloaded just before it.
+
+    Weak references only: a graph that is dropped without a backward frees its host copies.
+    """
+
+    def __init__(self, previous: _Group | None) -> None:
+        self.items: list[weakref.ref[_Packed]] = []
+        self.previous = weakref.ref(previous) if previous is not None else None
+        self.prefetched = False
+
+
 @dataclass
 class _Packed:
-    """A saved tensor moved to the host: where it came from, and the event its copy recorded (CUDA)."""
+    """A saved tensor moved to the host: where it came from, the event its copy out recorded (CUDA), its group, and
+    its copy back once prefetched (with the event that copy recorded on CUDA)."""
 
     host: torch.Tensor
     device: torch.device
     event: torch.cuda.Event | None
+    group: _Group
+    back: torch.Tensor | None = None
+    back_event: torch.cuda.Event | None = None
 
 
 class ActivationOffload:
@@ -74,6 +95,7 @@ class ActivationOffload:
         kept: Saved tensors already on the host, kept as they were (every one on a CPU-only machine).
         skipped: Saved tensors that were parameters, buffers or views of them, never moved.
         unpacked: Offloaded tensors brought back to their device by unpack.
+        prefetched: Of those, tensors already on their way back when unpack asked (see [Note: activation offload]).
         offloaded_bytes: Bytes copied to the host by pack.
     """
 
@@ -89,7 +111,8 @@ class ActivationOffload:
         # Tests only: copy tensors that are already on the host too, so a CPU-only machine runs the copy path.
         self._copy_host = copy_host_tensors
         self._stream: torch.cuda.Stream | None = None
-        self.offloaded = self.kept = self.skipped = self.unpacked = self.offloaded_bytes = 0
+        self.offloaded = self.kept = self.skipped = self.unpacked = self.prefetched = self.offloaded_bytes = 0
+        self._last: _Group | None = None  # the group of the latest wrapped forward: the next one's previous
         for module in self.modules:
             if "forward" in vars(module):
                 raise ValueError(
@@ -104,12 +127,13 @@ class ActivationOffload:
                 return forward(*args, **kwargs)
             # read at each call: under shard() the engine re-points parameters at gathered buffers before it
             model = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, model), self._unpack):
+            group = self._last = _Group(self._last)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, model, group), self._unpack):
                 return forward(*args, **kwargs)
 
         return offloaded_forward
 
-    def _pack(self, tensor: torch.Tensor, model: set[int]) -> Any:
+    def _pack(self, tensor: torch.Tensor, model: set[int], group: _Group) -> Any:
         if isinstance(tensor, nn.Parameter) or tensor.untyped_storage().data_ptr() in model:
             self.skipped += 1
             return tensor
@@ -129,16 +153,51 @@ class ActivationOffload:
             event.record(stream)
         self.offloaded += 1
         self.offloaded_bytes += tensor.numel() * tensor.element_size()
-        return _Packed(copy, tensor.device, event)
+        packed = _Packed(copy, tensor.device, event, group)
+        group.items.append(weakref.ref(packed))
+        return packed
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Packed):
             return packed  # kept or skipped: the tensor itself
         self.unpacked += 1
+        # this group's backward has begun: the group offloaded before it is the next to be asked for
+        previous = packed.group.previous() if packed.group.previous is not None else None
+        if previous is not None and not previous.prefetched:
+            previous.prefetched = True
+            for ref in previous.items:
+                item = ref()
+                if item is not None and item.back is None:
+                    self._fetch(item)
+        if packed.back is not None:  # prefetched: used once (a second unpack, with retain_graph, copies again)
+            self.prefetched += 1
+            out, event, packed.back, packed.back_event = packed.back, packed.back_event, None, None
+            if event is not None:
+                torch.cuda.current_stream(packed.device).wait_event(event)
+            return out
         if packed.event is not None:
             torch.cuda.current_stream(packed.device).wait_event(packed.event)
         # from a pinned buffer the copy does not block the host; the pinned allocator keeps the buffer until it is done
         return packed.host.to(packed.device, non_blocking=packed.host.is_pinned(), copy=True)
+
+    def _fetch(self, packed: _Packed) -> None:
+        """Start ``packed``'s copy back to its device ahead of its unpack (on CUDA on the copy stream)."""
+        if packed.device.type != "cuda" or self._stream is None:
+            packed.back = packed.host.to(packed.device, copy=True)
+            return
+        stream = self._stream
+        compute = torch.cuda.current_stream(packed.device)
+        # allocated on the compute stream, which uses it; the copy stream waits for that stream's earlier use of the memory
+        back = torch.empty_strided(packed.host.shape, packed.host.stride(), dtype=packed.host.dtype, device=packed.device)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            if packed.event is not None:
+                stream.wait_event(packed.event)
+            back.copy_(packed.host, non_blocking=True)
+        back.record_stream(stream)
+        packed.back_event = torch.cuda.Event()
+        packed.back_event.record(stream)
+        packed.back = back
 
     def remove(self) -> None:
         """Put the modules' own forwards back (tensors already packed still come back in their backward)."""
@@ -154,7 +213,7 @@ class ActivationOffload:
 
     def counts(self) -> dict[str, int]:
         return {"offloaded": self.offloaded, "kept": self.kept, "skipped": self.skipped, "unpacked": self.unpacked,
-                "offloaded_bytes": self.offloaded_bytes}
+                "prefetched": self.prefetched, "offloaded_bytes": self.offloaded_bytes}
 
 
 def offload_activations(modules: nn.Module | Iterable[nn.Module], *, copy_host_tensors: bool = False) -> ActivationOffload:
