@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from zero_core import ChunkPolicy, ZeroConfig, shard
+from zero_core import ChunkPolicy, ConfigError, ZeroConfig, shard
 from zero_core.testing.gpt import GPT, GPTConfig, lm_loss
-from zero_offload import ActivationOffload, offload_activations
+from zero_offload import ActivationOffload, GeminiConfig, offload_activations
 from zero_offload._activations import _Packed, copy_to
 
 TINY = GPTConfig(vocab_size=37, seq_len=8, d_model=18, n_layer=2, n_head=2, qkv_bias=False)
@@ -158,3 +158,35 @@ def test_under_shard_one_rank_matches_plain_training_and_skips_the_gathered_para
     for name, value in expected.items():
         torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-7, msg=name)
     assert offload.skipped > 0 and offload.unpacked == offload.offloaded > 0
+
+
+def test_gemini_installs_it_on_the_named_classes_and_trains_as_plain_pytorch():
+    expected, optimizer = _plain()
+    reference = _train(expected, optimizer)
+    model, optimizer = _plain()
+    config = ZeroConfig(stage=3, chunk=ChunkPolicy(chunk_size=300), placement="gemini",
+                        placement_options=GeminiConfig(device_budget_mb=1, offload_activations=("Block",)))
+    sharded = shard(model, optimizer, config=config)
+    assert all("forward" in vars(block) for block in model.blocks)
+    losses = _train(sharded.model, sharded.optimizer)
+    torch.testing.assert_close(losses, reference, rtol=1e-5, atol=0)
+    policy = sharded.model.engine.placement
+    counts = policy.report()["activations"]
+    # on the CPU every saved activation is already on the host: kept, none copied; the gathered parameters skipped
+    assert counts["kept"] > 0 and counts["skipped"] > 0 and counts["offloaded"] == 0
+    policy.close()
+    assert not any("forward" in vars(block) for block in model.blocks)
+
+
+def test_gemini_refuses_a_class_the_model_does_not_have():
+    model, optimizer = _plain()
+    config = ZeroConfig(stage=3, chunk=ChunkPolicy(chunk_size=300), placement="gemini",
+                        placement_options={"device_budget_mb": 1, "offload_activations": ["Blokc"]})
+    with pytest.raises(ConfigError, match=r"names \['Blokc'\], which no module of the model is; its module classes are"):
+        shard(model, optimizer, config=config)
+
+
+@pytest.mark.parametrize("value", ["Block", ("Block", 3), ("not a name",)])
+def test_the_option_is_a_tuple_of_class_names(value):
+    with pytest.raises(ConfigError, match=r"GeminiConfig\.offload_activations must be a tuple of module class names"):
+        GeminiConfig(offload_activations=value)
