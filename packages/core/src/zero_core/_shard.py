@@ -251,7 +251,7 @@ def shard(
                              chunks=chunks_of)
     placement.setup(PlacementContext(
         optimizer=optimizers[0], device=device, comm=comm, config=config, gather_groups=groups,
-        step_chunks=bridge.step_chunks, device_bytes=functools.partial(device_bytes, tuple(chunks), comms),
+        step_chunks=bridge.step_chunks, device_bytes=functools.partial(device_bytes, tuple(chunks), comms), model=model,
     ))
     placement.attach(chunks)  # after the optimizer holds the segments: states created eagerly (Adagrad) move too
 

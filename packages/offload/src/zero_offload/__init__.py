@@ -4,6 +4,7 @@ a memory trace of a warm-up step). Select one with ``ZeroConfig(placement="gemin
 placement_options=GeminiConfig(...))``; subclass :class:`TieredPolicy` to write your own.
 """
 
+from zero_offload._activations import ActivationOffload, offload_activations
 from zero_offload._base import TieredPolicy
 from zero_offload._disk import DiskStore
 from zero_offload._gemini import GeminiPolicy
@@ -15,6 +16,7 @@ from zero_offload.config import GeminiConfig, StaticConfig, TierConfig
 from zero_offload.errors import DeviceBudgetError, DiskTierError, TierBudgetError
 
 __all__ = [
+    "ActivationOffload",
     "DeviceBudgetError",
     "DiskStore",
     "DiskTierError",
@@ -29,4 +31,5 @@ __all__ = [
     "Tiers",
     "TieredPolicy",
     "__version__",
+    "offload_activations",
 ]

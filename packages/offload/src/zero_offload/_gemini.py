@@ -62,6 +62,7 @@ import torch
 
 from zero_core import ConfigError
 from zero_core.plugin import Chunk, TrainingState, get_logger
+from zero_offload._activations import ActivationOffload
 from zero_offload._base import TieredPolicy
 from zero_offload._tiers import DEVICE, HOST, Part
 from zero_offload._tracer import MemoryTracer
@@ -119,6 +120,8 @@ class GeminiPolicy(TieredPolicy):
         self.replans = 0
         # One entry per re-plan: the step, cached shards it sent back once over, need and pinned chunks before and after.
         self.replanned: list[dict[str, int]] = []
+        # Installed by place() when GeminiConfig.offload_activations names module classes.
+        self.activations: ActivationOffload | None = None
 
     # -- setup ------------------------------------------------------------------------
     def place(self, chunks: Sequence[Chunk]) -> None:
@@ -150,6 +153,27 @@ class GeminiPolicy(TieredPolicy):
         # within that much (each chunk's shard, full buffer, gradient buffer and states, rounded) is no excess.
         self._rounding = 4 * 512 * len(chunks) if self.context.device.type == "cuda" else 0
         self.tracer = MemoryTracer(self.context.device, on_op=self._audit if self.options.trace_every_step else None)
+        self.activations = self._offload_activations()
+
+    def _offload_activations(self) -> ActivationOffload | None:
+        """Install activation offload on the modules of the classes ``offload_activations`` names (before the warm-up:
+        the trace measures the step as it will run)."""
+        names = self.options.offload_activations
+        if not names:
+            return None
+        model = self.context.model
+        if model is None:
+            raise ConfigError("GeminiConfig.offload_activations needs the model: this policy was set up without one")
+        chosen = [m for m in model.modules() if type(m).__name__ in names]
+        found = {type(m).__name__ for m in chosen}
+        missing = [n for n in names if n not in found]
+        if missing:
+            classes = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(
+                f"GeminiConfig.offload_activations names {missing}, which no module of the model is; its module "
+                f"classes are {classes}."
+            )
+        return ActivationOffload(chosen)
 
     def keep_gathered_alone(self) -> bool:
         """No: on one rank too a chunk takes device memory only while a module computes with it (the budget is
@@ -380,6 +404,13 @@ class GeminiPolicy(TieredPolicy):
             self.pinned.add(chunk.index)
         self.pinned_bytes = sum(tiers.nbytes(self.chunks[i]) for i in self.pinned)
 
+    def close(self) -> None:
+        """Also put back the forwards wrapped for activation offload."""
+        if self.activations is not None:
+            self.activations.remove()
+            self.activations = None
+        super().close()
+
     # -- audit ----------------------------------------------------------------------------
     def _audit(self) -> None:
         if not self.in_step:
@@ -394,6 +425,7 @@ class GeminiPolicy(TieredPolicy):
                 "audit_max": self.audit_max, "audit_points": self.audit_points, "replans": self.replans,
                 "replanned": [dict(e) for e in self.replanned],
                 "non_model_peak": max(self.non_model, default=0),
+                "activations": self.activations.counts() if self.activations is not None else None,
                 "resident": self.tracer.resident, "fragmented": self.tracer.fragmented,
                 "allocator_cached_peak": self.tracer.cached_free}
 

@@ -137,12 +137,17 @@ class GeminiConfig(TierConfig):
             ``None``: on with CUDA, where the allocator's figures cost little; off on the CPU,
             where counting storages at every operator slows a step about tenfold.
             ``trace_every_step`` watches too.
+        offload_activations: Class names of the model's modules (for example ``("Block",)``)
+            whose saved activations wait in pinned host memory between their forward and
+            backward (every module of those classes; see [Note: activation offload]). The
+            caller chooses them: Gemini does not plan them from its trace yet. ``()``: none.
     """
 
     margin_ratio: float = 0.0
     prefetch: bool = True
     trace_every_step: bool = False
     watch: bool | None = None
+    offload_activations: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -152,6 +157,15 @@ class GeminiConfig(TierConfig):
                 raise ConfigError(f"GeminiConfig.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.watch is not None and not isinstance(self.watch, bool):
             raise ConfigError(f"GeminiConfig.watch must be True, False or None, got {self.watch!r}.")
+        names = self.offload_activations
+        if isinstance(names, list):  # from a mapping of options (JSON, YAML): a list is as good as a tuple
+            names = tuple(names)
+            object.__setattr__(self, "offload_activations", names)
+        if not isinstance(names, tuple) or not all(isinstance(n, str) and n.isidentifier() for n in names):
+            raise ConfigError(
+                "GeminiConfig.offload_activations must be a tuple of module class names, for example ('Block',), "
+                f"got {names!r}."
+            )
 
 
 def mib(value: float | None) -> int | None:

@@ -90,6 +90,8 @@ class PlacementContext:
         device_bytes: ``device_bytes()`` the bytes the engine itself holds on the device
             right now: gathered full buffers, gradient buffers of the running backward
             and the idle ones kept for reuse (not the shards: those are the policy's).
+        model: The user's model, for policies that act on its modules (Gemini's activation
+            offload); ``None`` where a policy is set up without one (unit tests).
     """
 
     optimizer: torch.optim.Optimizer
@@ -99,6 +101,7 @@ class PlacementContext:
     gather_groups: tuple[tuple[int, ...], ...]
     step_chunks: Callable[[Sequence[Chunk]], None]
     device_bytes: Callable[[], int]
+    model: torch.nn.Module | None = None
 
 
 class PlacementPolicy(ABC):
