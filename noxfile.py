@@ -20,6 +20,8 @@ nox.options.error_on_missing_interpreters = True
 
 # The CPU build of torch 2.13.0 is what CI provides; an unpinned torch would pull CUDA wheels.
 TORCH = "torch==2.13.0"
+# the suite's default: as many workers as cores, at most 4 (each worker spawns worlds of up to 4 ranks)
+PARALLEL = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"]
 PACKAGES = ["packages/core", "packages/comm", "packages/strategies/chunk", "packages/strategies/tensor", "packages/offload"]
 
 
@@ -33,9 +35,12 @@ def tests(session: nox.Session) -> None:
     """Unit tests of every package plus the cross-package parity, counting and demo tests."""
     # build: tests/test_packaging.py builds the wheels as `nox -s build` does; matplotlib: the bench's plots are tested;
     # benchmarks: the bench's tests run it, and `zero bench` is the command it registers (entry-point group zero.cli)
-    install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "rich>=13", "build>=1.2", "matplotlib>=3.8",
-                 "-e", "packages/integrations[hf,lightning]", "-e", "benchmarks")
-    session.run("pytest", *session.posargs)
+    # pytest-xdist: most tests run Python on one core (one rank, or ranks waiting on each other), so two workers
+    # keep both of CI's cores busy; --dist loadfile keeps a file on one worker, so its module-scoped models,
+    # checkpoints and spawned worlds are made once. Options after -- replace these (``-- -n 0`` runs serially).
+    install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "rich>=13", "build>=1.2",
+                 "matplotlib>=3.8", "-e", "packages/integrations[hf,lightning]", "-e", "benchmarks")
+    session.run("pytest", *(session.posargs or PARALLEL))
 
 
 @nox.session(default=False)
