@@ -1,5 +1,5 @@
 """The per-module hooks do work only where a chunk changes: see [Note: a unit whose chunks are ready] in
-``zero_core.runtime._engine``, and ``zero_core.runtime._autograd.on_first_gradient`` for the backward hooks on each unit's outputs.
+``zero_core.runtime._unit``, and ``zero_core.runtime._autograd.on_first_gradient`` for the backward hooks on each unit's outputs.
 
 Six linear layers in two chunks of three: in each pass the first unit that needs a chunk gathers it and the
 other units' hooks return at once, so a stage-3 step makes four gathers through the residency (two per pass),
