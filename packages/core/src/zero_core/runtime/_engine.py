@@ -33,7 +33,7 @@ engine drops the queued end-of-backward callback, and nothing tells the engine. 
 entry point (the next forward, ``optimizer.step()``, ``zero_grad()``, each collective
 verb) first *settles*: if the state is still BACKWARD while no backward runs on this
 thread, the reductions issued are completed, their results and every gradient of that
-backward dropped, and the chunks released (``_abort_backward``). Until then the modules
+backward dropped, and the chunks released (``_end_backward`` with ``BackwardEnd.RAISED``). Until then the modules
 hold the sharded parameters with the optimizer's gradients untouched, because a backward
 never registers the full parameters (only a recomputation does).
 
@@ -70,10 +70,12 @@ modules need them, but no parameter's gradient is accumulated. When such a pass 
 engine asks the autograd engine whether it will run any trainable parameter's gradient
 accumulator (``torch._C._will_engine_execute_node``; under ``autograd.grad`` that question is
 refused for leaves, which answers it too); if not, the pass reduces nothing and prepares no
-gradient buffer. With ``create_graph=True`` the gradients it returns have a graph of their
+gradient buffer (its ``BackwardKind`` is CAPTURE, decided once in the pass's ``BackwardPass``).
+With ``create_graph=True`` (CAPTURE_FOR_GRAPH) the gradients it returns have a graph of their
 own that reads the gathered parameters when a later backward runs through it, and that graph
 has no module hooks to gather again; so the chunks stay gathered (the state is
-BACKWARD_PENDING) until that backward ends, and that backward releases nothing before its end.
+BACKWARD_PENDING) until that backward ends, and that backward releases nothing before its end
+(its ``BackwardPass.holds_gathered``).
 Stage 3 then holds the model gathered between the two passes, as stage 2 always does.
 
 [Note: torch.compile]
