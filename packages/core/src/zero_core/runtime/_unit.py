@@ -59,7 +59,8 @@ class UnitHost(Protocol):
 class Unit:
     """One module (or compiled block) that gathers its chunks before its forward and releases them after."""
 
-    __slots__ = ("_host", "_params", "_ran", "_triggers", "_watched", "chunks", "module", "module_id", "state")
+    __slots__ = ("_before_own_backward", "_host", "_params", "_ran", "_triggers", "_watched", "chunks", "module",
+                 "module_id", "state")
 
     def __init__(self, module: nn.Module, chunks: tuple[Chunk, ...], host: UnitHost,
                  triggers: dict[int, set[int]], ran: dict[int, set[int]]) -> None:
@@ -75,6 +76,8 @@ class Unit:
         # since it was last released (cleared when a root forward begins).
         self._triggers = triggers
         self._ran = ran
+        # What its outputs' first gradient calls in each backward: made once, not per forward.
+        self._before_own_backward = functools.partial(self.before_backward, chunks)
 
     def ready(self, chunks: tuple[Chunk, ...]) -> bool:
         """[Note: a unit whose chunks are ready]
@@ -92,7 +95,8 @@ class Unit:
     def before_forward(self, module: nn.Module, args: Any) -> None:
         """Its forward pre-hook: gather its chunks (also for a recomputation in backward)."""
         self.state = UnitState.FORWARD
-        if self._host.state is TrainingState.FORWARD and self.ready(self.chunks):
+        # self.ready(), inlined: this runs for every unit in every forward
+        if self._host.state is TrainingState.FORWARD and not self._watched and self._params.holds(self.chunks):
             return
         self._gather_for_forward(self.chunks, module)
 
@@ -110,17 +114,15 @@ class Unit:
             self._params.use_unsharded()  # a recomputation reads the modules' parameters
         host.residency.gather(chunks, backward=host.state is TrainingState.BACKWARD)
 
+    @traced(POST_FORWARD, chunks="self.chunks")
     def after_forward(self, module: nn.Module, args: Any, outputs: Any) -> None:
         """Its forward hook: release (reshard) each chunk every unit that needs it has run, and hook its outputs
         for its backward."""
-        if self._host.state is not TrainingState.FORWARD:
-            return  # recomputation under activation checkpointing: keep gathered for the backward
-        self._release_after_forward(self.chunks, outputs)
-
-    @traced(POST_FORWARD, chunks="chunks")
-    def _release_after_forward(self, chunks: tuple[Chunk, ...], outputs: Any) -> None:
         host = self._host
+        if host.state is not TrainingState.FORWARD:
+            return  # recomputation under activation checkpointing: keep gathered for the backward
         self.state = UnitState.AFTER_FORWARD
+        chunks = self.chunks
         outs = tensors_of(outputs)
         returned = self._params.returned(outs)
         if returned:  # a module returned one of its parameters: its caller reads it after this hook
@@ -139,26 +141,20 @@ class Unit:
             # one more every step.
             tensors = [t for t in outs if t.requires_grad and t.grad_fn is not None]
             if tensors:
-                on_first_gradient(tensors, self.before_backward if chunks is self.chunks
-                                  else functools.partial(self._before_backward_of, chunks))
+                on_first_gradient(tensors, self._before_own_backward if chunks is self.chunks
+                                  else functools.partial(self.before_backward, chunks))
 
-    def before_backward(self, *_: Any) -> None:
-        """The first gradient reached its outputs: gather its chunks again for its backward."""
-        self._before_backward_of(self.chunks)
-
-    def _before_backward_of(self, chunks: tuple[Chunk, ...], *_: Any) -> None:
+    @traced(PRE_BACKWARD, chunks="chunks")
+    @engine_work
+    def before_backward(self, chunks: tuple[Chunk, ...], *_: Any) -> None:
+        """The first gradient reached its outputs: gather ``chunks`` again for its backward (its own, less those of
+        parameters its module returned, which the backward's start gathers)."""
         host = self._host
         if host.state is not TrainingState.BACKWARD:
             host.enter_backward()
         self.state = UnitState.BACKWARD
-        self._gather_for_backward(chunks)
-
-    @traced(PRE_BACKWARD, chunks="chunks")
-    @engine_work
-    def _gather_for_backward(self, chunks: tuple[Chunk, ...]) -> None:
         if not chunks:
             return
-        host = self._host
         if not self.ready(chunks):
             host.residency.gather(chunks, backward=True)
         backward = host.backward_pass
