@@ -94,11 +94,12 @@ class Unit:
     # -- the moments of a step -------------------------------------------------------------------
     def before_forward(self, module: nn.Module, args: Any) -> None:
         """Its forward pre-hook: gather its chunks (also for a recomputation in backward)."""
-        self.state = UnitState.FORWARD
         # self.ready(), inlined: this runs for every unit in every forward
         if self._host.state is TrainingState.FORWARD and not self._watched and self._params.holds(self.chunks):
+            self.state = UnitState.FORWARD
             return
         self._gather_for_forward(self.chunks, module)
+        self.state = UnitState.FORWARD
 
     @traced(PRE_FORWARD, chunks="chunks")  # apart from the return above: a unit with nothing to do opens no range
     def _gather_for_forward(self, chunks: tuple[Chunk, ...], module: nn.Module) -> None:
