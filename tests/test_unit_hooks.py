@@ -1,5 +1,5 @@
 """The per-module hooks do work only where a chunk changes: see [Note: a unit whose chunks are ready] in
-``zero_core.runtime._engine``, and ``zero_core.runtime._autograd.on_first_gradient`` for the backward hooks on each unit's outputs.
+``zero_core.runtime._unit``, and ``zero_core.runtime._autograd.on_first_gradient`` for the backward hooks on each unit's outputs.
 
 Six linear layers in two chunks of three: in each pass the first unit that needs a chunk gathers it and the
 other units' hooks return at once, so a stage-3 step makes four gathers through the residency (two per pass),
@@ -109,3 +109,86 @@ def test_on_first_gradient_runs_once_per_backward_as_a_multi_grad_hook_does():
     on_first_gradient([unused, torch.ones(2)], lambda grads: called.append(1))  # a tensor without grad is skipped
     (w * 5).sum().backward()
     assert called == []
+
+
+
+def _moments() -> dict:
+    """What the units and the engine's backward pass say at each moment of a step, a gradient penalty and a
+    capture pass (two ranks: at one rank every chunk is kept gathered)."""
+    from zero_core.base._state import TrainingState
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sharded = _model()
+    model, opt = shard(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1),
+                       config=ZeroConfig(stage=3, chunk=ChunkPolicy(chunk_size=3 * LAYER)))
+    engine = model.engine
+    units = engine._module_hooks.units
+    seen: dict[str, object] = {"units": [len(u.chunks) for u in units]}
+
+    def now():
+        backward = engine.backward_pass
+        return (engine.state.value, None if backward is None else backward.kind.value,
+                None if backward is None else backward.holds_gathered, sorted({u.state.value for u in units}),
+                [c.is_gathered for c in engine.chunks])
+
+    def look(name):
+        def hook(grad):  # the input's gradient comes after every module's backward
+            seen[name] = now()
+        return hook
+
+    x, y = _batch(0)
+    per = BATCH // world
+    x, y = x[rank * per:(rank + 1) * per].requires_grad_(True), y[rank * per:(rank + 1) * per]
+    seen["before"] = now()
+    handle = x.register_hook(look("backward"))
+    loss = F.mse_loss(model(x), y)
+    seen["after forward"] = now()
+    loss.backward()
+    handle.remove()
+    seen["after backward"] = now() + ([p.grad is not None for p in model.parameters()],)
+    opt.zero_grad()
+    with torch.no_grad():  # a forward without a graph leaves every unit idle
+        model(x)
+    seen["after a forward without graph"] = now()
+    # a gradient penalty: a capture pass that keeps the chunks gathered, then a backward through its graph that
+    # holds them until its end
+    loss = F.mse_loss(model(x), y)
+    handle = x.register_hook(look("capture for graph"))
+    (grad_x,) = torch.autograd.grad(loss, [x], create_graph=True)
+    handle.remove()
+    seen["after capture for graph"] = now() + ([p.grad is not None for p in model.parameters()],)
+    handle = x.register_hook(look("through the gradients' graph"))
+    (loss + grad_x.pow(2).sum()).backward()
+    handle.remove()
+    seen["after the penalty's backward"] = now() + ([p.grad is not None for p in model.parameters()],)
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    handle = x.register_hook(look("capture"))
+    torch.autograd.grad(loss, [x])
+    handle.remove()
+    seen["after capture"] = now()
+    assert engine.state is TrainingState.IDLE
+    model.close()
+    return seen
+
+
+def test_each_unit_and_backward_pass_records_its_moment_of_the_step():
+    """Each unit's UnitState follows its hooks, and each backward's BackwardPass says what it does with gradients
+    (see [Note: the unit of gather and release] in ``zero_core.runtime._unit``, and [Note: the end of a backward]
+    in ``zero_core.runtime._engine``)."""
+    from zero_core.testing import run_distributed
+
+    sharded, gathered, none, every = [False, False], [True, True], [False] * 12, [True] * 12
+    for seen in run_distributed(_moments, 2, timeout=120):
+        assert seen["units"] == [1] * 6  # six modules, each a unit of one of the two chunks
+        assert seen["before"] == ("idle", None, None, ["idle"], sharded)
+        assert seen["after forward"] == ("backward_pending", None, None, ["after_forward"], sharded)
+        assert seen["backward"] == ("backward", "reduce", False, ["backward"], [True, False])  # the later one reduced
+        assert seen["after backward"] == ("idle", None, None, ["idle"], sharded, every)
+        assert seen["after a forward without graph"] == ("idle", None, None, ["idle"], sharded)
+        assert seen["capture for graph"] == ("backward", "capture_for_graph", False, ["backward"], gathered)
+        assert seen["after capture for graph"] == ("backward_pending", None, None, ["idle"], gathered, none)
+        assert seen["through the gradients' graph"] == ("backward", "reduce", True, ["backward"], gathered)
+        assert seen["after the penalty's backward"] == ("idle", None, None, ["idle"], sharded, every)
+        assert seen["capture"] == ("backward", "capture", False, ["backward"], gathered)  # released at its end
+        assert seen["after capture"] == ("idle", None, None, ["idle"], sharded)

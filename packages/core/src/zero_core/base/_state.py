@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ChunkState", "MemoryTier", "ReduceState", "TrainingState"]
+__all__ = ["BackwardEnd", "BackwardKind", "ChunkState", "MemoryTier", "ReduceState", "TrainingState", "UnitState"]
 
 
 class TrainingState(enum.Enum):
@@ -17,6 +17,48 @@ class TrainingState(enum.Enum):
     #: A forward built an autograd graph whose backward has not finished yet.
     BACKWARD_PENDING = "backward_pending"
     #: Inside ``loss.backward()``: pre-backward gathers, gradient reduction.
+    BACKWARD = "backward"
+
+
+class BackwardKind(enum.Enum):
+    """What the running backward does with the parameters' gradients, decided when it begins.
+    See [Note: backwards that accumulate nothing] in ``zero_core.runtime._engine``."""
+
+    #: ``loss.backward()``: it accumulates into trainable parameters, and reduces them when it ends (outside
+    #: ``no_sync()``), each chunk as soon as its gradients are in.
+    REDUCE = "reduce"
+    #: ``torch.autograd.grad`` over inputs (or ``backward(inputs=...)`` naming no parameter): it gathers what
+    #: modules need and accumulates, prepares and reduces nothing.
+    CAPTURE = "capture"
+    #: As CAPTURE, with ``create_graph=True``: the gradients it returns have a graph that reads the gathered
+    #: parameters, so the chunks stay gathered (BACKWARD_PENDING) until the backward after it ends, and that
+    #: backward releases nothing before its end.
+    CAPTURE_FOR_GRAPH = "capture_for_graph"
+
+
+class BackwardEnd(enum.Enum):
+    """How a backward ended: what the one end-of-backward sequence (``Engine._end_backward``) completes."""
+
+    #: The autograd engine ran the callback queued when the backward began: the rest is reduced and handed over.
+    FINISHED = "finished"
+    #: The backward raised (autograd dropped the queued callback), found by the next entry point's settle: its
+    #: collectives are finished with the peers and everything it produced is dropped.
+    RAISED = "raised"
+
+
+class UnitState(enum.Enum):
+    """Where one unit of gather and release (``zero_core.runtime._unit.Unit``: a module that registers
+    parameters, or the compiled block above such modules) stands in the step. Its chunks' own states are
+    ``ChunkState``: a chunk is shared by the units whose parameters it holds, so a unit's moment in the step
+    says what its hooks did, not whether its chunks are gathered."""
+
+    #: Between steps, or its forward has not run in this step.
+    IDLE = "idle"
+    #: Its forward runs (its pre-hook gathered, or found gathered, its chunks); also a recomputation in backward.
+    FORWARD = "forward"
+    #: Its forward returned inside a forward that builds a graph: its backward may come.
+    AFTER_FORWARD = "after_forward"
+    #: The backward reached its outputs: its chunks were gathered again for its backward.
     BACKWARD = "backward"
 
 

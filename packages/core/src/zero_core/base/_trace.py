@@ -135,7 +135,8 @@ def phase(name: str, detail: Any = None) -> _On | _Off:
 
 def traced(name: str, *, chunks: str | None = None) -> Callable[[F], F]:
     """Decorate a function whose every call is phase ``name``: :func:`phase` around the whole call, whose
-    debug line names the call's argument called ``chunks`` (when given: that parameter's name)."""
+    debug line names the call's argument called ``chunks`` (when given: that parameter's name), or, for
+    ``"self.NAME"``, that attribute of a method's object (a unit's hooks, whose chunks are its own)."""
 
     def decorate(function: F) -> F:
         # where the argument sits when it may be passed by position (signature() follows functools.wraps); a
@@ -143,6 +144,7 @@ def traced(name: str, *, chunks: str | None = None) -> Callable[[F], F]:
         parameters = list(inspect.signature(function).parameters.values())
         by_position = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         position = by_position.index(chunks) if chunks in by_position else sys.maxsize
+        attribute = chunks[len("self."):] if chunks is not None and chunks.startswith("self.") else None
 
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -150,7 +152,9 @@ def traced(name: str, *, chunks: str | None = None) -> Callable[[F], F]:
             if not profiling and not logger.isEnabledFor(_DEBUG):
                 return function(*args, **kwargs)
             detail = None
-            if chunks is not None:
+            if attribute is not None:
+                detail = getattr(args[0], attribute)
+            elif chunks is not None:
                 detail = args[position] if position < len(args) else kwargs.get(chunks)
             with _On(name, detail, profiling):
                 return function(*args, **kwargs)

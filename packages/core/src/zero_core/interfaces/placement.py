@@ -174,9 +174,9 @@ class PlacementPolicy(ABC):
 
     @property
     def watches_computes(self) -> bool:
-        """Whether the policy overrides :meth:`before_compute`. If not, the engine's hooks return at once for a
+        """Whether the policy overrides :meth:`before_compute`. If not, a unit's hooks return at once for a
         module whose chunks are all gathered and registered (see [Note: a unit whose chunks are ready] in
-        ``zero_core.runtime._engine``)."""
+        ``zero_core.runtime._unit``)."""
         return type(self).before_compute is not PlacementPolicy.before_compute
 
     def before_gather(self, chunks: Sequence[Chunk]) -> None:

@@ -33,7 +33,7 @@ engine drops the queued end-of-backward callback, and nothing tells the engine. 
 entry point (the next forward, ``optimizer.step()``, ``zero_grad()``, each collective
 verb) first *settles*: if the state is still BACKWARD while no backward runs on this
 thread, the reductions issued are completed, their results and every gradient of that
-backward dropped, and the chunks released (``_abort_backward``). Until then the modules
+backward dropped, and the chunks released (``_end_backward`` with ``BackwardEnd.RAISED``). Until then the modules
 hold the sharded parameters with the optimizer's gradients untouched, because a backward
 never registers the full parameters (only a recomputation does).
 
@@ -70,10 +70,12 @@ modules need them, but no parameter's gradient is accumulated. When such a pass 
 engine asks the autograd engine whether it will run any trainable parameter's gradient
 accumulator (``torch._C._will_engine_execute_node``; under ``autograd.grad`` that question is
 refused for leaves, which answers it too); if not, the pass reduces nothing and prepares no
-gradient buffer. With ``create_graph=True`` the gradients it returns have a graph of their
+gradient buffer (its ``BackwardKind`` is CAPTURE, decided once in the pass's ``BackwardPass``).
+With ``create_graph=True`` (CAPTURE_FOR_GRAPH) the gradients it returns have a graph of their
 own that reads the gathered parameters when a later backward runs through it, and that graph
 has no module hooks to gather again; so the chunks stay gathered (the state is
-BACKWARD_PENDING) until that backward ends, and that backward releases nothing before its end.
+BACKWARD_PENDING) until that backward ends, and that backward releases nothing before its end
+(its ``BackwardPass.holds_gathered``).
 Stage 3 then holds the model gathered between the two passes, as stage 2 always does.
 
 [Note: torch.compile]
@@ -116,13 +118,11 @@ from torch import nn
 
 from zero_core.base._accounting import engine_work
 from zero_core.base._dtensor_ops import register_mesh_round
-from zero_core.base._state import ChunkState, TrainingState
+from zero_core.base._state import BackwardEnd, BackwardKind, ChunkState, TrainingState
 from zero_core.base._trace import (
     POST_BACKWARD,
-    POST_FORWARD,
     POST_STEP,
     PRE_BACKWARD,
-    PRE_FORWARD,
     PRE_STEP,
     ROOT_POST_FORWARD,
     ROOT_PRE_FORWARD,
@@ -134,6 +134,7 @@ from zero_core.chunks.chunk import Chunk
 from zero_core.comm._lockstep import Lockstep
 from zero_core.interfaces._view import EngineView
 from zero_core.runtime._autograd import in_backward, on_first_gradient, reachable_params, tensors_of
+from zero_core.runtime._backward import BackwardPass
 from zero_core.runtime._module_hooks import ModuleHooks
 from zero_core.runtime._module_params import ModuleParameters
 from zero_core.runtime._optimizer_bridge import OptimizerBridge, ZeroGradHook
@@ -157,7 +158,8 @@ class Engine:
     across chunks. Its collaborators own the rest, each built with what it needs:
 
     - :class:`~zero_core.runtime._module_params.ModuleParameters` (``params``): what the modules hold, gradient hooks;
-    - :class:`~zero_core.runtime._module_hooks.ModuleHooks`: which modules gather which chunks;
+    - :class:`~zero_core.runtime._module_hooks.ModuleHooks`: which modules are units that gather which chunks,
+      each a :class:`~zero_core.runtime._unit.Unit` whose hooks call back here for the training state;
     - :class:`~zero_core.runtime._residency.Residency` (``residency``): gathers, releases, buffers, the gather scheduler;
     - :class:`~zero_core.runtime._reducer.GradientReducer` (``reducer``): reductions and their bookkeeping;
     - :class:`~zero_core.runtime._optimizer_bridge.OptimizerBridge` (``bridge``): the step's own state;
@@ -200,15 +202,16 @@ class Engine:
         self.bridge = bridge
         self.strategy = strategy
         self.placement = placement
-        # See [Note: a unit whose chunks are ready]: a policy that watches computes sees every unit's.
-        self._computes_watched = placement.watches_computes
+        # See [Note: a unit whose chunks are ready] in zero_core.runtime._unit: a policy that watches computes sees
+        # every unit's.
+        self.computes_watched = placement.watches_computes
         self.config = config
         # The plugin manager's hook relay (pluggy): "hooks" alone in this module are torch's module, autograd
         # and optimizer hooks.
         self.plugin_hooks = plugin_hooks
         self.device = device
         self.params = ModuleParameters(module, chunks, self.gather_on_demand, self._on_grad_accumulated)
-        self._module_hooks = ModuleHooks(module, self.params.registrations, chunks, self._pre_forward, self._post_forward)
+        self._module_hooks = ModuleHooks(module, self.params.registrations, chunks, self)
         # Stages 1 and 2 never gather during a pass, so they need no agreement rounds either.
         self._forward_gathers = any(not c.persistent for c in chunks)
         self.groups = list(groups)
@@ -227,19 +230,14 @@ class Engine:
         # Forwards with gradients that raised since the last backward: a rank that skipped its batch after an
         # exception must not pair its next backward with a peer's backward of the batch before (see settle's Note).
         self._raised_forwards = 0
-        self._window_open = False
         # Per-step state, reset by the transitions below.
         self.state = TrainingState.IDLE
-        # Modules that ran in the current forward, per chunk index.
-        self._ran: dict[int, set[int]] = {}
-        self._callback_queued = False
-        # The running backward accumulates into no parameter (torch.autograd.grad over inputs): it gathers what
-        # modules need but reduces nothing. With create_graph, the gradients' own graph reads the parameters in
-        # the backward that follows, so the chunks stay gathered until that backward ends (_hold_gathered).
-        # See [Note: backwards that accumulate nothing].
-        self._capture_only = False
-        self._create_graph = False
-        self._hold_gathered = False
+        # The running backward (made when it begins, dropped at its end: _end_backward); outside a backward, None.
+        self.backward_pass: BackwardPass | None = None
+        # A CAPTURE_FOR_GRAPH backward that finished: its gradients' graph reads the chunks it left gathered
+        # (BACKWARD_PENDING), so the next backward releases nothing before its end. See [Note: backwards that
+        # accumulate nothing].
+        self._gathered_for_graph: BackwardPass | None = None
         self.step_count = 0
 
         # What the step's round compares beyond the phase: see [Note: what a step round agrees on].
@@ -318,7 +316,7 @@ class Engine:
                 self.residency.refresh()
         self.params.use_unsharded()
         self._set_state(TrainingState.FORWARD)
-        self._ran = {}
+        self._module_hooks.begin_forward()
         self.residency.scheduler.begin_pass(reverse=False)
 
     @traced(ROOT_POST_FORWARD)
@@ -332,9 +330,10 @@ class Engine:
             self.residency.release_after_forward(self.chunks, for_backward=graph)
             if not graph:
                 self.residency.drop_leftovers()
+                self._module_hooks.units_idle()
             if graph:
                 self.reducer.expect(reachable_params(tensors))
-                on_first_gradient(tensors, self._enter_backward)
+                on_first_gradient(tensors, self.enter_backward)
                 self._graph_forwards += 1
         except BaseException as error:
             self.abort_forward(error)
@@ -369,63 +368,16 @@ class Engine:
                               stacklevel=2)
         self.residency.drop_leftovers(wait=True)
         self._set_state(TrainingState.IDLE)
+        self._module_hooks.units_idle()
         self.params.use_sharded()
         if torch.is_grad_enabled():
             self._raised_forwards += 1
 
-    def _ready(self, chunks: Sequence[Chunk]) -> bool:
-        """[Note: a unit whose chunks are ready]
-        Every module that registers parameters is a unit with hooks (580 tensors in 48 thin blocks make
-        about 290 units), while a chunk holds the parameters of many units: the first unit of a chunk
-        gathers it and registers its real parameters in every module that holds them, and the hooks of the
-        others find nothing to do. Gathering, the placement policy's ``before_compute`` and registering
-        cost about 70 us per call in Python, 40 ms of a 48-block stage-3 step; so a unit whose chunks are
-        all gathered (none in flight) and registered returns at once, unless the placement policy watches
-        every compute (it overrides ``before_compute``, as Gemini's trace does). What the scheduler does
-        is unchanged: it acts only on chunks not gathered or still in flight."""
-        return not self._computes_watched and self.params.holds(chunks)
-
-    def _pre_forward(self, chunks: tuple[Chunk, ...], module: nn.Module, args: Any) -> None:
-        if self.state is TrainingState.FORWARD and self._ready(chunks):
-            return
-        self._pre_forward_gather(chunks, module)
-
-    @traced(PRE_FORWARD, chunks="chunks")  # apart from the return above: a unit with nothing to do opens no range
-    def _pre_forward_gather(self, chunks: tuple[Chunk, ...], module: nn.Module) -> None:
-        if self.state in (TrainingState.IDLE, TrainingState.BACKWARD_PENDING):
-            if not in_backward():
-                raise ZeroError(
-                    f"{type(module).__name__} ran outside the wrapped model's forward, but its parameters are "
-                    "sharded; call the model returned by zero_core.shard, not one of its submodules"
-                )
-            self._enter_backward()  # activation checkpointing recomputes before any other backward hook
-        if self.state is TrainingState.BACKWARD:
-            self.params.use_unsharded()  # a recomputation reads the modules' parameters
-        self.residency.gather(chunks, backward=self.state is TrainingState.BACKWARD)
-
-    @traced(POST_FORWARD, chunks="chunks")
-    def _post_forward(self, chunks: tuple[Chunk, ...], module_id: int, module: nn.Module, args: Any, outputs: Any) -> None:
-        if self.state is not TrainingState.FORWARD:
-            return  # recomputation under activation checkpointing: keep gathered for the backward
-        outs = tensors_of(outputs)
-        returned = self.params.returned(outs)
-        if returned:  # a module returned one of its parameters: its caller reads it after this hook
-            if torch.is_grad_enabled():
-                self._exposed.update(returned)
-            chunks = tuple(c for c in chunks if c.index not in returned)
-        triggers = self._module_hooks.triggers
-        for chunk in chunks:
-            ran = self._ran.setdefault(chunk.index, set())
-            ran.add(module_id)
-            if ran >= triggers[chunk.index]:
-                self._ran[chunk.index] = set()
-                self.residency.release_after_forward([chunk], for_backward=torch.is_grad_enabled())
-        if torch.is_grad_enabled():
-            # Not on leaves (a module that returns one of its parameters): a hook on a leaf stays for good,
-            # one more every step.
-            tensors = [t for t in outs if t.requires_grad and t.grad_fn is not None]
-            if tensors:
-                on_first_gradient(tensors, functools.partial(self._enter_backward, chunks=chunks))
+    def expose(self, chunk_indices: set[int]) -> None:
+        """A unit's module returned parameters of these chunks in a forward with a graph: its caller reads them
+        outside the module, so they are gathered when the backward begins (see [Note: parameters used outside
+        their module])."""
+        self._exposed.update(chunk_indices)
 
     @engine_work
     def gather_on_demand(self, chunk: Chunk, slot: int) -> nn.Parameter:
@@ -453,91 +405,85 @@ class Engine:
         return chunk.slots[slot].param
 
     # -- backward ------------------------------------------------------------------
-    @traced(PRE_BACKWARD, chunks="chunks")
-    @engine_work
-    def _enter_backward(self, *_: Any, chunks: tuple[Chunk, ...] = ()) -> None:
-        """A backward begins (the root's outputs got a gradient, or the first gradient hook ran), or reaches the
-        outputs of a module whose ``chunks`` it gathers again."""
+    def enter_backward(self, *_: Any) -> None:
+        """A backward reaches the model: the root's outputs got a gradient, a gradient arrived, or a unit's hook
+        ran (on its outputs, or a recomputation's pre-hook). The first of them begins the backward."""
         if self.state is not TrainingState.BACKWARD:
-            forwards, self._graph_forwards = self._graph_forwards, 0
-            # a no_sync() window's gradients share this backward's buffers: a failure here loses them too
-            self._window_open = self.reducer.has_unreduced
-            raised, self._raised_forwards = self._raised_forwards, 0
-            # inside no_sync() or not is part of the phase: a rank accumulating while its peers reduce would leave
-            # their reduce-scatters unpaired (an extra micro-batch under no_sync() on one rank)
-            self._lockstep.begin(f"backward after {forwards} forward(s) with gradients"
-                                 + (f" and {raised} that raised" if raised else "")
-                                 + ("" if self.reducer.sync else " inside no_sync()"), self.step_count)
-            # The modules keep the sharded parameters in backward (autograd reads the unsharded ones it saved), so a
-            # backward that raises leaves them as they are between steps; only a recomputation swaps (_pre_forward).
-            self._set_state(TrainingState.BACKWARD)
-            self.bridge.backward_began()
-            self.reducer.begin(forwards=forwards)
-            self._capture_only, self._create_graph = not self.reducer.accumulates(), torch.is_grad_enabled()
-            self.residency.scheduler.begin_pass(reverse=True)
-            exposed = [c for c in self.chunks if c.index in self._exposed and not c.persistent]
-            if exposed:  # see [Note: parameters used outside their module]
-                self.residency.gather(exposed, backward=True)
-                for chunk in exposed:
-                    if not self._capture_only:
-                        chunk.grads.prepare()
-            if not self._callback_queued:
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        if chunks:
-            if not self._ready(chunks):
-                self.residency.gather(chunks, backward=True)
-            for chunk in chunks:
-                if not self._capture_only and not self.reducer.is_reduced(chunk) and chunk.stage == 1:  # kept anyway
-                    chunk.grads.prepare()  # stages 2 and 3: see [Note: gradient buffers on arrival]
+            self._begin_backward()
+
+    @traced(PRE_BACKWARD)
+    @engine_work
+    def _begin_backward(self) -> None:
+        """A backward begins: the lockstep round, what it does with gradients (a ``BackwardPass``), its gathers'
+        pass, the chunks read outside their modules, and its one end queued on the autograd engine."""
+        forwards, self._graph_forwards = self._graph_forwards, 0
+        # a no_sync() window's gradients share this backward's buffers: a failure here loses them too
+        window_open = self.reducer.has_unreduced
+        raised, self._raised_forwards = self._raised_forwards, 0
+        # inside no_sync() or not is part of the phase: a rank accumulating while its peers reduce would leave
+        # their reduce-scatters unpaired (an extra micro-batch under no_sync() on one rank)
+        self._lockstep.begin(f"backward after {forwards} forward(s) with gradients"
+                             + (f" and {raised} that raised" if raised else "")
+                             + ("" if self.reducer.sync else " inside no_sync()"), self.step_count)
+        # What this backward does with gradients is decided now, once: see [Note: backwards that accumulate nothing].
+        kind = BackwardKind.REDUCE if self.reducer.accumulates() else \
+            BackwardKind.CAPTURE_FOR_GRAPH if torch.is_grad_enabled() else BackwardKind.CAPTURE
+        backward = BackwardPass(kind, window_open=window_open, holds_gathered=self._gathered_for_graph is not None)
+        self._gathered_for_graph = None  # held by this backward now, until its end
+        self.backward_pass = backward
+        # The modules keep the sharded parameters in backward (autograd reads the unsharded ones it saved), so a
+        # backward that raises leaves them as they are between steps; only a recomputation swaps (Unit.before_forward).
+        self._set_state(TrainingState.BACKWARD)
+        self.bridge.backward_began()
+        self.reducer.begin(forwards=forwards)
+        self.residency.scheduler.begin_pass(reverse=True)
+        exposed = [c for c in self.chunks if c.index in self._exposed and not c.persistent]
+        if exposed:  # see [Note: parameters used outside their module]
+            self.residency.gather(exposed, backward=True)
+            for chunk in exposed:
+                if backward.accumulates:
+                    chunk.grads.prepare()
+        # the one end of this backward when it finishes; one that raises is ended by settle (autograd drops this)
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
+        """A gradient arrived: autograd accumulated ``param``'s (an unsharded parameter's) gradient."""
         if self.state is not TrainingState.BACKWARD:  # once per backward, not per parameter (nothing to do after)
-            self._enter_backward()
+            self._begin_backward()
         self.reducer.accumulated(param)
         if self.reducer.sync and self.reducer.next_ready:
+            backward = self.backward_pass
             for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
-                if not self._hold_gathered:
+                if backward is None or not backward.holds_gathered:
                     self.residency.release([chunk])
 
     @traced(POST_BACKWARD)
-    @engine_work
     def _finish_backward(self) -> None:
-        """Queued on the autograd engine: runs once when the outermost backward finishes."""
-        reduce = self.reducer.sync and not self._capture_only
-        keep = self._capture_only and self._create_graph  # a backward through the gradients' graph comes next
-        try:
-            self.residency.scheduler.drain()
-            if reduce:
-                for chunk in self.reducer.launch_rest(self.bridge.loss_scale):
-                    if not self._hold_gathered:
-                        self.residency.release([chunk])
-                self.reducer.complete()
-                self.placement.after_backward(self.chunks)
-                self.reducer.hand_over()
-                self._gradient_state.mark(handed_over=True)
-            if not keep:
-                self.residency.release(self.chunks)
-            if reduce:
-                self.residency.free_idle_buffers()
-        except BaseException:
-            # nothing of this backward reaches the optimizer, and nothing stays gathered or lent
-            for chunk in self.chunks:
-                chunk.grads.discard()
-            self.residency.release(self.chunks)
-            raise
-        finally:
-            for chunk in self.chunks:
-                chunk.drop_post_forward_copy()
-            self.reducer.end()
-            self._callback_queued = False
-            self._capture_only = False
-            self._set_state(TrainingState.BACKWARD_PENDING if keep else TrainingState.IDLE)
-            self._hold_gathered = keep
-            self.params.use_sharded()
+        """Queued on the autograd engine when a backward begins: runs once when the outermost backward finishes."""
+        self._end_backward(BackwardEnd.FINISHED)
 
-    def _finish_abandoned_backward(self) -> None:
-        """A backward raised on this rank: issue the collectives the rest of it would have (see the Note below).
+    @engine_work
+    def _end_backward(self, ended: BackwardEnd) -> None:
+        """The one end of every backward, whichever way it ended. See [Note: the end of a backward].
+
+        [Note: the end of a backward]
+        A backward ends in one of two ways (``BackwardEnd``): the autograd engine runs the callback queued when it
+        began (FINISHED), or the backward raised, autograd dropped that callback, and the next entry point's settle
+        finds the state still BACKWARD (RAISED). Both run this sequence:
+
+        1. the pass's all-gathers are finished with the other ranks (the scheduler's drain; after a raise, the
+           gathers still in flight are completed first);
+        2. a backward that reduces (REDUCE, outside ``no_sync()``) launches the reductions not launched yet, in
+           the reducer's order, and completes them all; FINISHED: each is released as it is launched (unless the
+           backward holds the chunks gathered), the placement policy is told, and the gradients are handed over;
+           RAISED: only the ranks' agreement on which parameters got a gradient is joined (see [Note: a backward
+           that raises finishes its collectives]);
+        3. FINISHED: every chunk is released, unless a CAPTURE_FOR_GRAPH backward leaves them gathered for the
+           backward through its gradients' graph (BACKWARD_PENDING), and a reducing backward frees the idle
+           buffers (see [Note: no idle buffers between steps]);
+        4. whatever happened: a backward that raised, or whose end failed, is undone (every gradient it produced
+           discarded, every chunk released), the copies kept for it are dropped, the reducer's groups go IDLE,
+           the units IDLE, the modules hold the sharded parameters, and the engine leaves BACKWARD.
 
         [Note: a backward that raises finishes its collectives]
         Its peers may still be in that backward, all-gathering (stage 3) and reduce-scattering chunk after chunk.
@@ -549,13 +495,52 @@ class Engine:
         rank's next lockstep round (this rank's next forward or backward, the peers' ``optimizer.step()``) differs,
         so every rank raises RanksOutOfStepError before any step; ranks that all raised finish together and go
         on in step."""
-        if self.residency.scheduler.open:
-            self.residency.scheduler.drain()
-        if self.reducer.sync and not self._capture_only:
-            for _ in self.reducer.launch_rest(self.bridge.loss_scale):
-                pass
-            self.reducer.complete()
-            self.reducer.hand_over(apply=False)
+        backward = self.backward_pass
+        assert backward is not None, "the state is BACKWARD only with a running backward"
+        finished = ended is BackwardEnd.FINISHED
+        reduces = self.reducer.sync and backward.accumulates
+        keep = finished and backward.keeps_gathered
+        undo = not finished
+        try:
+            if not finished:
+                for chunk in self.chunks:
+                    if chunk.state is ChunkState.GATHERING:
+                        chunk.wait()
+            if self.residency.scheduler.open:
+                self.residency.scheduler.drain()
+            if reduces:
+                for chunk in self.reducer.launch_rest(self.bridge.loss_scale):
+                    if finished and not backward.holds_gathered:
+                        self.residency.release([chunk])
+                self.reducer.complete()
+                if finished:
+                    self.placement.after_backward(self.chunks)
+                self.reducer.hand_over(apply=finished)
+                if finished:
+                    self._gradient_state.mark(handed_over=True)
+            if finished:
+                if not keep:
+                    self.residency.release(self.chunks)
+                if reduces:
+                    self.residency.free_idle_buffers()
+            else:
+                self.reducer.complete()  # reductions launched before the raise, whatever this backward was
+        except BaseException:
+            undo = True  # nothing of this backward reaches the optimizer, and nothing stays gathered or lent
+            raise
+        finally:
+            if undo:
+                for chunk in self.chunks:
+                    chunk.grads.discard()
+                self.residency.release(self.chunks)
+            for chunk in self.chunks:
+                chunk.drop_post_forward_copy()
+            self.reducer.end()
+            self.backward_pass = None
+            self._gathered_for_graph = backward if keep else None
+            self._set_state(TrainingState.BACKWARD_PENDING if keep else TrainingState.IDLE)
+            self._module_hooks.units_idle()
+            self.params.use_sharded()
 
     # -- leaving a step by any way ----------------------------------------------------
     def settle(self, what: str | None = None, *, collective: bool = False, in_forward: bool = False) -> None:
@@ -582,39 +567,27 @@ class Engine:
             self.bridge.abort()
             self.residency.after_step(refresh_kept=True)
         if self.state is TrainingState.BACKWARD and not in_backward():
-            accumulating = self._window_open
-            error: BaseException | None = None
+            accumulating = self.backward_pass is not None and self.backward_pass.window_open
             try:
-                for chunk in self.chunks:
-                    if chunk.state is ChunkState.GATHERING:
-                        chunk.wait()
-                self._finish_abandoned_backward()
-                self.reducer.complete()
-            except BaseException as err:  # noqa: BLE001 - the state is reset first, then this is raised
-                error = err
-            finally:
-                for chunk in self.chunks:
-                    chunk.grads.discard()
-                    chunk.drop_post_forward_copy()
-                self.residency.release(self.chunks)
-                self.reducer.end()
-                self._callback_queued = False
-                self._capture_only = self._hold_gathered = False
-                self._set_state(TrainingState.IDLE)
-                self.params.use_sharded()
+                self._end_backward(BackwardEnd.RAISED)
+            except BaseException as error:  # noqa: BLE001 - the state was reset by _end_backward; this is raised after
+                failed: BaseException | None = error
+            else:
+                failed = None
             if accumulating:
                 warnings.warn(
                     "a backward raised inside a no_sync() accumulation: the gradients accumulated in that window "
                     "were discarded along with the failed backward's; start the accumulation again", stacklevel=2)
-            if error is not None:
+            if failed is not None:
                 raise ZeroError(
-                    f"a backward raised earlier, and completing the collectives it had started failed: {error}. The "
+                    f"a backward raised earlier, and completing the collectives it had started failed: {failed}. The "
                     "ranks probably failed at different points of that backward; restart from the last checkpoint"
-                ) from error
+                ) from failed
         if self.state is TrainingState.BACKWARD_PENDING:
             self.residency.drop_leftovers()
             self._set_state(TrainingState.IDLE)
-            self._hold_gathered = False
+            self._module_hooks.units_idle()
+            self._gathered_for_graph = None
         if collective and self._lockstep.begin(what or "a collective call", self.step_count, flag=self.residency.written()):
             self.residency.refresh()  # a verb reads or writes kept buffers: see [Note: writes outside the optimizer]
 

@@ -2,25 +2,24 @@
 
 A unit is a module that registers parameters, or the outermost compiled module above it, which
 then gathers and releases the chunks of all of them. The engine owns one :class:`ModuleHooks`
-and gives it its two handlers; this object decides which modules get them, with which chunks.
+and gives it itself as the units' host; this object decides which modules are units, with which
+chunks, builds a :class:`~zero_core.runtime._unit.Unit` for each and wires its forward hooks to
+the unit's methods (see [Note: the unit of gather and release] in ``zero_core.runtime._unit``).
 """
 
 from __future__ import annotations
 
-import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
+from zero_core.base._state import UnitState
 from zero_core.chunks.chunk import Chunk
+from zero_core.runtime._unit import Unit, UnitHost
 
 __all__ = ["ModuleHooks", "untraced"]
-
-# pre(chunks, module, args) and post(chunks, module_id, module, args, outputs), as forward (pre-)hooks
-PreHandler = Callable[..., Any]
-PostHandler = Callable[..., Any]
 
 
 def untraced(hook: Any) -> Any:
@@ -36,15 +35,18 @@ def untraced(hook: Any) -> Any:
 
 
 class ModuleHooks:
-    """Which modules trigger a gather of which chunks, and the forward hooks that do it."""
+    """Which modules are units that gather which chunks, the units, and the forward hooks that run them."""
 
     def __init__(self, root: nn.Module, registrations: Sequence[tuple[nn.Module, str, Chunk, int]],
-                 chunks: Sequence[Chunk], pre: PreHandler, post: PostHandler) -> None:
+                 chunks: Sequence[Chunk], host: UnitHost) -> None:
         self._root = root
         self._registrations = registrations
-        self._pre, self._post = pre, post
+        self._host = host
         # Per chunk index, the ids of the units whose forward gathers it: a forward releases it once all ran.
         self.triggers: dict[int, set[int]] = {c.index: set() for c in chunks}
+        # Per chunk index, the units that ran in the current forward since it was last released (the units hold it).
+        self._ran: dict[int, set[int]] = {}
+        self.units: tuple[Unit, ...] = ()
         self._handles: list[Any] = []
         # The compiled modules (held, so their ids stay theirs) the hooks were grouped by.
         self._compiled: tuple[nn.Module, ...] = ()
@@ -55,19 +57,30 @@ class ModuleHooks:
         for triggers in self.triggers.values():
             triggers.clear()
         self._compiled = self._compiled_modules()
-        units = self._units(self._compiled)
+        owners = self._units(self._compiled)
         by_unit: dict[int, tuple[nn.Module, dict[int, Chunk]]] = {}
         for m, _, chunk, _ in self._registrations:
-            unit = units.get(id(m), m)
-            by_unit.setdefault(id(unit), (unit, {}))[1][id(chunk)] = chunk
+            owner = owners.get(id(m), m)
+            by_unit.setdefault(id(owner), (owner, {}))[1][id(chunk)] = chunk
+        built: list[Unit] = []
         for module, chunks in by_unit.values():
             ordered = tuple(sorted(chunks.values(), key=lambda c: c.index))
             for chunk in ordered:
                 self.triggers[chunk.index].add(id(module))
-            pre = untraced(functools.partial(self._pre, ordered))
-            post = untraced(functools.partial(self._post, ordered, id(module)))
-            self._handles.append(module.register_forward_pre_hook(pre))
-            self._handles.append(module.register_forward_hook(post))
+            unit = Unit(module, ordered, self._host, self.triggers, self._ran)
+            built.append(unit)
+            self._handles.append(module.register_forward_pre_hook(untraced(unit.before_forward)))
+            self._handles.append(module.register_forward_hook(untraced(unit.after_forward)))
+        self.units = tuple(built)
+
+    def begin_forward(self) -> None:
+        """The wrapped model's forward begins: no unit has run in it yet."""
+        self._ran.clear()
+
+    def units_idle(self) -> None:
+        """The step's forward and backward are over (or undone): every unit is IDLE again."""
+        for unit in self.units:
+            unit.state = UnitState.IDLE
 
     def regroup_if_compiled(self) -> None:
         """A module was compiled (or a compiled one replaced) since the hooks were installed: install them again."""
@@ -80,6 +93,7 @@ class ModuleHooks:
             handle.remove()
         self._handles.clear()
         self._compiled = ()
+        self.units = ()
 
     def _compiled_modules(self) -> tuple[nn.Module, ...]:
         """The modules below the root that are compiled, in ``modules()`` order."""

@@ -1,0 +1,169 @@
+"""One unit of gather and release: a module that registers parameters, or the compiled block above such modules.
+
+[Note: the unit of gather and release]
+FSDP2 keeps one object per ``fully_shard`` call (``FSDPParamGroup``) that gathers, reshards and reduces its
+parameters. Zero's unit is the module whose forward needs a set of chunks (see [Note: when chunks are gathered
+and released] and [Note: torch.compile] in ``zero_core.runtime._engine``), and a :class:`Unit` is its runtime
+object: its chunks, its :class:`~zero_core.base._state.UnitState`, and one method per moment of a step at which
+its torch hooks fire: :meth:`Unit.before_forward` (its forward pre-hook), :meth:`Unit.after_forward` (its forward
+hook), :meth:`Unit.before_backward` (the first gradient at its outputs). What is not the unit's alone stays with
+the objects that see across units, because a chunk is shared by every unit whose parameters it holds (a GPT-2
+block's six modules share one chunk under the chunk strategy): a gradient arrives per parameter and is reduced
+per gather group, in one order across groups (``GradientReducer``); a chunk is released after forward when every
+unit that needs it has run (the triggers of ``ModuleHooks``); the end of a backward, and of the step after it,
+release and hand over every chunk at once (``Engine._end_backward``, ``Residency.after_step``). A unit moves its
+chunks only through the engine's ``Residency`` (see [Note: who moves a chunk]).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from zero_core.base._accounting import engine_work
+from zero_core.base._state import TrainingState, UnitState
+from zero_core.base._trace import POST_FORWARD, PRE_BACKWARD, PRE_FORWARD, traced
+from zero_core.base.errors import ZeroError
+from zero_core.chunks.chunk import Chunk
+from zero_core.runtime._autograd import in_backward, on_first_gradient, tensors_of
+from zero_core.runtime._backward import BackwardPass
+from zero_core.runtime._module_params import ModuleParameters
+from zero_core.runtime._reducer import GradientReducer
+from zero_core.runtime._residency import Residency
+
+__all__ = ["Unit", "UnitHost"]
+
+
+class UnitHost(Protocol):
+    """What a unit reads of the engine that runs it (the engine; a protocol, so this module needs no import of it)."""
+
+    state: TrainingState
+    params: ModuleParameters
+    residency: Residency
+    reducer: GradientReducer
+
+    @property
+    def backward_pass(self) -> BackwardPass | None: ...
+
+    @property
+    def computes_watched(self) -> bool: ...
+
+    def enter_backward(self) -> None: ...
+
+    def expose(self, chunk_indices: set[int]) -> None: ...
+
+
+class Unit:
+    """One module (or compiled block) that gathers its chunks before its forward and releases them after."""
+
+    __slots__ = ("_before_own_backward", "_host", "_params", "_ran", "_triggers", "_watched", "chunks", "module",
+                 "module_id", "state")
+
+    def __init__(self, module: nn.Module, chunks: tuple[Chunk, ...], host: UnitHost,
+                 triggers: dict[int, set[int]], ran: dict[int, set[int]]) -> None:
+        self.module = module
+        self.module_id = id(module)
+        self.chunks = chunks  # in index order
+        self.state = UnitState.IDLE
+        self._host = host
+        self._params = host.params
+        # See [Note: a unit whose chunks are ready] below.
+        self._watched = host.computes_watched
+        # Per chunk index, the units that gather it (shared with ModuleHooks), and those that ran in this forward
+        # since it was last released (cleared when a root forward begins).
+        self._triggers = triggers
+        self._ran = ran
+        # What its outputs' first gradient calls in each backward: made once, not per forward.
+        self._before_own_backward = functools.partial(self.before_backward, chunks)
+
+    def ready(self, chunks: tuple[Chunk, ...]) -> bool:
+        """[Note: a unit whose chunks are ready]
+        Every module that registers parameters is a unit with hooks (580 tensors in 48 thin blocks make
+        about 290 units), while a chunk holds the parameters of many units: the first unit of a chunk
+        gathers it and registers its real parameters in every module that holds them, and the hooks of the
+        others find nothing to do. Gathering, the placement policy's ``before_compute`` and registering
+        cost about 70 us per call in Python, 40 ms of a 48-block stage-3 step; so a unit whose chunks are
+        all gathered (none in flight) and registered returns at once, unless the placement policy watches
+        every compute (it overrides ``before_compute``, as Gemini's trace does). What the scheduler does
+        is unchanged: it acts only on chunks not gathered or still in flight."""
+        return not self._watched and self._params.holds(chunks)
+
+    # -- the moments of a step -------------------------------------------------------------------
+    def before_forward(self, module: nn.Module, args: Any) -> None:
+        """Its forward pre-hook: gather its chunks (also for a recomputation in backward)."""
+        # self.ready(), inlined: this runs for every unit in every forward
+        if self._host.state is TrainingState.FORWARD and not self._watched and self._params.holds(self.chunks):
+            self.state = UnitState.FORWARD
+            return
+        self._gather_for_forward(self.chunks, module)
+        self.state = UnitState.FORWARD
+
+    @traced(PRE_FORWARD, chunks="chunks")  # apart from the return above: a unit with nothing to do opens no range
+    def _gather_for_forward(self, chunks: tuple[Chunk, ...], module: nn.Module) -> None:
+        host = self._host
+        if host.state in (TrainingState.IDLE, TrainingState.BACKWARD_PENDING):
+            if not in_backward():
+                raise ZeroError(
+                    f"{type(module).__name__} ran outside the wrapped model's forward, but its parameters are "
+                    "sharded; call the model returned by zero_core.shard, not one of its submodules"
+                )
+            host.enter_backward()  # activation checkpointing recomputes before any other backward hook
+        if host.state is TrainingState.BACKWARD:
+            self._params.use_unsharded()  # a recomputation reads the modules' parameters
+        host.residency.gather(chunks, backward=host.state is TrainingState.BACKWARD)
+
+    @traced(POST_FORWARD, chunks="self.chunks")
+    def after_forward(self, module: nn.Module, args: Any, outputs: Any) -> None:
+        """Its forward hook: release (reshard) each chunk every unit that needs it has run, and hook its outputs
+        for its backward."""
+        host = self._host
+        if host.state is not TrainingState.FORWARD:
+            return  # recomputation under activation checkpointing: keep gathered for the backward
+        self.state = UnitState.AFTER_FORWARD
+        chunks = self.chunks
+        outs = tensors_of(outputs)
+        returned = self._params.returned(outs)
+        if returned:  # a module returned one of its parameters: its caller reads it after this hook
+            if torch.is_grad_enabled():
+                host.expose(returned)
+            chunks = tuple(c for c in chunks if c.index not in returned)
+        triggers, ran_by_chunk, me = self._triggers, self._ran, self.module_id
+        for chunk in chunks:
+            ran = ran_by_chunk.setdefault(chunk.index, set())
+            ran.add(me)
+            if ran >= triggers[chunk.index]:
+                ran_by_chunk[chunk.index] = set()
+                host.residency.release_after_forward([chunk], for_backward=torch.is_grad_enabled())
+        if torch.is_grad_enabled():
+            # Not on leaves (a module that returns one of its parameters): a hook on a leaf stays for good,
+            # one more every step.
+            tensors = [t for t in outs if t.requires_grad and t.grad_fn is not None]
+            if tensors:
+                on_first_gradient(tensors, self._before_own_backward if chunks is self.chunks
+                                  else functools.partial(self.before_backward, chunks))
+
+    @traced(PRE_BACKWARD, chunks="chunks")
+    @engine_work
+    def before_backward(self, chunks: tuple[Chunk, ...], *_: Any) -> None:
+        """The first gradient reached its outputs: gather ``chunks`` again for its backward (its own, less those of
+        parameters its module returned, which the backward's start gathers)."""
+        host = self._host
+        if host.state is not TrainingState.BACKWARD:
+            host.enter_backward()
+        self.state = UnitState.BACKWARD
+        if not chunks:
+            return
+        if not self.ready(chunks):
+            host.residency.gather(chunks, backward=True)
+        backward = host.backward_pass
+        if backward is None or not backward.accumulates:
+            return
+        for chunk in chunks:
+            if chunk.stage == 1 and not host.reducer.is_reduced(chunk):  # kept anyway
+                chunk.grads.prepare()  # stages 2 and 3: see [Note: gradient buffers on arrival]
+
+    def __repr__(self) -> str:
+        return f"Unit({type(self.module).__name__}, chunks={[c.index for c in self.chunks]}, {self.state.value})"
