@@ -1,0 +1,30 @@
+"""nox sessions say what they install before pip goes quiet: nox shows nothing while pip installs (torch's first
+install is a silent minute or two), so each ``session.install`` in noxfile.py follows a ``session.log`` naming it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _is_call(node: ast.AST, attribute: str) -> bool:
+    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)
+            and node.value.func.attr == attribute and isinstance(node.value.func.value, ast.Name)
+            and node.value.func.value.id == "session")
+
+
+def test_every_install_in_the_noxfile_is_announced_first() -> None:
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    installs = 0
+    silent = []
+    for function in (node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)):
+        for body in (node.body for node in ast.walk(function) if hasattr(node, "body") and isinstance(node.body, list)):
+            for before, statement in zip([None, *body], body, strict=False):
+                if _is_call(statement, "install"):
+                    installs += 1
+                    if before is None or not _is_call(before, "log"):
+                        silent.append(f"noxfile.py:{statement.lineno} ({function.name})")
+    assert installs >= 7, installs  # the check saw the sessions' installs
+    assert not silent, f"session.install without a session.log just before it (say what is being installed): {silent}"
