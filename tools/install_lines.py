@@ -256,23 +256,34 @@ def third_party(lines: list[InstallLine]) -> list[str]:
 def run(clone: Path, only: str = "") -> int:
     """Each command as written (``pip`` being a fresh venv's), inside ``clone``, which holds dist/ already.
 
-    Commands with ``--target`` or a wheel glob need folders only another machine's instructions make; they run
-    with ``--dry-run``."""
-    failed = 0
+    The pages say to install torch first (the build your machine needs), so each venv starts with torch 2.13.0, the
+    CPU build CI tests: installed once into a folder that each venv sees through a .pth file (a command naming
+    ``torch==2.13.0`` finds it satisfied; without it, pip would fetch the newest CUDA torch for every command).
+    Commands with ``--target`` or a wheel glob need folders only another machine's instructions make: skipped."""
+    work = clone / ".install-lines"
+    torch_dir = work / "torch"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    if not torch_dir.is_dir():
+        subprocess.run([*pip, "install", "--no-compile", "--target", str(torch_dir), TORCH], check=True)
+    failed = []
     for index, item in enumerate(all_lines(clone)):
-        if only not in f"{item.where(clone)}  pip install {item.command}":
-            continue
-        venv = clone / ".install-lines" / str(index)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        shown = f"{item.where(clone)}  pip install {item.command}"
         tokens = [_substitute(t) for t in item.tokens]
-        if "--target" in tokens or any("*" in t for t in tokens):
-            print(f"skipped (needs another machine's folders): {item.where(clone)}  pip install {item.command}", flush=True)
+        if only not in shown:
             continue
-        command = [str(venv / "bin" / "python"), "-m", "pip", "install", *tokens]
-        print(f"{item.where(clone)}  pip install {item.command}", flush=True)
+        if "--target" in tokens or any("*" in t for t in tokens):
+            print(f"skipped (needs another machine's folders): {shown}", flush=True)
+            continue
+        venv = work / str(index)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)], check=True)
+        site = next(venv.glob("lib/python*/site-packages"))
+        (site / "zero_install_lines_torch.pth").write_text(f"{torch_dir}\n")
+        print(shown, flush=True)
+        command = [*pip, "--python", str(venv / "bin" / "python"), "install", "--no-compile", *tokens]
         if subprocess.run(command, cwd=clone).returncode != 0:
-            print(f"FAILED: {item.where(clone)}  pip install {item.command}", flush=True)
-            failed += 1
+            failed.append(shown)
+    for shown in failed:
+        print(f"FAILED: {shown}", flush=True)
     return 1 if failed else 0
 
 
