@@ -1,5 +1,7 @@
-"""nox sessions say what they install before pip goes quiet: nox shows nothing while pip installs (torch's first
-install is a silent minute or two), so each ``session.install`` in noxfile.py follows a ``session.log`` naming it."""
+"""Long work shows progress. nox sessions say what they install before pip goes quiet (nox shows nothing while pip
+installs, and torch's first install is a silent minute or two), so each ``session.install`` in noxfile.py follows a
+``session.log`` naming it. The framework examples keep their frameworks' progress bars (elapsed, ETA, steps/s on
+rank 0). The demo's own step lines are checked on the runs tests/test_text_example.py and tests/test_demo.py make."""
 
 from __future__ import annotations
 
@@ -28,3 +30,10 @@ def test_every_install_in_the_noxfile_is_announced_first() -> None:
                         silent.append(f"noxfile.py:{statement.lineno} ({function.name})")
     assert installs >= 7, installs  # the check saw the sessions' installs
     assert not silent, f"session.install without a session.log just before it (say what is being installed): {silent}"
+
+
+def test_the_framework_examples_keep_their_progress_bars() -> None:
+    hf = (ROOT / "examples" / "hf_trainer.py").read_text()
+    assert "disable_tqdm=False" in hf and "disable_tqdm=True" not in hf, "examples/hf_trainer.py hides the Trainer's bar"
+    lightning = (ROOT / "examples" / "lightning_train.py").read_text()
+    assert "enable_progress_bar=False" not in lightning, "examples/lightning_train.py hides Lightning's progress bar"
