@@ -7,7 +7,7 @@ fresh virtual environment inside a fresh clone with the wheels of ``nox -s build
 
     python tools/install_lines.py                  # list them: file:line  command
     python tools/install_lines.py --check          # the static checks only; exit 1 naming each problem
-    python tools/install_lines.py --run CLONE      # install each in a fresh venv inside CLONE (slow: torch every time)
+    python tools/install_lines.py --run CLONE      # install each in a fresh venv inside CLONE (slow; --only TEXT: a subset)
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCH = "torch==2.13.0"
 # Placeholders the text uses for "your checkout" and "your dist folder", and what they stand for in a clone.
 PLACEHOLDERS = {"CHECKOUT/": "", "/path/to/zero/": "", ".../dist": "dist"}
-# Folders of built wheels, and where a reader is told to build them: dist/ by `nox -s build`; the others by the
-# tools/build_dists.py --outdir command on the same page.
-BUILT = {"dist": "nox -s build"}
+# Folders of built wheels: dist/, which `nox -s build` writes; any other must be the --outdir of a
+# tools/build_dists.py command on the same page.
+BUILT = {"dist"}
 # pip options the commands use; one that takes a value lists it here.
 OPTIONS_WITH_VALUE = {"-e", "--editable", "-f", "--find-links", "--target", "-r", "--requirement"}
 FLAGS = {"--no-index", "--no-deps", "--dry-run", "-U", "--upgrade"}
