@@ -37,6 +37,8 @@ BUILT = {"dist"}
 # pip options the commands use; one that takes a value lists it here.
 OPTIONS_WITH_VALUE = {"-e", "--editable", "-f", "--find-links", "--target", "-r", "--requirement"}
 FLAGS = {"--no-index", "--no-deps", "--dry-run", "-U", "--upgrade"}
+# zero as the README's editable install has it: where a quoted hint is run.
+ZERO_EDITABLE = ("packages/core", "packages/comm", "packages/strategies/chunk", "packages/strategies/tensor", "packages/offload")
 # The pages that quote the install hint zero itself prints (zero_core.base._install.install_command): that hint is
 # given inside an environment where zero is installed, so the zero distributions it needs are there already, and
 # it is checked for its names, paths and extras only. (page, command as tokens joined by one space): the hint.
@@ -259,7 +261,8 @@ def run(clone: Path, only: str = "") -> int:
     The pages say to install torch first (the build your machine needs), so each venv starts with torch 2.13.0, the
     CPU build CI tests: installed once into a folder that each venv sees through a .pth file (a command naming
     ``torch==2.13.0`` finds it satisfied; without it, pip would fetch the newest CUDA torch for every command).
-    Commands with ``--target`` or a wheel glob need folders only another machine's instructions make: skipped."""
+    Commands with ``--target`` or a wheel glob need folders only another machine's instructions make: skipped. A
+    quoted hint (QUOTED_HINTS) runs where zero is installed: its venv gets zero's editable install of the README first."""
     work = clone / ".install-lines"
     torch_dir = work / "torch"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
@@ -279,8 +282,10 @@ def run(clone: Path, only: str = "") -> int:
         site = next(venv.glob("lib/python*/site-packages"))
         (site / "zero_install_lines_torch.pth").write_text(f"{torch_dir}\n")
         print(shown, flush=True)
-        command = [*pip, "--python", str(venv / "bin" / "python"), "install", "--no-compile", *tokens]
-        if subprocess.run(command, cwd=clone).returncode != 0:
+        install = [*pip, "--python", str(venv / "bin" / "python"), "install", "--no-compile"]
+        if (item.path.relative_to(clone).as_posix(), " ".join(item.tokens)) in QUOTED_HINTS:
+            subprocess.run([*install, *(arg for path in ZERO_EDITABLE for arg in ("-e", path))], cwd=clone, check=True)
+        if subprocess.run([*install, *tokens], cwd=clone).returncode != 0:
             failed.append(shown)
     for shown in failed:
         print(f"FAILED: {shown}", flush=True)
