@@ -6,11 +6,15 @@
 ``nox -s gpu`` (one GPU's figures into a report; ``-- --dry-run`` on the CPU),
 ``nox -s microbench`` (pytest-benchmark micro-benchmarks of the collectives on 2 gloo ranks;
 pass pytest-benchmark options after ``--``, e.g. ``--benchmark-compare``),
+``nox -s install_lines`` (every ``pip install`` command of the docs, run as written in a fresh clone),
 ``nox -s lint`` (``ruff check .`` with pyproject.toml's rules; ruff options after ``--``) and
 ``nox -s typecheck`` (mypy over the six libraries, settings in pyproject.toml's ``[tool.mypy]``;
 mypy options after ``--``). CI (.ci/run) runs tests, docs, lint and typecheck."""
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import nox
 
@@ -26,7 +30,10 @@ PACKAGES = ["packages/core", "packages/comm", "packages/strategies/chunk", "pack
 
 
 def install_zero(session: nox.Session, *extra: str) -> None:
+    # pip is silent under nox for the minute torch's first install takes: say what is coming first.
+    session.log(f"installing {TORCH} (about 200 MB on a first run, quiet for up to a minute or two)")
     session.install(TORCH)
+    session.log("installing zero (" + ", ".join(PACKAGES) + ")" + (f" and {' '.join(extra)}" if extra else ""))
     session.install(*[arg for path in PACKAGES for arg in ("-e", path)], *extra)
 
 
@@ -51,6 +58,7 @@ def build(session: nox.Session) -> None:
     builds each wheel from its sdist and checks py.typed, LICENSE, entry points and that no tests ship.
     Install from them with ``pip install --find-links dist zero-core zero-strategy-chunk``.
     """
+    session.log("installing build (pypa's sdist and wheel builder)")
     session.install("build>=1.2")
     session.run("python", "tools/build_dists.py", "--outdir", "dist", *session.posargs)
 
@@ -88,9 +96,29 @@ def hf_trainer(session: nox.Session) -> None:
                 "examples/hf_trainer.py", *session.posargs)
 
 
+@nox.session(default=False)
+def install_lines(session: nox.Session) -> None:
+    """Every ``pip install`` command of README.md, docs/ and the examples' and distributions' READMEs, run as
+    written, each in a fresh virtual environment inside a fresh clone of the committed tree with the wheels of
+    ``nox -s build`` in its dist/ (tools/install_lines.py; the suite's tests/test_install_lines.py checks the same
+    commands without installing). Slow: each command installs torch anew; ``-- --list`` only lists them."""
+    session.log("installing build and packaging (to build the wheels and read the commands)")
+    session.install("build>=1.2", "packaging>=24")
+    if "--list" in session.posargs:
+        session.run("python", "tools/install_lines.py")
+        return
+    clone = Path(session.create_tmp()).resolve() / "clone"
+    shutil.rmtree(clone, ignore_errors=True)
+    session.log(f"cloning the committed tree into {clone} and building every wheel into its dist/")
+    session.run("git", "clone", "--quiet", "--no-hardlinks", ".", str(clone), external=True)
+    session.run("python", str(clone / "tools" / "build_dists.py"), "--wheel", "--outdir", str(clone / "dist"))
+    session.run("python", str(clone / "tools" / "install_lines.py"), "--run", str(clone))
+
+
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the documentation site with the pinned packages of docs/requirements.txt; warnings are errors."""
+    session.log("installing docs/requirements.txt (mkdocs and its plugins, pinned)")
     session.install("-r", "docs/requirements.txt")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
 
@@ -101,6 +129,7 @@ def docs_screenshots(session: nox.Session) -> None:
     (diagrams drawn as SVG, nothing fetched off the machine, no sideways scrolling) and save screenshots to
     site-screenshots/. Needs a system Chromium (``apt-get install chromium``); ``-- --pages a/index.html ...``
     checks other pages (docs/_ext/site_check.py)."""
+    session.log("installing docs/requirements.txt and playwright (pinned; Chromium is the system's)")
     session.install("-r", "docs/requirements.txt", "playwright==1.65.2")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
     session.run("python", "docs/_ext/site_check.py", "--site", "site", "--out", "site-screenshots", *session.posargs)
@@ -160,6 +189,7 @@ def lint(session: nox.Session) -> None:
 
     Needs nothing but ruff (no torch, no zero). Options after -- go to ruff, e.g. ``nox -s lint -- --fix``.
     """
+    session.log(f"installing {RUFF}")
     session.install(RUFF)
     session.run("ruff", "check", ".", *session.posargs)
 

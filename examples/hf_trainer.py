@@ -10,7 +10,8 @@ The text is this repository's own documentation, read byte by byte (a 256-token
 vocabulary), so nothing is downloaded. The Trainer's loop is unchanged: gradient
 accumulation, clipping by the global norm (the logged ``grad_norm``), a cosine schedule,
 ``save_steps`` checkpoints (each rank writes its shards) and a final ``save_model`` that
-writes ``config.json`` plus sharded safetensors. Rank 0 then reloads that directory with
+writes ``config.json`` plus sharded safetensors. Rank 0 shows the Trainer's own progress bar
+(elapsed time, ETA, steps per second) as any Trainer run does. Rank 0 then reloads that directory with
 plain ``AutoModelForCausalLM.from_pretrained`` and prints a sample.
 """
 
@@ -63,7 +64,7 @@ def main() -> None:
         output_dir=args.output_dir, per_device_train_batch_size=8, gradient_accumulation_steps=2,
         max_steps=args.steps, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=5, max_grad_norm=1.0,
         logging_steps=10, save_strategy="steps", save_steps=args.steps // 2, report_to=[], use_cpu=True,
-        disable_tqdm=True, seed=0,
+        disable_tqdm=False, seed=0,  # the Trainer's progress bar (rank 0's): elapsed, ETA and it/s
     )
     trainer = ZeroTrainer(model=model, args=training, train_dataset=ByteText(128),
                           zero_config=ZeroConfig(stage=args.stage, chunk=ChunkPolicy(chunk_size=1 << 18)))

@@ -4,8 +4,8 @@ Launch it the way torchrun launches any script, one process per rank:
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_gpt.py
 
-Rank 0 shows a progress display with the loss, tokens/s and memory per rank when rich is
-installed (``pip install 'zero-core[examples]'``) and stdout is a terminal, plain log lines
+Rank 0 shows a progress display with the loss, tokens/s, steps/s, memory per rank, the elapsed time and
+the ETA when rich is installed (``pip install 'zero-core[examples]'``) and stdout is a terminal, plain log lines
 otherwise; every run ends with one summary line. ``--json PATH`` also writes the figures as JSON.
 """
 
@@ -91,18 +91,27 @@ def rss_mib() -> tuple[float, float]:
 def progress_display(description: str, *, total: int) -> Progress | None:
     """A started rich progress bar with one task, or None when rich is not installed (plain lines then)."""
     try:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     except ImportError:  # rich is optional: the zero-core[examples] extra
         return None
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("step {task.completed}/{task.total}"),
-                        TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
     progress.start()
     progress.add_task(description, total=total, info="")
     return progress
 
 
+def clock(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour; ``?`` before anything is measured."""
+    if seconds != seconds or seconds == float("inf"):
+        return "?"
+    hours, rest = divmod(round(seconds), 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    started = time.perf_counter()  # the summary's total time: setup, training and saving
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -190,11 +199,15 @@ def main(argv: list[str] | None = None) -> int:
             dist.all_gather_object(mem, rss_mib())
             if rank == 0:
                 tps = args.batch_size * args.seq_len * world / statistics.median(step_times[-args.log_every:])
-                info = f"loss {losses[-1]:.3f}  {tps:,.0f} tok/s  rss/rank " + " ".join(f"{m[0]:.0f}" for m in mem) + " MiB"
+                # this run's steps over its wall time (logging included); the ETA is to --steps
+                rate = len(losses) / elapsed
+                info = (f"loss {losses[-1]:.3f}  {tps:,.0f} tok/s  {rate:.2f} steps/s  rss/rank "
+                        + " ".join(f"{m[0]:.0f}" for m in mem) + " MiB")
                 if progress is not None:
                     progress.update(progress.task_ids[0], completed=step + 1, info=info)
                 else:
-                    print(f"step {step:4d}  {info}", flush=True)
+                    left = (args.steps - step - 1) / rate
+                    print(f"step {step:4d}  {info}  elapsed {clock(elapsed)}  ETA {clock(left)}", flush=True)
         if last:
             break
     if progress is not None:
@@ -226,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"summary: mode={args.mode} {what}ranks={world} params={cfg.num_params / 1e6:.1f}M steps={len(losses)} "
               f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (floor {data.floor:.3f}) "
               f"tokens/s={result['tokens_per_s']:,.0f} step={step_time:.3f}s "
-              f"peak_rss/rank=[{', '.join(f'{p:.0f}' for p in result['peak_rss_mib'])}] MiB", flush=True)
+              f"peak_rss/rank=[{', '.join(f'{p:.0f}' for p in result['peak_rss_mib'])}] MiB "
+              f"time={clock(time.perf_counter() - started)}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)

@@ -1,6 +1,7 @@
 """The demo script runs under torchrun on 2 CPU ranks and prints its summary (tiny model, 3 steps)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,12 @@ def test_demo_trains_and_summarises(tmp_path, stage, precision):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = [line for line in proc.stdout.splitlines() if line.startswith("summary:")]
     assert len(summary) == 1 and f"mode=zero stage={stage} precision={precision} ranks=2" in summary[0]
-    assert "tokens/s=" in summary[0]
+    assert "tokens/s=" in summary[0] and re.search(r"time=\d+:\d\d$", summary[0]), summary
+    # progress on plain lines (--no-progress), rank 0's alone: steps/s, elapsed and an ETA, 0:00 at the end
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [int(line.split()[1]) for line in steps] == [0, 1, 2], proc.stdout
+    assert all(re.search(r" \d+\.\d\d steps/s .* elapsed \d+:\d\d  ETA (\d+:\d\d|\?)$", line) for line in steps), steps
+    assert steps[-1].endswith("ETA 0:00"), steps
     result = json.loads(out.read_text())
     assert result["steps"] == 3 and result["world_size"] == 2
     assert len(result["peak_rss_mib"]) == 2

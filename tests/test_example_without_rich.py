@@ -38,6 +38,8 @@ def test_progress_display_is_rich_when_installed_and_none_without(monkeypatch):
     progress = example.progress_display("zero x2", total=3)
     assert progress is not None, "rich is installed (nox -s tests installs it), yet the example fell back to plain lines"
     assert len(progress.task_ids) == 1
+    # the bar shows the elapsed time and the ETA; steps/s comes in the info field
+    assert {type(column).__name__ for column in progress.columns} >= {"TimeElapsedColumn", "TimeRemainingColumn"}
     progress.stop()
     monkeypatch.setitem(sys.modules, "rich", None)
     monkeypatch.delitem(sys.modules, "rich.progress", raising=False)
@@ -54,5 +56,5 @@ def test_example_trains_with_plain_lines_on_a_terminal_without_rich(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rich is not installed" in proc.stdout and "zero-core[examples]" in proc.stdout, proc.stdout
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert len(steps) == 2 and all("loss " in line for line in steps), proc.stdout
+    assert len(steps) == 2 and all("loss " in line and " steps/s " in line and " ETA " in line for line in steps), proc.stdout
     assert sum(line.startswith("summary:") for line in proc.stdout.splitlines()) == 1, proc.stdout

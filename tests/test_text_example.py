@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,15 @@ def _untracked() -> str:
 def test_text_example_learns_resumes_exactly_and_exports(tmp_path):
     before = _untracked()
     (tmp_path / "tmp").mkdir()
-    straight, _ = _train(tmp_path / "tmp" / "zero-text-lm", "straight", default_out=True)
+    straight, stdout = _train(tmp_path / "tmp" / "zero-text-lm", "straight", default_out=True)
+    # Progress: rank 0 alone prints a line per step (log-every 1) with elapsed time, steps/s and an ETA, which is
+    # 0:00 at the last step; the summary gives the total time.
+    steps = [line for line in stdout.splitlines() if re.match(r"step +[1-9]\d*  loss", line)]
+    assert [int(line.split()[1]) for line in steps] == [1, 2, 3, 4], stdout
+    assert all(re.search(r"elapsed \d+:\d\d  \d+\.\d\d steps/s  ETA (\d+:\d\d|\?)$", line) for line in steps), steps
+    assert steps[-1].endswith("ETA 0:00"), steps[-1]
+    assert re.search(r"summary: 4 steps \(4 in this run, \d+:\d\d in all\)", stdout), stdout
+    assert straight["wall_s"] > 0
     assert _untracked() == before, "the demo wrote into the checkout: its outputs belong in --out"
     (tmp_path / "tmp" / "zero-text-lm").rename(tmp_path / "straight")
     first, stdout = _train(tmp_path / "stopped", "first", "--stop-after", "2")

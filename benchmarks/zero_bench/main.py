@@ -38,7 +38,7 @@ from zero_bench import host_overhead
 from zero_bench.configs import MODELS, ModelSize, build_model, discover
 from zero_bench.launch import launch, sigterm_raises
 from zero_bench.plot import plot, plot_memory
-from zero_bench.report import add_ratios, check_losses, comm_table, peak_table, table
+from zero_bench.report import add_ratios, check_losses, comm_table, compact_table, peak_table, table
 from zero_core import __version__, estimate
 from zero_core.plugin import ZeroPlugins
 
@@ -110,6 +110,9 @@ def parse_args(argv: list[str] | None, prog: str = "nox -s bench --") -> argpars
     p.add_argument("--threshold", type=float, default=0.10, help="step-time and memory regression threshold (fraction)")
     p.add_argument("--save-baseline", type=Path, default=None, help="also copy the results to this path")
     p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress display")
+    p.add_argument("--wide", action="store_true",
+                   help="print every table with all its columns (the Markdown file always has them); by default the "
+                        "terminal gets the main table's 11 columns, which fit 120 characters")
     args = p.parse_args(argv)
     stem = "host-overhead" if args.host_overhead else "latest"
     args.out = args.out or RESULTS
@@ -301,11 +304,11 @@ def main(argv: list[str] | None = None, *, prog: str = "nox -s bench --") -> int
     result = run(args)
     records = result["records"]
     host = result.get("host_overhead")
-    text = ("" if host is None else
+    head = ("" if host is None else
             f"Host overhead: each row's step against plain PyTorch's on its ranks (DDP on 2 and more) and FSDP2's, and the "
             f"host time above plain PyTorch's per block ({result['model']['layers']}) and step:\n\n"
             + host_overhead.host_table(host) + "\n\n" + "\n".join(host_overhead.targets(host)) + "\n\nEvery row:\n\n")
-    text += (table(records) + "\n\nCollectives per step by kind, zero rows, rank 0, measured after warm-up:\n\n" + comm_table(records)
+    text = head + (table(records) + "\n\nCollectives per step by kind, zero rows, rank 0, measured after warm-up:\n\n" + comm_table(records)
             + "\n\nWhere the peak goes (rank 0, MiB, at the highest RSS of one sampled step after the timed ones):\n\n"
             + peak_table(records))
     m = result["model"]
@@ -315,7 +318,9 @@ def main(argv: list[str] | None = None, *, prog: str = "nox -s bench --") -> int
         ranks = f"world sizes {', '.join(map(str, result['world_sizes']))}, 1 thread per rank"
     title = (f"{m['preset']} {'MLP' if m.get('block') == 'mlp' else 'GPT'} ({m['params'] / 1e6:.2f}M params), {ranks}, "
              f"{result['machine']['backend']}, torch {result['machine']['torch']}")
-    print(f"\n{title}; median of steps {args.warmup + 1}..{args.steps}\n\n{text}\n")
+    shown = text if args.wide else (head + compact_table(records) + f"\n\nAll {table([]).splitlines()[0].count('|') - 1} columns, the "
+                                    f"collectives by kind and where the peak goes: {args.out.with_suffix('.md')} (or --wide)")
+    print(f"\n{title}; median of steps {args.warmup + 1}..{args.steps}\n\n{shown}\n")
     for r in records:
         if r.get("log_tail"):
             print(f"--- {r['name']} failed: {r['error']}\n{r['log_tail']}\n")

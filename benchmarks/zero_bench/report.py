@@ -195,3 +195,46 @@ def comm_table(records: list[dict[str, Any]]) -> str:
                 f"| {_measured(v['algbw_gbps'], '.3g')} | {_measured(v['busbw_gbps'], '.3g')} "
                 f"| {_measured(1000 * v['blocked_seconds'] if v['timed_calls'] else None, '.2f')} |")
     return "\n".join(rows)
+
+
+TERMINAL_WIDTH = 120
+# The terminal's columns: what a row costs (step time, against the references) and what zero changes (model-state
+# bytes and traffic per rank, against the ZeRO formulas). The rest is in the Markdown file and under --wide.
+COMPACT_HEAD = ("config", "status", "step ms", "x DDP", "x FSDP2", "peak MiB", "state MiB", "x theory", "sent MiB",
+                "x theory", "estimate")
+_RIGHT = {"step ms", "x DDP", "x FSDP2", "peak MiB", "state MiB", "x theory", "sent MiB"}
+
+
+def _compact_row(r: dict[str, Any]) -> list[str]:
+    if r.get("median_step_s") is None:
+        return [r["name"], r["status"], *("–" for _ in COMPACT_HEAD[2:])]
+    q = r["ratios"]
+    estimate = _vs_estimate(r).split(" (est.")[0]  # the estimate's figures are in the full table
+    return [r["name"], r["status"], f"{1000 * r['median_step_s']:.1f}", _x(q["step_vs_ddp"]), _x(q["step_vs_fsdp2"]),
+            f"{max(r['peak_memory_mib']):.0f}", f"{max(r['model_state_bytes']) / MiB:.2f}", _x(q["state_vs_theory"]),
+            f"{max(r['bytes_sent_per_step']) / MiB:.2f}", _x(q["sent_vs_theory"]), estimate]
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def compact_table(records: list[dict[str, Any]], width: int = TERMINAL_WIDTH) -> str:
+    """The rows of :func:`table` in the 11 columns a terminal of ``width`` shows without wrapping: aligned plain
+    text; a config name, status or estimate too long for the room left is cut with an ellipsis."""
+    rows = [list(COMPACT_HEAD), *(_compact_row(r) for r in records)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COMPACT_HEAD))]
+    gap = 2
+    # Over the width: narrow the text columns (config, status, estimate), the widest first, down to their heading.
+    cuttable = [0, 1, len(COMPACT_HEAD) - 1]
+    while sum(widths) + gap * (len(widths) - 1) > width:
+        widest = max(cuttable, key=lambda i: widths[i] - len(COMPACT_HEAD[i]))
+        if widths[widest] <= len(COMPACT_HEAD[widest]):
+            break  # nothing left to narrow: the numbers need this much
+        widths[widest] -= 1
+    lines = []
+    for row in rows:
+        cells = [_cut(cell, w).rjust(w) if COMPACT_HEAD[i] in _RIGHT else _cut(cell, w).ljust(w)
+                 for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append((" " * gap).join(cells).rstrip())
+    return "\n".join(lines)

@@ -14,6 +14,7 @@ of a training job in one loop:
 - a sharded checkpoint is saved every ``--checkpoint-every`` steps; ``--stop-after N``
   stops there as if the job were killed, and ``--resume`` continues from the checkpoint
   with the same losses as a run that never stopped;
+- rank 0's step lines show the time elapsed, steps per second and the ETA; the summary, the total time;
 - at the end the model is exported in the Hugging Face format, and rank 0 loads that
   export into a plain ``ByteGPT`` (no zero) and prints a sample of its text.
 """
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from byte_gpt import ByteGPT, ByteGPTConfig, next_byte_loss
 from safetensors.torch import load_file
 from stdlib_text import StdlibText, load_stdlib_text
+from step_clock import StepClock, clock
 
 import zero_core
 
@@ -112,6 +114,7 @@ def evaluate(model: torch.nn.Module, windows: torch.Tensor, batch_size: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    started = time.perf_counter()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -164,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
     step_times: list[float] = []
     stop = args.stop_after if args.stop_after is not None else args.steps
+    timer = StepClock(start, stop)
     for step in range(start, stop):
         t0 = time.perf_counter()
         loss_sum = 0.0
@@ -188,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"lr {lr:.1e}  {tokens_per_step / step_times[-1]:6,.0f} tok/s")
         if done % args.eval_every == 0 or done == args.steps:
             history["val"].append([done, evaluate(model, val, args.batch_size)])
-            say(f"{line}  val {history['val'][-1][1]:.3f}", flush=True)
+            say(f"{line}  val {history['val'][-1][1]:.3f}  {timer.status(done)}", flush=True)
         elif done % args.log_every == 0:
-            say(line, flush=True)
+            say(f"{line}  {timer.status(done)}", flush=True)
         if done % args.checkpoint_every == 0 or done == stop:
             save_checkpoint(done)
 
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         export = args.out / "hf"
         zero_core.save_full_state_dict(model, export)  # a directory: the Hugging Face format, streamed chunk by chunk
         say(f"exported to {export}: {', '.join(sorted(p.name for p in export.iterdir()))}", flush=True)
-    summarise(args, model, history, step_times, tokens_per_step, num_params)
+    summarise(args, model, history, step_times, tokens_per_step, num_params, time.perf_counter() - started)
     model.close()  # stop zero's helper thread before the process group goes away
     if rank == 0 and stop == args.steps:
         sample_from_export(args, cfg, data, history)
@@ -209,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarise(args: argparse.Namespace, model: torch.nn.Module, history: dict[str, list], step_times: list[float],
-              tokens_per_step: int, num_params: int) -> None:
+              tokens_per_step: int, num_params: int, wall_s: float) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     stats = model.comm_stats
     sent = sum(count.bytes_sent for count in stats.totals.values())
@@ -221,13 +225,13 @@ def summarise(args: argparse.Namespace, model: torch.nn.Module, history: dict[st
     tokens_per_s = tokens_per_step / statistics.median(step_times) if step_times else float("nan")
     peaks = ", ".join(f"{r['peak_rss_mib']:.0f}" for r in per_rank)
     sent_per_step = ", ".join(f"{r['bytes_sent'] / max(1, r['steps']) / 2**20:.1f}" for r in per_rank)
-    print(f"summary: {len(train)} steps ({len(step_times)} in this run), {num_params / 1e6:.2f}M params, "
+    print(f"summary: {len(train)} steps ({len(step_times)} in this run, {clock(wall_s)} in all), {num_params / 1e6:.2f}M params, "
           f"train loss {train[0][1]:.3f} -> {train[-1][1]:.3f}, val loss {val[0][1]:.3f} -> {val[-1][1]:.3f}\n"
           f"         {tokens_per_s:,.0f} tokens/s, peak RSS per rank [{peaks}] MiB, sent per rank per step [{sent_per_step}] MiB",
           flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps({"world_size": world, "params": num_params, "train": train, "val": val,
-                                         "tokens_per_s": tokens_per_s, "peak_rss_mib": [r["peak_rss_mib"] for r in per_rank],
+                                         "tokens_per_s": tokens_per_s, "wall_s": wall_s, "peak_rss_mib": [r["peak_rss_mib"] for r in per_rank],
                                          "bytes_sent": [r["bytes_sent"] for r in per_rank]}, indent=1))
 
 
