@@ -19,8 +19,21 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+from pathlib import Path
 
 import pytest
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give each pytest-xdist worker its share of the cores (see [Note: cores of a test process])."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "ZERO_TEST_CORES" not in os.environ:
+        cores = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["ZERO_TEST_CORES"] = str(cores)
+        os.environ.setdefault("OMP_NUM_THREADS", str(cores))  # for the programs the tests start
+        import torch
+
+        torch.set_num_threads(cores)
+
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zero_core", "zero_core.testing", "pytest"]
 # preloaded when a collected test module has imported them: the ranks it spawns import them again
@@ -43,3 +56,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     warm = context.Process(target=os.getpid, daemon=True)
     warm.start()
     warm.join()
+
+
+@pytest.fixture
+def fresh_venv(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A new virtual environment with torch, pytest and pytest-timeout and nothing of this checkout (tests/_fresh_venv.py)."""
+    from _fresh_venv import make_fresh_venv, run_temp
+
+    return make_fresh_venv(tmp_path / "venv", shared=run_temp(tmp_path_factory))
+

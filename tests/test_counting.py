@@ -10,6 +10,11 @@ Every installed strategy is counted the same way from its chunks and gather grou
 ``torch`` comm backend: one reduce-scatter per chunk, one all-gather per group.
 Bucketed reduce-scatters have tests of their own at the end.
 
+Every count is read from the same runs: one spawned world per strategy and world size trains each
+configuration the tests count (every stage and precision, the bucket sizes, frozen parameters, the static
+graph promise) in turn, three steps each, and the tests share the results (``counted``). The counts are per
+engine, so a configuration trained after another in the same process group counts exactly what it would alone.
+
 Model-state bytes per rank (fp32 | 16-bit compute with fp32 masters):
 stage 1: 8Psi + 8Psi/N | 4Psi + 16Psi/N; stage 2: 4Psi + 12Psi/N | 2Psi + 16Psi/N;
 stage 3: 16Psi/N | 16Psi/N. The 16-bit figures exceed the paper's 4Psi + 12Psi/N and
@@ -34,6 +39,39 @@ def gpt_config(strategy, stage=3, precision="fp32", **kwargs):
                       **kwargs)
 
 
+STEPS = 3
+BUCKETS = [(2, 0.0), (2, 2.0**-10), (2, 2.0**-8), (2, 25.0), (4, 2.0**-9)]  # (world, reduce_bucket_mb)
+
+
+def train_each(runs, steps):
+    """On every rank: :func:`train_sharded` on each (case, config) in turn, in one process group."""
+    return [train_sharded(case, config=config, steps=steps) for case, config in runs]
+
+
+def runs_for(strategy, world):
+    runs = {("gpt", stage, precision): ("gpt", gpt_config(strategy, stage, precision))
+            for stage in (1, 2, 3) for precision in PRECISIONS}
+    for bucket_world, bucket_mb in BUCKETS:
+        if bucket_world == world:
+            runs[("bucketed", bucket_mb)] = ("gpt", gpt_config(strategy, comm_backend="bucketed", reduce_bucket_mb=bucket_mb))
+    if world == 2:
+        runs[("frozen",)] = ("frozen", gpt_config(strategy).replace(chunk=ChunkPolicy(chunk_size=64)))
+        runs[("static_graph",)] = ("gpt", gpt_config(strategy, static_graph=True))
+    return runs
+
+
+_counted: dict = {}
+
+
+def counted(strategy, world, *key):
+    """The per-rank results of the run ``key`` names (default: stage 3 in fp32) for ``strategy`` on ``world`` ranks."""
+    if (strategy, world) not in _counted:
+        runs = runs_for(strategy, world)
+        per_rank = run_distributed(train_each, world, list(runs.values()), STEPS, timeout=600)
+        _counted[(strategy, world)] = {name: [ranks[i] for ranks in per_rank] for i, name in enumerate(runs)}
+    return _counted[(strategy, world)][key or ("gpt", 3, "fp32")]
+
+
 def padding_on_rank(chunk, rank, world):
     """Padding in ``rank``'s shard: each parameter's rows it does not own (torch.chunk pieces) and the chunk's tail."""
     return chunk["size"] // world - chunk["real"][rank]
@@ -47,14 +85,14 @@ LOCKSTEP_ROUNDS_STAGE_3 = 3  # and the forward, which gathers
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_one_rank_sends_nothing(strategy):
-    result = run_distributed(train_sharded, 1, "gpt", steps=2, config=gpt_config(strategy))[0]
-    assert result.step_stats == [{}, {}]
+    result = counted(strategy, 1)[0]
+    assert result.step_stats == [{}] * STEPS
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_zero3_collectives_and_bytes_per_step(strategy, world):
-    results = run_distributed(train_sharded, world, "gpt", steps=3, config=gpt_config(strategy))
+    results = counted(strategy, world)
     chunks = results[0].chunks
     n_chunks, n_groups, padded = len(chunks), len(results[0].groups), sum(c["size"] for c in chunks)
     assert all(c["requires_grad"] for c in chunks)
@@ -84,7 +122,7 @@ def test_zero3_collectives_and_bytes_per_step(strategy, world):
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_model_state_bytes_are_16_psi_over_n_plus_padding(strategy, world):
-    results = run_distributed(train_sharded, world, "gpt", steps=2, config=gpt_config(strategy))
+    results = counted(strategy, world)
     chunks = results[0].chunks
     psi = sum(c["used"] for c in chunks)
     padding = sum(c["size"] - c["used"] for c in chunks)
@@ -103,8 +141,7 @@ def test_model_state_bytes_are_16_psi_over_n_plus_padding(strategy, world):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_frozen_parameters_hold_no_gradient_or_optimizer_state(strategy):
-    config = gpt_config(strategy).replace(chunk=ChunkPolicy(chunk_size=64))
-    results = run_distributed(train_sharded, 2, "frozen", steps=2, config=config)
+    results = counted(strategy, 2, "frozen")
     chunks = results[0].chunks
     trainable = sum(c["size"] // 2 for c in chunks if c["requires_grad"])
     everything = sum(c["size"] // 2 for c in chunks)
@@ -117,8 +154,7 @@ def test_frozen_parameters_hold_no_gradient_or_optimizer_state(strategy):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_static_graph_sends_no_control_traffic(strategy):
-    config = gpt_config(strategy, static_graph=True)
-    results = run_distributed(train_sharded, 2, "gpt", config=config, steps=2)
+    results = counted(strategy, 2, "static_graph")
     assert all("control" not in step for step in results[0].step_stats)
 
 
@@ -127,7 +163,7 @@ def test_static_graph_sends_no_control_traffic(strategy):
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_stages_1_and_2_send_what_ddp_sends(strategy, stage, world, precision):
-    results = run_distributed(train_sharded, world, "gpt", steps=3, config=gpt_config(strategy, stage, precision))
+    results = counted(strategy, world, "gpt", stage, precision)
     chunks = results[0].chunks
     n_chunks, n_groups, padded = len(chunks), len(results[0].groups), sum(c["size"] for c in chunks)
     b_p, b_g = (4, 4) if precision == "fp32" else (2, 4)
@@ -149,7 +185,7 @@ def test_stages_1_and_2_send_what_ddp_sends(strategy, stage, world, precision):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_stage_3_in_bf16_gathers_16bit_and_reduces_fp32(strategy, world):
-    results = run_distributed(train_sharded, world, "gpt", steps=2, config=gpt_config(strategy, 3, "bf16"))
+    results = counted(strategy, world, "gpt", 3, "bf16")
     chunks = results[0].chunks
     n_chunks, n_groups, padded = len(chunks), len(results[0].groups), sum(c["size"] for c in chunks)
     for step in results[0].step_stats:
@@ -162,7 +198,7 @@ def test_stage_3_in_bf16_gathers_16bit_and_reduces_fp32(strategy, world):
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_model_state_bytes_per_stage_and_precision(strategy, world, stage, precision):
-    results = run_distributed(train_sharded, world, "gpt", steps=2, config=gpt_config(strategy, stage, precision))
+    results = counted(strategy, world, "gpt", stage, precision)
     chunks = results[0].chunks
     full = sum(c["size"] for c in chunks)  # Psi plus padding
     shard = full // world  # Psi/N plus this rank's padding
@@ -204,11 +240,11 @@ def test_fp16_checks_overflow_with_one_collective_per_step():
     assert results[0].scales == [2.0**10] * 3
 
 
-@pytest.mark.parametrize(("world", "bucket_mb"), [(2, 0.0), (2, 2.0**-10), (2, 2.0**-8), (2, 25.0), (4, 2.0**-9)])
+@pytest.mark.parametrize(("world", "bucket_mb"), BUCKETS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_bucketed_reduce_scatters_follow_the_bucket_size(strategy, world, bucket_mb):
     config = gpt_config(strategy, comm_backend="bucketed", reduce_bucket_mb=bucket_mb)
-    results = run_distributed(train_sharded, world, "gpt", steps=2, config=config)
+    results = counted(strategy, world, "bucketed", bucket_mb)
     chunks = results[0].chunks
     # the engine reduces trainable chunks in reverse plan order; each sends its shard-sized slice per rank
     shard_sizes = [c["size"] // world for c in reversed(chunks) if c["requires_grad"]]
@@ -220,5 +256,5 @@ def test_bucketed_reduce_scatters_follow_the_bucket_size(strategy, world, bucket
             assert step["reduce_scatter"] == {"calls": expected, "bytes_sent": (world - 1) * padded * 4 // world}
     if bucket_mb == 25.0:
         assert expected == 1  # the tiny model's gradients all share one bucket
-    unbucketed = run_distributed(train_sharded, world, "gpt", steps=2, config=gpt_config(strategy))
+    unbucketed = counted(strategy, world)
     assert results[0].losses == unbucketed[0].losses  # the same sums, in the same order: bit for bit

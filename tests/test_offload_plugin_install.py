@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -80,20 +78,9 @@ TRAIN = textwrap.dedent(
 
 
 @pytest.mark.timeout(900)
-def test_lru_policy_installs_and_trains_from_a_fresh_venv(tmp_path: Path) -> None:
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    bindir = venv / "bin"
-    python = str(bindir / "python")
-    # The caller's environment (pip's index and wheel settings among them), with this venv first on
-    # PATH and nothing that would import from the checkout, user site-packages or disable plugins.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP") and not k.startswith("ZERO_")}
-    env.update(VIRTUAL_ENV=str(venv), PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}", PYTHONNOUSERSITE="1")
-
-    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
-    _run([*pip, "torch==2.13.0", "pytest", "pytest-timeout"], env=env, cwd=tmp_path, timeout=420)
-    _run([*pip, *(str(ROOT / d) for d in DISTRIBUTIONS)], env=env, cwd=tmp_path, timeout=300)
+def test_lru_policy_installs_and_trains_from_a_fresh_venv(tmp_path: Path, fresh_venv) -> None:
+    python, env = fresh_venv.python, fresh_venv.env  # torch, pytest and pytest-timeout; nothing of the checkout
+    _run([*fresh_venv.pip, *(str(ROOT / d) for d in DISTRIBUTIONS)], env=env, cwd=tmp_path, timeout=300)
 
     # (a) torchrun on 2 gloo ranks, the policy selected by name through its entry point; and zero-offload's
     # own gemini, which `pip install zero-core zero-strategy-chunk zero-offload` must make work on its own

@@ -12,7 +12,6 @@ progress bar draws with the ``[examples]`` extra's rich at its floor.
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from _checked_run import run_checked as _run
+from _fresh_venv import make_fresh_venv, run_temp
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -159,7 +159,7 @@ def test_the_wheel_check_names_each_problem(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_wheels_install_at_their_floors_and_train(tmp_path: Path) -> None:
+def test_wheels_install_at_their_floors_and_train(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     started = time.perf_counter()
 
     def lap(what: str) -> None:  # shown with -s, and with a failure: where the time goes
@@ -169,18 +169,9 @@ def test_wheels_install_at_their_floors_and_train(tmp_path: Path) -> None:
     build = subprocess.Popen([sys.executable, str(ROOT / "tools" / "build_dists.py"), "--wheel", "--outdir", str(dist_dir)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        venv = tmp_path / "venv"
-        # Without pip: this interpreter's pip installs into the venv (--python), saving ensurepip's time.
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
-        bindir = venv / "bin"
-        python = str(bindir / "python")
-        # The caller's environment (pip's index and find-links settings among them), with this venv first on
-        # PATH and nothing that would import from the checkout or user site-packages.
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP") and not k.startswith("ZERO_")}
-        env.update(VIRTUAL_ENV=str(venv), PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}", PYTHONNOUSERSITE="1")
-        pip = [sys.executable, "-m", "pip", "--python", python, "install", "--disable-pip-version-check", "--no-input",
-               "--no-compile"]  # byte-compiling all of torch would double the install time
+        # torch alone (hard links to the run's template, tests/_fresh_venv.py); nothing of the checkout
+        venv = make_fresh_venv(tmp_path / "venv", shared=run_temp(tmp_path_factory), with_pytest=False)
+        python, bindir, env, pip = venv.python, venv.bindir, venv.env, venv.pip
 
         floors = declared_floors(INSTALLED)
         assert floors["torch"] == "2.13", floors  # the first torch with all_gather_single / reduce_scatter_single

@@ -8,6 +8,10 @@ run with the same casting rules within 1e-3 (see [Note: the 16-bit reference] in
 zero_core.testing.parity for what it reproduces and why that tolerance); fp16 also
 reproduces the loss scale of every step (a small initial scale that grows every
 second step, so growth is exercised).
+
+One spawned world per strategy and world size trains every stage and precision in turn (each
+its own engine, so nothing carries from one to the next), and one world at 2 ranks every optimizer
+case: the worlds' start-up, not the training, was most of this file's time.
 """
 
 import pytest
@@ -44,13 +48,35 @@ def reference(case, precision="fp32", world=1, **kwargs):
     return _reference_cache[key]
 
 
+def train_zoo_each(configs):
+    """On every rank: :func:`train_zoo_sharded` under each config in turn, in one process group."""
+    return [train_zoo_sharded(list(ZOO), config=config) for config in configs]
+
+
+def train_each(runs):
+    """On every rank: :func:`train_sharded` on each (case, keyword arguments) in turn, in one process group."""
+    return [train_sharded(case, **kwargs) for case, kwargs in runs]
+
+
+_zoo_runs: dict = {}
+
+
+def zoo_results(strategy, stage, world, precision):
+    """Every rank's results for the whole zoo; the first call for a strategy and world size trains them all."""
+    if (strategy, world) not in _zoo_runs:
+        keys = [(stage, precision) for stage in STAGES for precision in PRECISIONS]
+        configs = [ZeroConfig(strategy=strategy, stage=stage, precision=PRECISIONS[precision]) for stage, precision in keys]
+        per_rank = run_distributed(train_zoo_each, world, configs, timeout=800)
+        _zoo_runs[(strategy, world)] = {key: [ranks[i] for ranks in per_rank] for i, key in enumerate(keys)}
+    return _zoo_runs[(strategy, world)][(stage, precision)]
+
+
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_zoo_parity(strategy, stage, world, precision):
-    config = ZeroConfig(strategy=strategy, stage=stage, precision=PRECISIONS[precision])
-    results = run_distributed(train_zoo_sharded, world, list(ZOO), config=config)
+    results = zoo_results(strategy, stage, world, precision)
     for case in ZOO:
         for rank, result in enumerate(results):  # every rank holds the same model afterwards
             assert_parity(reference(case, precision, world), result[case], rtol=TOLERANCE[precision],
@@ -70,13 +96,26 @@ OPTIMIZER_CASES = [("sgd", "unused"), ("adam", "unused"), ("adagrad", "unused"),
                    ("sgd_fused", "twice"), ("adamw_fused", "twice"), ("adagrad_fused", "twice")]
 
 
+_optimizer_runs: dict = {}
+
+
+def optimizer_results(optimizer, case, stage):
+    """Every rank's results; the first call trains every optimizer case at every stage in one world of 2 ranks."""
+    if not _optimizer_runs:
+        keys = [(o, c, s) for o, c in OPTIMIZER_CASES for s in STAGES
+                if not (o == "adagrad_fused" and device_under_test() == "cuda")]
+        runs = [(c, {"optimizer": o, "config": ZeroConfig(stage=s, chunk=ChunkPolicy(chunk_size=64))}) for o, c, s in keys]
+        per_rank = run_distributed(train_each, 2, runs, timeout=800)
+        _optimizer_runs.update({key: [ranks[i] for ranks in per_rank] for i, key in enumerate(keys)})
+    return _optimizer_runs[(optimizer, case, stage)]
+
+
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize(("optimizer", "case"), OPTIMIZER_CASES)
 def test_plain_torch_optimizers_on_the_shards(optimizer, case, stage):
     if optimizer == "adagrad_fused" and device_under_test() == "cuda":
         pytest.skip("torch's fused Adagrad is CPU-only: torch.optim.Adagrad(fused=True) refuses CUDA parameters in one process too")
-    config = ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=64))
-    results = run_distributed(train_sharded, 2, case, optimizer=optimizer, config=config)
+    results = optimizer_results(optimizer, case, stage)
     assert_parity(reference(case, optimizer=optimizer), results[0])
 
 

@@ -10,8 +10,6 @@ Kept lean for CI: one venv, one pip call, one torchrun of 4 processes for 10 ste
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -142,19 +140,9 @@ TRAIN = textwrap.dedent(
 
 
 @pytest.mark.timeout(900)
-def test_node_local_strategy_installs_and_trains_hsdp_from_a_fresh_venv(tmp_path: Path) -> None:
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    bindir = venv / "bin"
-    python = str(bindir / "python")
-    # The caller's environment (pip's index and wheel settings among them), with this venv first on PATH and
-    # nothing that would import from the checkout, user site-packages, disable plugins or set a shard size.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "LOCAL_WORLD_SIZE") and not k.startswith("ZERO_")}
-    env.update(VIRTUAL_ENV=str(venv), PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}", PYTHONNOUSERSITE="1")
-
-    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
-    _run([*pip, "torch==2.13.0", "pytest", *(str(ROOT / d) for d in DISTRIBUTIONS)], env=env, cwd=tmp_path, timeout=600)
+def test_node_local_strategy_installs_and_trains_hsdp_from_a_fresh_venv(tmp_path: Path, fresh_venv) -> None:
+    python, env = fresh_venv.python, fresh_venv.env  # torch, pytest and pytest-timeout; nothing of the checkout
+    _run([*fresh_venv.pip, *(str(ROOT / d) for d in DISTRIBUTIONS)], env=env, cwd=tmp_path, timeout=300)
 
     # (a) torchrun on 4 gloo ranks ("one node" to torchrun), the strategy selected by name through its entry
     # point, and ZERO_NODELOCAL_SHARD_SIZE=2 making it plan two "nodes" of 2 ranks: HSDP on a (2, 2) mesh

@@ -24,6 +24,16 @@ rank makes cuBLAS's workspaces (a linear layer's forward and backward in each dt
 are made at a thread's first matrix product and then stay, so a test's first step would
 otherwise count tens of MiB that no CPU run has (a device budget sized for the model does
 not hold them; see ``zero_offload.MemoryTracer``).
+
+[Note: cores of a test process]
+Each rank gets :func:`threads_per_rank` intra-op threads: the cores the test process may use,
+split over the ranks. Where several test processes share a machine (pytest-xdist's workers),
+each may use only its share: torch's OpenMP threads spin while they wait for each other, so
+more threads than free cores burn the cores other processes need. Measured on 2 cores under
+load: the zoo trained at every stage in one process took 28-33 s and 9 CPU-seconds with 2
+threads, 2-4 s and under 1 CPU-second with 1. The suite's conftest sets ``ZERO_TEST_CORES``
+to a worker's share (the machine's cores over the workers) and the worker's own thread count
+to match; unset, a test process may use every core.
 """
 
 from __future__ import annotations
@@ -39,7 +49,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["DistributedTestError", "backend_for", "device_under_test", "rank_device", "run_distributed", "threads_per_rank"]
+__all__ = ["DistributedTestError", "backend_for", "device_under_test", "rank_device", "process_cores", "run_distributed",
+           "threads_per_rank"]
 
 # what every spawned rank imports (the rank function unpickles zero_core.testing; torch.optim imports torch._dynamo at
 # the first step): imported once in the fork server rather than again in each rank (see tests/conftest.py)
@@ -78,9 +89,22 @@ def backend_for(device: str, world_size: int, gpus: int) -> str:
     return "nccl" if device == "cuda" and world_size <= gpus else "gloo"
 
 
+def process_cores() -> int:
+    """Cores this test process may use: ``ZERO_TEST_CORES`` where set, else all of the machine's.
+
+    See [Note: cores of a test process].
+    """
+    value = os.environ.get("ZERO_TEST_CORES", "").strip()
+    if not value:
+        return os.cpu_count() or 1
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"ZERO_TEST_CORES must be a whole number of cores, at least 1; got {value!r}")
+    return int(value)
+
+
 def threads_per_rank(world_size: int) -> int:
-    """Intra-op threads each rank gets: the machine's cores split evenly (kernels' sum order depends on it)."""
-    return max(1, (os.cpu_count() or 1) // world_size)
+    """Intra-op threads each rank gets: the test process's cores split evenly (kernels' sum order depends on it)."""
+    return max(1, process_cores() // world_size)
 
 
 def _context() -> multiprocessing.context.ForkServerContext:
