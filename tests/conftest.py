@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+
 def pytest_configure(config: pytest.Config) -> None:
     """Give each pytest-xdist worker its share of the cores (see [Note: cores of a test process])."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

@@ -23,6 +23,7 @@ paper keeps 16-bit ones; the paper's count has no gradient for the masters in st
 """
 
 import pytest
+from _shared_worlds import SharedWorlds
 
 from zero_comm import BucketedCommBackend
 from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig
@@ -43,33 +44,26 @@ STEPS = 3
 BUCKETS = [(2, 0.0), (2, 2.0**-10), (2, 2.0**-8), (2, 25.0), (4, 2.0**-9)]  # (world, reduce_bucket_mb)
 
 
-def train_each(runs, steps):
-    """On every rank: :func:`train_sharded` on each (case, config) in turn, in one process group."""
-    return [train_sharded(case, config=config, steps=steps) for case, config in runs]
-
-
-def runs_for(strategy, world):
-    runs = {("gpt", stage, precision): ("gpt", gpt_config(strategy, stage, precision))
+def plan(group):
+    strategy, world = group
+    runs = {("gpt", stage, precision): ("gpt", {"config": gpt_config(strategy, stage, precision)})
             for stage in (1, 2, 3) for precision in PRECISIONS}
     for bucket_world, bucket_mb in BUCKETS:
         if bucket_world == world:
-            runs[("bucketed", bucket_mb)] = ("gpt", gpt_config(strategy, comm_backend="bucketed", reduce_bucket_mb=bucket_mb))
+            config = gpt_config(strategy, comm_backend="bucketed", reduce_bucket_mb=bucket_mb)
+            runs[("bucketed", bucket_mb)] = ("gpt", {"config": config})
     if world == 2:
-        runs[("frozen",)] = ("frozen", gpt_config(strategy).replace(chunk=ChunkPolicy(chunk_size=64)))
-        runs[("static_graph",)] = ("gpt", gpt_config(strategy, static_graph=True))
-    return runs
+        runs[("frozen",)] = ("frozen", {"config": gpt_config(strategy).replace(chunk=ChunkPolicy(chunk_size=64))})
+        runs[("static_graph",)] = ("gpt", {"config": gpt_config(strategy, static_graph=True)})
+    return world, {key: (case, {**kwargs, "steps": STEPS}) for key, (case, kwargs) in runs.items()}
 
 
-_counted: dict = {}
+shared = SharedWorlds(plan)
 
 
 def counted(strategy, world, *key):
     """The per-rank results of the run ``key`` names (default: stage 3 in fp32) for ``strategy`` on ``world`` ranks."""
-    if (strategy, world) not in _counted:
-        runs = runs_for(strategy, world)
-        per_rank = run_distributed(train_each, world, list(runs.values()), STEPS, timeout=600)
-        _counted[(strategy, world)] = {name: [ranks[i] for ranks in per_rank] for i, name in enumerate(runs)}
-    return _counted[(strategy, world)][key or ("gpt", 3, "fp32")]
+    return shared((strategy, world), key or ("gpt", 3, "fp32"))
 
 
 def padding_on_rank(chunk, rank, world):

@@ -15,6 +15,7 @@ case: the worlds' start-up, not the training, was most of this file's time.
 """
 
 import pytest
+from _shared_worlds import SharedWorlds
 
 from zero_core import ChunkPolicy, LossScale, Precision, ZeroConfig
 from zero_core.plugin import ZeroPlugins
@@ -53,22 +54,13 @@ def train_zoo_each(configs):
     return [train_zoo_sharded(list(ZOO), config=config) for config in configs]
 
 
-def train_each(runs):
-    """On every rank: :func:`train_sharded` on each (case, keyword arguments) in turn, in one process group."""
-    return [train_sharded(case, **kwargs) for case, kwargs in runs]
+def zoo_plan(group):
+    strategy, world = group
+    return world, {(stage, precision): ZeroConfig(strategy=strategy, stage=stage, precision=PRECISIONS[precision])
+                   for stage in STAGES for precision in PRECISIONS}
 
 
-_zoo_runs: dict = {}
-
-
-def zoo_results(strategy, stage, world, precision):
-    """Every rank's results for the whole zoo; the first call for a strategy and world size trains them all."""
-    if (strategy, world) not in _zoo_runs:
-        keys = [(stage, precision) for stage in STAGES for precision in PRECISIONS]
-        configs = [ZeroConfig(strategy=strategy, stage=stage, precision=PRECISIONS[precision]) for stage, precision in keys]
-        per_rank = run_distributed(train_zoo_each, world, configs, timeout=800)
-        _zoo_runs[(strategy, world)] = {key: [ranks[i] for ranks in per_rank] for i, key in enumerate(keys)}
-    return _zoo_runs[(strategy, world)][(stage, precision)]
+zoo_results = SharedWorlds(zoo_plan, train=train_zoo_each)
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
@@ -76,7 +68,7 @@ def zoo_results(strategy, stage, world, precision):
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_zoo_parity(strategy, stage, world, precision):
-    results = zoo_results(strategy, stage, world, precision)
+    results = zoo_results((strategy, world), (stage, precision))
     for case in ZOO:
         for rank, result in enumerate(results):  # every rank holds the same model afterwards
             assert_parity(reference(case, precision, world), result[case], rtol=TOLERANCE[precision],
@@ -96,18 +88,13 @@ OPTIMIZER_CASES = [("sgd", "unused"), ("adam", "unused"), ("adagrad", "unused"),
                    ("sgd_fused", "twice"), ("adamw_fused", "twice"), ("adagrad_fused", "twice")]
 
 
-_optimizer_runs: dict = {}
+def optimizer_plan(group):
+    cases = [(o, c) for o, c in OPTIMIZER_CASES if not (o == "adagrad_fused" and device_under_test() == "cuda")]
+    return 2, {(o, c, s): (c, {"optimizer": o, "config": ZeroConfig(stage=s, chunk=ChunkPolicy(chunk_size=64))})
+               for o, c in cases for s in STAGES}
 
 
-def optimizer_results(optimizer, case, stage):
-    """Every rank's results; the first call trains every optimizer case at every stage in one world of 2 ranks."""
-    if not _optimizer_runs:
-        keys = [(o, c, s) for o, c in OPTIMIZER_CASES for s in STAGES
-                if not (o == "adagrad_fused" and device_under_test() == "cuda")]
-        runs = [(c, {"optimizer": o, "config": ZeroConfig(stage=s, chunk=ChunkPolicy(chunk_size=64))}) for o, c, s in keys]
-        per_rank = run_distributed(train_each, 2, runs, timeout=800)
-        _optimizer_runs.update({key: [ranks[i] for ranks in per_rank] for i, key in enumerate(keys)})
-    return _optimizer_runs[(optimizer, case, stage)]
+optimizer_results = SharedWorlds(optimizer_plan)  # one world of 2 ranks trains every optimizer at every stage
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -115,7 +102,7 @@ def optimizer_results(optimizer, case, stage):
 def test_plain_torch_optimizers_on_the_shards(optimizer, case, stage):
     if optimizer == "adagrad_fused" and device_under_test() == "cuda":
         pytest.skip("torch's fused Adagrad is CPU-only: torch.optim.Adagrad(fused=True) refuses CUDA parameters in one process too")
-    results = optimizer_results(optimizer, case, stage)
+    results = optimizer_results("all", (optimizer, case, stage))
     assert_parity(reference(case, optimizer=optimizer), results[0])
 
 
