@@ -64,6 +64,7 @@ from zero_core import ConfigError
 from zero_core.plugin import Chunk, TrainingState, get_logger
 from zero_offload._activations import ActivationOffload
 from zero_offload._base import TieredPolicy
+from zero_offload._overlap import HostStepOverlap
 from zero_offload._tiers import DEVICE, HOST, Part
 from zero_offload._tracer import MemoryTracer
 from zero_offload.config import GeminiConfig
@@ -122,6 +123,9 @@ class GeminiPolicy(TieredPolicy):
         self.replanned: list[dict[str, int]] = []
         # Installed by place() when GeminiConfig.offload_activations names module classes.
         self.activations: ActivationOffload | None = None
+        # Installed by place() with GeminiConfig.overlap_step: see [Note: overlapped host steps].
+        self.overlap: HostStepOverlap | None = None
+        self._backward_open = False  # a backward began and its after_backward has not come yet
 
     # -- setup ------------------------------------------------------------------------
     def place(self, chunks: Sequence[Chunk]) -> None:
@@ -154,6 +158,12 @@ class GeminiPolicy(TieredPolicy):
         self._rounding = 4 * 512 * len(chunks) if self.context.device.type == "cuda" else 0
         self.tracer = MemoryTracer(self.context.device, on_op=self._audit if self.options.trace_every_step else None)
         self.activations = self._offload_activations()
+        if self.options.overlap_step:
+            if self.context.config.precision.loss_scale is not None:
+                raise ConfigError(
+                    "GeminiConfig.overlap_step cannot be used with Precision(loss_scale=...): the overflow check "
+                    "reads every gradient before any chunk may step. Remove overlap_step (or the loss scaler).")
+            self.overlap = HostStepOverlap(self.context.optimizer, self.tiers)
 
     def _offload_activations(self) -> ActivationOffload | None:
         """Install activation offload on the modules of the classes ``offload_activations`` names (before the warm-up:
@@ -204,6 +214,19 @@ class GeminiPolicy(TieredPolicy):
 
     def on_transition(self, state: TrainingState) -> None:
         super().on_transition(state)
+        overlap = self.overlap
+        if overlap is not None:  # see [Note: overlapped host steps]
+            if state is TrainingState.BACKWARD:
+                self._backward_open = True
+                overlap.begin_backward(self.chunks, allowed=not self.warming_up and not self.options.trace_every_step)
+            elif state is TrainingState.FORWARD:
+                overlap.undo_all("a forward began before optimizer.step()")
+            elif state is TrainingState.IDLE and self._backward_open:  # it ended without after_backward: it raised
+                self._backward_open = False
+                overlap.open = False
+                overlap.undo_all("the backward raised")
+            elif state is TrainingState.IDLE:
+                overlap.handed_over()
         if state is TrainingState.FORWARD and not self.in_step and torch.is_grad_enabled():
             self.in_step = True
             self._event = 0
@@ -235,6 +258,8 @@ class GeminiPolicy(TieredPolicy):
             expected = self.events[k] if k < len(self.events) else "nothing"
             self._diverge(f"compute point {k} of step {self.step_index} used {key}, the warm-up trace had {expected}")
         self._make_room(k, chunks, need)
+        if backward and self.overlap is not None and self.overlap.open:
+            self.overlap.poll(self.chunks, self._steps_on_host)
 
     def _planned(self, period: int) -> int:
         """The plan's non-model figure for a period of this step (the largest one once the graph diverged)."""
@@ -300,7 +325,27 @@ class GeminiPolicy(TieredPolicy):
         at = bisect.bisect_right(uses, k)
         return uses[at] if at < len(uses) else _INF
 
+    def _steps_on_host(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` (its gradient down and the chunk released) may step on the host early: its gradient and
+        states are there, and its shard is or goes there (a cached shard is not used again in this backward, and
+        goes down now instead of when the backward ends)."""
+        tiers = self.tiers
+        if chunk.index in self.pinned or tiers.tier(chunk, Part.GRADS) is not HOST or tiers.tier(chunk, Part.OPTIM) is not HOST:
+            return False
+        if chunk.index in self.cached:
+            tiers.move(chunk, Part.PARAMS, HOST)
+            self.cached.discard(chunk.index)
+        return tiers.tier(chunk, Part.PARAMS) is HOST
+
     def after_backward(self, chunks: Sequence[Chunk]) -> None:
+        overlap = self.overlap
+        if overlap is not None:
+            self._backward_open = False
+            if overlap.open:
+                overlap.event("backward_end")  # every reduction has completed: what follows is the step's tail
+                overlap.poll(self.chunks, self._steps_on_host)
+                # the hand-over that follows gives every segment its gradient: the worker's step must be done by then
+                overlap.wait()
         for index in sorted(self.cached):
             self.tiers.move(self.chunks[index], Part.PARAMS, HOST)
         self.cached.clear()
@@ -322,9 +367,21 @@ class GeminiPolicy(TieredPolicy):
                 over = comm.agree_any(torch.tensor([over], dtype=torch.uint8))[0].item() > 0
             if over:
                 self._replan()
+        if self.overlap is not None:
+            kept, undone = self.overlap.commit()
+            for chunk in kept:
+                self._stepped(chunk)
+            if undone:
+                self.overlap.enabled = False
+                log.warning("zero-offload gemini: the gradients of %d chunk(s) stepped early were changed between "
+                            "backward and optimizer.step() (clipping, unscaling, zero_grad or a new .grad); those "
+                            "steps were undone and redone with the new gradients, and overlap_step is off from now "
+                            "on (see [Note: overlapped host steps])", len(undone))
         super().before_step(chunks)
 
     def after_step(self, chunks: Sequence[Chunk]) -> None:
+        if self.overlap is not None:
+            self.overlap.restore_grads()
         super().after_step(chunks)
         if self.options.trace_every_step:
             self._audit()
@@ -409,6 +466,8 @@ class GeminiPolicy(TieredPolicy):
         if self.activations is not None:
             self.activations.remove()
             self.activations = None
+        if self.overlap is not None:
+            self.overlap.close()
         super().close()
 
     # -- audit ----------------------------------------------------------------------------
@@ -426,6 +485,7 @@ class GeminiPolicy(TieredPolicy):
                 "replanned": [dict(e) for e in self.replanned],
                 "non_model_peak": max(self.non_model, default=0),
                 "activations": self.activations.counts() if self.activations is not None else None,
+                "overlap": self.overlap.report() if self.overlap is not None else None,
                 "resident": self.tracer.resident, "fragmented": self.tracer.fragmented,
                 "allocator_cached_peak": self.tracer.cached_free}
 

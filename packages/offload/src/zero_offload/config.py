@@ -141,6 +141,13 @@ class GeminiConfig(TierConfig):
             whose saved activations wait in pinned host memory between their forward and
             backward (every module of those classes; see [Note: activation offload]). The
             caller chooses them: Gemini does not plan them from its trace yet. ``()``: none.
+        overlap_step: Step each chunk whose master shard, gradient and optimizer states are on
+            the host as soon as its gradient is down, on a worker thread, while the backward goes
+            on; ``optimizer.step()`` then waits for them, keeps those whose gradients are unchanged
+            and undoes the others from a copy (see [Note: overlapped host steps]). Off by default:
+            the copies cost 16 bytes per parameter of host memory for AdamW while the step is open
+            (charged to the host budget), and a run that clips or scales gradients between backward
+            and step undoes them (the first time turns it off). Not with a loss scaler.
     """
 
     margin_ratio: float = 0.0
@@ -148,11 +155,12 @@ class GeminiConfig(TierConfig):
     trace_every_step: bool = False
     watch: bool | None = None
     offload_activations: tuple[str, ...] = ()
+    overlap_step: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _fraction("GeminiConfig", "margin_ratio", self.margin_ratio)
-        for name in ("prefetch", "trace_every_step"):
+        for name in ("prefetch", "trace_every_step", "overlap_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"GeminiConfig.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.watch is not None and not isinstance(self.watch, bool):
