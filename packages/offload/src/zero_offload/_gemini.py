@@ -92,6 +92,11 @@ class GeminiPolicy(TieredPolicy):
         super().__init__(options)
         self.allow_prefetch = False  # decided after the warm-up, identically on every rank
         self.step_index = 0
+        # The step that traces (0: the warm-up; one more after offload_activations="auto" chose blocks).
+        self.trace_step = 0
+        # offload_activations="auto": the blocks chosen (by name), and each candidate's measured saved bytes.
+        self.planned_activations: list[str] = []
+        self.activation_bytes: dict[str, int] = {}
         self.in_step = False
         self.diverged = False
         self.divergence: str | None = None
@@ -167,13 +172,17 @@ class GeminiPolicy(TieredPolicy):
 
     def _offload_activations(self) -> ActivationOffload | None:
         """Install activation offload on the modules of the classes ``offload_activations`` names (before the warm-up:
-        the trace measures the step as it will run)."""
+        the trace measures the step as it will run); with ``"auto"``, measure the blocks' saved bytes instead."""
         names = self.options.offload_activations
         if not names:
             return None
         model = self.context.model
         if model is None:
             raise ConfigError("GeminiConfig.offload_activations needs the model: this policy was set up without one")
+        if names == "auto":
+            blocks = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst
+                      if any(True for _ in m.parameters())]
+            return ActivationOffload(blocks, measure=True, simulate_host=not self.tracer.cuda) if blocks else None
         chosen = [m for m in model.modules() if type(m).__name__ in names]
         found = {type(m).__name__ for m in chosen}
         missing = [n for n in names if n not in found]
@@ -203,7 +212,8 @@ class GeminiPolicy(TieredPolicy):
     # -- the step's phases ---------------------------------------------------------------
     @property
     def warming_up(self) -> bool:
-        return self.step_index == 0
+        """Whether this step is traced (the warm-up, or the step after offload_activations="auto" chose blocks)."""
+        return self.step_index == self.trace_step
 
     @property
     def watching(self) -> bool:
@@ -421,9 +431,13 @@ class GeminiPolicy(TieredPolicy):
         self.need = -comm.agree_min(-local) if comm.world_size > 1 else local
         budget = tiers.budget[DEVICE]
         assert budget is not None
+        if self._plan_activations(budget):
+            return
         if self.need > budget:
             what = ("the warm-up step needed at its peak" if not self.replans else
                     f"step {self.step_index} needed at its peak, past the warm-up's trace (nothing has stepped this step)")
+            if self.planned_activations:
+                what += f" with the saved activations of {len(self.planned_activations)} block(s) in host memory"
             raise DeviceBudgetError(
                 f"the device budget ({_mib(budget)}) is below what {what}: "
                 f"{_mib(self.need)} (the gathered chunks and gradient buffers of one compute point plus the "
@@ -461,6 +475,44 @@ class GeminiPolicy(TieredPolicy):
             self.pinned.add(chunk.index)
         self.pinned_bytes = sum(tiers.nbytes(self.chunks[i]) for i in self.pinned)
 
+    def _plan_activations(self, budget: int) -> bool:
+        """offload_activations="auto", after the warm-up (which ran with every block's saved activations on the host):
+        keep the last blocks' activations on the device (they wait least for their backward) while the estimate
+        fits the budget; if that changes the blocks, trace the next step with them. Whether it does. See
+        [Note: gemini's decisions]."""
+        offload = self.activations
+        if offload is None or not offload.measure:
+            return False
+        offload.measure = False  # planned once
+        names = {id(m): n for n, m in self.context.model.named_modules()} if self.context.model is not None else {}
+        measured = offload.measured()
+        comm = self.context.comm
+        if comm.world_size > 1:  # the choice decides the next step's plan: every rank chooses from the largest figures
+            measured = [(m, -comm.agree_min(-n)) for m, n in measured]
+        self.activation_bytes = {names.get(id(m), type(m).__name__): n for m, n in measured}
+        kept: set[int] = set()
+        extra = 0
+        for module, nbytes in reversed(measured):  # each kept block's activations add to the peak, at most
+            if self.need + extra + nbytes > budget:
+                break
+            kept.add(id(module))
+            extra += nbytes
+        chosen = [m for m, n in measured if id(m) not in kept and n]
+        self.planned_activations = [names.get(id(m), type(m).__name__) for m in chosen]
+        if not kept:
+            return False  # the warm-up ran as planned: its trace is the plan's
+        offload.remove()
+        self.activations = ActivationOffload(chosen, simulate_host=not self.tracer.cuda) if chosen else None
+        log.info("zero-offload gemini: the warm-up step, with every block's saved activations on the host, needs %s of "
+                 "the device budget (%s); %d block(s) keep theirs on the device from now on, %d offload them (%s), "
+                 "and the next step is traced again to plan from it", _mib(self.need), _mib(budget), len(kept),
+                 len(chosen), ", ".join(self.planned_activations) or "none")
+        # the next step is the warm-up again: streamed, nothing prefetched, cached or kept on the device
+        self.trace_step = self.step_index + 1
+        self.events, self.work, self.non_model = [], [], []
+        self.allow_prefetch, self.prefetch_reserve = False, 0
+        return True
+
     def close(self) -> None:
         """Also put back the forwards wrapped for activation offload."""
         if self.activations is not None:
@@ -486,6 +538,7 @@ class GeminiPolicy(TieredPolicy):
                 "non_model_peak": max(self.non_model, default=0),
                 "activations": self.activations.counts() if self.activations is not None else None,
                 "overlap": self.overlap.report() if self.overlap is not None else None,
+                "planned_activations": list(self.planned_activations), "activation_bytes": dict(self.activation_bytes),
                 "resident": self.tracer.resident, "fragmented": self.tracer.fragmented,
                 "allocator_cached_peak": self.tracer.cached_free}
 
