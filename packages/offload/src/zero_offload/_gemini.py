@@ -18,12 +18,22 @@ every rank plans from the same peak:
 3. ``margin_ratio`` of the remaining headroom goes to whole chunks (shard, gradients and
    optimizer states, in plan order): they step on the device.
 
+With ``offload_activations="auto"`` the warm-up runs with the saved activations of every block of
+the model's ``nn.ModuleList`` s on the host and counts each block's bytes. Before step 1 above, the
+plan keeps the last blocks' activations on the device while ``need`` plus their bytes fits the
+budget (the first blocks' wait longest for their backward); if that changes the blocks, the next
+step is traced again, as the warm-up, and the plan made from it: exact figures, not the estimate.
+
 From step 1 on, at each compute point the policy may keep master shards on the device
 between the forward and the backward (a *cache*): it evicts cached shards, the one used
 furthest in the future first (Belady), until the cache fits in what the budget leaves
 after the period's measured non-model peak, the engine's buffers, this point's gather
 and (on CUDA) the warm-up's fragmentation; then it caches this point's shards if they fit. Cached shards go back to the host
 when the backward ends (the optimizer steps there).
+
+With ``overlap_step`` a chunk that steps on the host may step during the backward instead (see
+[Note: overlapped host steps] in ``zero_offload._overlap``); a cached shard whose gradient is down
+then goes back to the host at once.
 
 Forwards under ``torch.no_grad()`` (evaluation between steps) are not part of a step:
 they are neither traced nor compared, and cache nothing.

@@ -59,10 +59,9 @@ log = get_logger("offload")
 
 def raw_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any] | None:
     """The optimizer class's ``step`` without torch's hook wrapper (``None`` if it is not wrapped as torch does)."""
-    step = type(optimizer).step
-    if getattr(step, "hooked", False) and callable(getattr(step, "__wrapped__", None)):
-        return step.__wrapped__  # type: ignore[no-any-return]
-    return None
+    step: Any = type(optimizer).step
+    wrapped = getattr(step, "__wrapped__", None)
+    return wrapped if getattr(step, "hooked", False) and callable(wrapped) else None
 
 
 class _Early:
@@ -207,7 +206,8 @@ class HostStepOverlap:
         Returns (kept, undone) chunks."""
         self.wait()
         self.open = False
-        kept, undone = [], []
+        kept: list[_Early] = []
+        undone: list[_Early] = []
         for entry in self.early.values():
             # the same objects, not changed in place through the parameter's gradient or its local tensor
             valid = entry.grads is not None and all(
