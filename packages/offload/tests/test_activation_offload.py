@@ -12,7 +12,7 @@ from torch import nn
 
 from zero_core import ChunkPolicy, ConfigError, ZeroConfig, shard
 from zero_core.testing.gpt import GPT, GPTConfig, lm_loss
-from zero_offload import ActivationOffload, GeminiConfig, offload_activations
+from zero_offload import ActivationOffload, DeviceBudgetError, GeminiConfig, offload_activations
 from zero_offload._activations import _Packed, copy_to
 
 TINY = GPTConfig(vocab_size=37, seq_len=8, d_model=18, n_layer=2, n_head=2, qkv_bias=False)
@@ -48,8 +48,8 @@ class _Recording(ActivationOffload):
         self.seen = []
         super().__init__(*args, **kwargs)
 
-    def _pack(self, tensor, model, group):
-        packed = super()._pack(tensor, model, group)
+    def _pack(self, tensor, model, group, module):
+        packed = super()._pack(tensor, model, group, module)
         self.seen.append((tensor, packed))
         return packed
 
@@ -190,3 +190,51 @@ def test_gemini_refuses_a_class_the_model_does_not_have():
 def test_the_option_is_a_tuple_of_class_names(value):
     with pytest.raises(ConfigError, match=r"GeminiConfig\.offload_activations must be a tuple of module class names"):
         GeminiConfig(offload_activations=value)
+
+
+DEEP = GPTConfig(vocab_size=37, seq_len=8, d_model=18, n_layer=6, n_head=2, qkv_bias=False)
+
+
+def _auto(budget_bytes, steps=3):
+    torch.manual_seed(0)
+    model = GPT(DEEP)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = ZeroConfig(stage=3, chunk=ChunkPolicy(chunk_size=300), placement="gemini",
+                        placement_options=GeminiConfig(device_budget_mb=budget_bytes / 2**20, offload_activations="auto",
+                                                       trace_every_step=True))
+    sharded = shard(model, optimizer, config=config)
+    losses = _train(sharded.model, sharded.optimizer, steps=steps)
+    policy = sharded.model.engine.placement
+    report = policy.report()
+    full = sharded.model.full_parameters()
+    policy.close()
+    return losses, full, report
+
+
+def test_gemini_plans_activation_offload_from_its_trace_under_a_budget():
+    """offload_activations="auto": the warm-up offloads every block and measures; the plan keeps the last blocks'
+    activations on the device while they fit, traces one more step, and trains as plain PyTorch within the budget."""
+    torch.manual_seed(0)
+    model = GPT(DEEP)
+    reference = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    expected = dict(model.named_parameters())
+    # no pressure: every block keeps its activations, and the plan is that of no offload
+    _, _, roomy = _auto(2**30)
+    assert roomy["planned_activations"] == [] and set(roomy["activation_bytes"]) == {f"blocks.{i}" for i in range(6)}
+    unoffloaded, block = roomy["need"], max(roomy["activation_bytes"].values())
+    # below what the step needs with every block offloaded: refused at planning, naming that figure
+    with pytest.raises(DeviceBudgetError, match=r"with the saved activations of 6 block\(s\) in host memory") as refused:
+        _auto(30_000, steps=1)
+    floor = refused.value.needed
+    # room for about one block's activations more: that block keeps them on the device, the others offload
+    # (the CPU tracer's figures move by a few KiB between runs, with when Python frees tensors: half a block of slack)
+    budget = floor + 3 * block // 2
+    assert budget < unoffloaded  # without offload the step would not fit
+    losses, full, report = _auto(budget)
+    assert 0 < len(report["planned_activations"]) < 6, (unoffloaded, floor, budget, report)
+    assert report["planned_activations"] == [f"blocks.{i}" for i in range(len(report["planned_activations"]))]
+    assert report["need"] <= budget and report["audit_max"] <= budget, report  # every operator of every step audited
+    assert report["activations"]["offloaded"] > 0 and report["activations"]["unpacked"] == report["activations"]["offloaded"]
+    torch.testing.assert_close(losses, reference, rtol=1e-5, atol=0)
+    for name, value in expected.items():
+        torch.testing.assert_close(full[name], value.detach(), rtol=1e-5, atol=1e-7, msg=name)

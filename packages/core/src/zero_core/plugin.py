@@ -7,7 +7,7 @@ the supported surface for plugin authors and changes only with a changelog entry
 
 from __future__ import annotations
 
-from zero_core.base._accounting import in_engine_work
+from zero_core.base._accounting import engine_work_context, in_engine_work
 from zero_core.base._live_bytes import LiveBytes
 from zero_core.base._log import get_logger
 from zero_core.base._state import ChunkState, MemoryTier, TrainingState
@@ -93,6 +93,7 @@ __all__ = [
     "hookimpl",
     "get_logger",
     "hookspec",
+    "engine_work_context",
     "in_engine_work",
     "in_policy_call",
     "move_shard",

@@ -7,9 +7,10 @@ forward of each chosen module in ``torch.autograd.graph.saved_tensors_hooks``:
 
 - *pack* (forward, for each tensor autograd saves): a tensor on an accelerator is copied
   into a pinned host buffer on a copy stream of its own (the copy stream waits for the
-  compute stream first, and the device tensor is marked used there so the caching
-  allocator does not hand its memory out before the copy ends); the device copy is then
-  free as soon as the forward drops it. A tensor already on the host (every tensor on a
+  compute stream first, and the device tensor is held, with the event its copy recorded,
+  until that event has passed, so the caching allocator cannot hand its memory out before
+  the copy ends: events, not ``record_stream``, as in [Note: streams of the data plane] in
+  ``zero_core.base._streams``); the device copy is then free once the forward drops it. A tensor already on the host (every tensor on a
   CPU-only machine) is kept as it is: there is nowhere cheaper to put it, and copying it
   would only double it. Both are counted (:class:`ActivationOffload` ``offloaded``, ``kept``).
 - *unpack* (backward): an offloaded tensor comes back to its device. The first unpack of
@@ -24,9 +25,14 @@ forward of each chosen module in ``torch.autograd.graph.saved_tensors_hooks``:
   a gathered chunk buffer). A saved tensor whose storage is a storage of one of the module's
   parameters or buffers at the time of the call is kept as it is (``skipped``).
 
-Left for later: Gemini planning which blocks to offload from its warm-up trace (today the
-caller chooses; see docs/placement/gemini.md). The CUDA streams are written but not yet
-run on a GPU.
+Gemini chooses the blocks itself with ``GeminiConfig(offload_activations="auto")``: its warm-up
+offloads every block of the model's ``nn.ModuleList`` s and counts each one's saved bytes
+(``saved_bytes``); the plan then keeps the last blocks' activations on the device while its
+estimate fits the budget, and traces one more step to plan from exact figures (see [Note:
+gemini's decisions]). On a CPU-only
+machine, where the device budget is for a simulated device, Gemini's offload copies the tensors
+anyway as engine work (``simulate_host=True``), so the tracer sees them leave the device.
+The CUDA streams are written but not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from zero_core.plugin import engine_work_context
+
 __all__ = ["ActivationOffload", "offload_activations"]
 
 
@@ -47,8 +55,9 @@ def copy_to(tensor: torch.Tensor, device: torch.device, *, pin: bool = False,
     """A copy of ``tensor`` on ``device`` with its shape, strides and dtype (pinned if ``pin``).
 
     With ``stream`` (CUDA) the copy runs there, without blocking the host: ``stream`` first
-    waits for the current stream, which produced ``tensor``, and ``tensor`` is recorded as
-    used by ``stream`` so the allocator keeps its memory until the copy is done.
+    waits for the current stream, which produced ``tensor``. The caller keeps ``tensor`` (and
+    ``out``) alive until an event recorded on ``stream`` after the copy has passed, so the
+    allocator cannot reuse their memory while the copy runs (no ``record_stream``).
     """
     out = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device, pin_memory=pin)
     if stream is None:
@@ -57,8 +66,28 @@ def copy_to(tensor: torch.Tensor, device: torch.device, *, pin: bool = False,
     stream.wait_stream(torch.cuda.current_stream(tensor.device))
     with torch.cuda.stream(stream):
         out.copy_(tensor, non_blocking=True)
-    tensor.record_stream(stream)
     return out
+
+
+def _model_storages(module: nn.Module) -> set[int]:
+    """The storages of ``module``'s parameters and buffers that are in memory now. Under ``shard()`` a submodule's
+    parameters are stand-ins until its own forward gathers them (see [Note: parameters used outside their module] in
+    ``zero_core.runtime._released``): their storage is not read, which would gather them outside their module."""
+    # a stand-in carries its chunk (``_zero_chunk``); reading the attribute is no torch function, so gathers nothing
+    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())
+            if getattr(t, "_zero_chunk", None) is None}
+
+
+def _is_model(tensor: torch.Tensor, model: set[int], module: nn.Module) -> bool:
+    """Whether a saved tensor is a parameter, a buffer or a view of one: looked up again on a miss, since a
+    submodule's parameters are gathered by the time it saves them."""
+    if isinstance(tensor, nn.Parameter):
+        return True
+    ptr = tensor.untyped_storage().data_ptr()
+    if ptr in model:
+        return True
+    model.update(_model_storages(module))
+    return ptr in model
 
 
 class _Group:
@@ -99,7 +128,8 @@ class ActivationOffload:
         offloaded_bytes: Bytes copied to the host by pack.
     """
 
-    def __init__(self, modules: Iterable[nn.Module], *, copy_host_tensors: bool = False) -> None:
+    def __init__(self, modules: Iterable[nn.Module], *, copy_host_tensors: bool = False, measure: bool = False,
+                 simulate_host: bool = False) -> None:
         self.modules = list(modules)
         if not self.modules or not all(isinstance(m, nn.Module) for m in self.modules):
             raise TypeError(
@@ -109,8 +139,17 @@ class ActivationOffload:
         if len({id(m) for m in self.modules}) != len(self.modules):
             raise ValueError("offload_activations() got the same module twice; name each block once")
         # Tests only: copy tensors that are already on the host too, so a CPU-only machine runs the copy path.
-        self._copy_host = copy_host_tensors
+        self._copy_host = copy_host_tensors or simulate_host
+        # Gemini on a CPU-only machine: the host copies are not device data, so they are made as engine work
+        # (a memory tracer leaves them out), and the tensors they copy leave its count once the forward drops them.
+        self._simulate_host = simulate_host
+        # Gemini's warm-up with offload_activations="auto": the modules' saved bytes are to be planned from.
+        self.measure = measure
+        self.saved_bytes: dict[int, int] = {}  # by id(module), over every call
+        self.call_order: list[nn.Module] = []  # each module once, in the order of its first call
         self._stream: torch.cuda.Stream | None = None
+        # CUDA: tensors a copy stream still reads or writes, with the event after which they may be freed.
+        self._in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []
         self.offloaded = self.kept = self.skipped = self.unpacked = self.prefetched = self.offloaded_bytes = 0
         self._last: _Group | None = None  # the group of the latest wrapped forward: the next one's previous
         for module in self.modules:
@@ -126,17 +165,29 @@ class ActivationOffload:
             if not torch.is_grad_enabled():  # nothing is saved for a backward
                 return forward(*args, **kwargs)
             # read at each call: under shard() the engine re-points parameters at gathered buffers before it
-            model = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+            model = _model_storages(module)
+            if id(module) not in self.saved_bytes:
+                self.saved_bytes[id(module)] = 0
+                self.call_order.append(module)
             group = self._last = _Group(self._last)
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, model, group), self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, model, group, module), self._unpack):
                 return forward(*args, **kwargs)
 
         return offloaded_forward
 
-    def _pack(self, tensor: torch.Tensor, model: set[int], group: _Group) -> Any:
-        if isinstance(tensor, nn.Parameter) or tensor.untyped_storage().data_ptr() in model:
+    def measured(self) -> list[tuple[nn.Module, int]]:
+        """Each module's saved bytes (what pack moves or would move, over every call), in the order of first calls."""
+        return [(m, self.saved_bytes[id(m)]) for m in self.call_order]
+
+    def _settle(self) -> None:
+        """Let go of the tensors whose copy has ended (see :func:`copy_to`)."""
+        self._in_flight = [(e, t) for e, t in self._in_flight if not e.query()]
+
+    def _pack(self, tensor: torch.Tensor, model: set[int], group: _Group, module: nn.Module) -> Any:
+        if _is_model(tensor, model, module):
             self.skipped += 1
             return tensor
+        self.saved_bytes[id(module)] += tensor.numel() * tensor.element_size()
         host = torch.device("cpu")
         if tensor.device == host and not self._copy_host:
             self.kept += 1  # already on the host: nowhere cheaper to keep it, and a copy would double it
@@ -146,11 +197,17 @@ class ActivationOffload:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(tensor.device)
             stream = self._stream
-        copy = copy_to(tensor, host, pin=tensor.device.type == "cuda", stream=stream)
+        if self._simulate_host:
+            with engine_work_context():  # not device data: see __init__
+                copy = copy_to(tensor, host)
+        else:
+            copy = copy_to(tensor, host, pin=tensor.device.type == "cuda", stream=stream)
         event = None
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
+            self._settle()
+            self._in_flight.append((event, tensor))  # kept until the copy has read it
         self.offloaded += 1
         self.offloaded_bytes += tensor.numel() * tensor.element_size()
         packed = _Packed(copy, tensor.device, event, group)
@@ -194,10 +251,11 @@ class ActivationOffload:
             if packed.event is not None:
                 stream.wait_event(packed.event)
             back.copy_(packed.host, non_blocking=True)
-        back.record_stream(stream)
         packed.back_event = torch.cuda.Event()
         packed.back_event.record(stream)
         packed.back = back
+        self._settle()
+        self._in_flight.append((packed.back_event, back))  # kept until written, even if its graph is dropped unused
 
     def remove(self) -> None:
         """Put the modules' own forwards back (tensors already packed still come back in their backward)."""

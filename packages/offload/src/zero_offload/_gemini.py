@@ -18,12 +18,22 @@ every rank plans from the same peak:
 3. ``margin_ratio`` of the remaining headroom goes to whole chunks (shard, gradients and
    optimizer states, in plan order): they step on the device.
 
+With ``offload_activations="auto"`` the warm-up runs with the saved activations of every block of
+the model's ``nn.ModuleList`` s on the host and counts each block's bytes. Before step 1 above, the
+plan keeps the last blocks' activations on the device while ``need`` plus their bytes fits the
+budget (the first blocks' wait longest for their backward); if that changes the blocks, the next
+step is traced again, as the warm-up, and the plan made from it: exact figures, not the estimate.
+
 From step 1 on, at each compute point the policy may keep master shards on the device
 between the forward and the backward (a *cache*): it evicts cached shards, the one used
 furthest in the future first (Belady), until the cache fits in what the budget leaves
 after the period's measured non-model peak, the engine's buffers, this point's gather
 and (on CUDA) the warm-up's fragmentation; then it caches this point's shards if they fit. Cached shards go back to the host
 when the backward ends (the optimizer steps there).
+
+With ``overlap_step`` a chunk that steps on the host may step during the backward instead (see
+[Note: overlapped host steps] in ``zero_offload._overlap``); a cached shard whose gradient is down
+then goes back to the host at once.
 
 Forwards under ``torch.no_grad()`` (evaluation between steps) are not part of a step:
 they are neither traced nor compared, and cache nothing.
@@ -64,6 +74,7 @@ from zero_core import ConfigError
 from zero_core.plugin import Chunk, TrainingState, get_logger
 from zero_offload._activations import ActivationOffload
 from zero_offload._base import TieredPolicy
+from zero_offload._overlap import HostStepOverlap
 from zero_offload._tiers import DEVICE, HOST, Part
 from zero_offload._tracer import MemoryTracer
 from zero_offload.config import GeminiConfig
@@ -91,6 +102,11 @@ class GeminiPolicy(TieredPolicy):
         super().__init__(options)
         self.allow_prefetch = False  # decided after the warm-up, identically on every rank
         self.step_index = 0
+        # The step that traces (0: the warm-up; one more after offload_activations="auto" chose blocks).
+        self.trace_step = 0
+        # offload_activations="auto": the blocks chosen (by name), and each candidate's measured saved bytes.
+        self.planned_activations: list[str] = []
+        self.activation_bytes: dict[str, int] = {}
         self.in_step = False
         self.diverged = False
         self.divergence: str | None = None
@@ -122,6 +138,9 @@ class GeminiPolicy(TieredPolicy):
         self.replanned: list[dict[str, int]] = []
         # Installed by place() when GeminiConfig.offload_activations names module classes.
         self.activations: ActivationOffload | None = None
+        # Installed by place() with GeminiConfig.overlap_step: see [Note: overlapped host steps].
+        self.overlap: HostStepOverlap | None = None
+        self._backward_open = False  # a backward began and its after_backward has not come yet
 
     # -- setup ------------------------------------------------------------------------
     def place(self, chunks: Sequence[Chunk]) -> None:
@@ -154,16 +173,26 @@ class GeminiPolicy(TieredPolicy):
         self._rounding = 4 * 512 * len(chunks) if self.context.device.type == "cuda" else 0
         self.tracer = MemoryTracer(self.context.device, on_op=self._audit if self.options.trace_every_step else None)
         self.activations = self._offload_activations()
+        if self.options.overlap_step:
+            if self.context.config.precision.loss_scale is not None:
+                raise ConfigError(
+                    "GeminiConfig.overlap_step cannot be used with Precision(loss_scale=...): the overflow check "
+                    "reads every gradient before any chunk may step. Remove overlap_step (or the loss scaler).")
+            self.overlap = HostStepOverlap(self.context.optimizer, self.tiers)
 
     def _offload_activations(self) -> ActivationOffload | None:
         """Install activation offload on the modules of the classes ``offload_activations`` names (before the warm-up:
-        the trace measures the step as it will run)."""
+        the trace measures the step as it will run); with ``"auto"``, measure the blocks' saved bytes instead."""
         names = self.options.offload_activations
         if not names:
             return None
         model = self.context.model
         if model is None:
             raise ConfigError("GeminiConfig.offload_activations needs the model: this policy was set up without one")
+        if names == "auto":
+            blocks = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst
+                      if any(True for _ in m.parameters())]
+            return ActivationOffload(blocks, measure=True, simulate_host=not self.tracer.cuda) if blocks else None
         chosen = [m for m in model.modules() if type(m).__name__ in names]
         found = {type(m).__name__ for m in chosen}
         missing = [n for n in names if n not in found]
@@ -193,7 +222,8 @@ class GeminiPolicy(TieredPolicy):
     # -- the step's phases ---------------------------------------------------------------
     @property
     def warming_up(self) -> bool:
-        return self.step_index == 0
+        """Whether this step is traced (the warm-up, or the step after offload_activations="auto" chose blocks)."""
+        return self.step_index == self.trace_step
 
     @property
     def watching(self) -> bool:
@@ -204,6 +234,19 @@ class GeminiPolicy(TieredPolicy):
 
     def on_transition(self, state: TrainingState) -> None:
         super().on_transition(state)
+        overlap = self.overlap
+        if overlap is not None:  # see [Note: overlapped host steps]
+            if state is TrainingState.BACKWARD:
+                self._backward_open = True
+                overlap.begin_backward(self.chunks, allowed=not self.warming_up and not self.options.trace_every_step)
+            elif state is TrainingState.FORWARD:
+                overlap.undo_all("a forward began before optimizer.step()")
+            elif state is TrainingState.IDLE and self._backward_open:  # it ended without after_backward: it raised
+                self._backward_open = False
+                overlap.open = False
+                overlap.undo_all("the backward raised")
+            elif state is TrainingState.IDLE:
+                overlap.handed_over()
         if state is TrainingState.FORWARD and not self.in_step and torch.is_grad_enabled():
             self.in_step = True
             self._event = 0
@@ -235,6 +278,8 @@ class GeminiPolicy(TieredPolicy):
             expected = self.events[k] if k < len(self.events) else "nothing"
             self._diverge(f"compute point {k} of step {self.step_index} used {key}, the warm-up trace had {expected}")
         self._make_room(k, chunks, need)
+        if backward and self.overlap is not None and self.overlap.open:
+            self.overlap.poll(self.chunks, self._steps_on_host)
 
     def _planned(self, period: int) -> int:
         """The plan's non-model figure for a period of this step (the largest one once the graph diverged)."""
@@ -300,7 +345,27 @@ class GeminiPolicy(TieredPolicy):
         at = bisect.bisect_right(uses, k)
         return uses[at] if at < len(uses) else _INF
 
+    def _steps_on_host(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` (its gradient down and the chunk released) may step on the host early: its gradient and
+        states are there, and its shard is or goes there (a cached shard is not used again in this backward, and
+        goes down now instead of when the backward ends)."""
+        tiers = self.tiers
+        if chunk.index in self.pinned or tiers.tier(chunk, Part.GRADS) is not HOST or tiers.tier(chunk, Part.OPTIM) is not HOST:
+            return False
+        if chunk.index in self.cached:
+            tiers.move(chunk, Part.PARAMS, HOST)
+            self.cached.discard(chunk.index)
+        return tiers.tier(chunk, Part.PARAMS) is HOST
+
     def after_backward(self, chunks: Sequence[Chunk]) -> None:
+        overlap = self.overlap
+        if overlap is not None:
+            self._backward_open = False
+            if overlap.open:
+                overlap.event("backward_end")  # every reduction has completed: what follows is the step's tail
+                overlap.poll(self.chunks, self._steps_on_host)
+                # the hand-over that follows gives every segment its gradient: the worker's step must be done by then
+                overlap.wait()
         for index in sorted(self.cached):
             self.tiers.move(self.chunks[index], Part.PARAMS, HOST)
         self.cached.clear()
@@ -322,9 +387,21 @@ class GeminiPolicy(TieredPolicy):
                 over = comm.agree_any(torch.tensor([over], dtype=torch.uint8))[0].item() > 0
             if over:
                 self._replan()
+        if self.overlap is not None:
+            kept, undone = self.overlap.commit()
+            for chunk in kept:
+                self._stepped(chunk)
+            if undone:
+                self.overlap.enabled = False
+                log.warning("zero-offload gemini: the gradients of %d chunk(s) stepped early were changed between "
+                            "backward and optimizer.step() (clipping, unscaling, zero_grad or a new .grad); those "
+                            "steps were undone and redone with the new gradients, and overlap_step is off from now "
+                            "on (see [Note: overlapped host steps])", len(undone))
         super().before_step(chunks)
 
     def after_step(self, chunks: Sequence[Chunk]) -> None:
+        if self.overlap is not None:
+            self.overlap.restore_grads()
         super().after_step(chunks)
         if self.options.trace_every_step:
             self._audit()
@@ -364,9 +441,13 @@ class GeminiPolicy(TieredPolicy):
         self.need = -comm.agree_min(-local) if comm.world_size > 1 else local
         budget = tiers.budget[DEVICE]
         assert budget is not None
+        if self._plan_activations(budget):
+            return
         if self.need > budget:
             what = ("the warm-up step needed at its peak" if not self.replans else
                     f"step {self.step_index} needed at its peak, past the warm-up's trace (nothing has stepped this step)")
+            if self.planned_activations:
+                what += f" with the saved activations of {len(self.planned_activations)} block(s) in host memory"
             raise DeviceBudgetError(
                 f"the device budget ({_mib(budget)}) is below what {what}: "
                 f"{_mib(self.need)} (the gathered chunks and gradient buffers of one compute point plus the "
@@ -404,11 +485,51 @@ class GeminiPolicy(TieredPolicy):
             self.pinned.add(chunk.index)
         self.pinned_bytes = sum(tiers.nbytes(self.chunks[i]) for i in self.pinned)
 
+    def _plan_activations(self, budget: int) -> bool:
+        """offload_activations="auto", after the warm-up (which ran with every block's saved activations on the host):
+        keep the last blocks' activations on the device (they wait least for their backward) while the estimate
+        fits the budget; if that changes the blocks, trace the next step with them. Whether it does. See
+        [Note: gemini's decisions]."""
+        offload = self.activations
+        if offload is None or not offload.measure:
+            return False
+        offload.measure = False  # planned once
+        names = {id(m): n for n, m in self.context.model.named_modules()} if self.context.model is not None else {}
+        measured = offload.measured()
+        comm = self.context.comm
+        if comm.world_size > 1:  # the choice decides the next step's plan: every rank chooses from the largest figures
+            measured = [(m, -comm.agree_min(-n)) for m, n in measured]
+        self.activation_bytes = {names.get(id(m), type(m).__name__): n for m, n in measured}
+        kept: set[int] = set()
+        extra = 0
+        for module, nbytes in reversed(measured):  # each kept block's activations add to the peak, at most
+            if self.need + extra + nbytes > budget:
+                break
+            kept.add(id(module))
+            extra += nbytes
+        chosen = [m for m, n in measured if id(m) not in kept and n]
+        self.planned_activations = [names.get(id(m), type(m).__name__) for m in chosen]
+        if not kept:
+            return False  # the warm-up ran as planned: its trace is the plan's
+        offload.remove()
+        self.activations = ActivationOffload(chosen, simulate_host=not self.tracer.cuda) if chosen else None
+        log.info("zero-offload gemini: the warm-up step, with every block's saved activations on the host, needs %s of "
+                 "the device budget (%s); %d block(s) keep theirs on the device from now on, %d offload them (%s), "
+                 "and the next step is traced again to plan from it", _mib(self.need), _mib(budget), len(kept),
+                 len(chosen), ", ".join(self.planned_activations) or "none")
+        # the next step is the warm-up again: streamed, nothing prefetched, cached or kept on the device
+        self.trace_step = self.step_index + 1
+        self.events, self.work, self.non_model = [], [], []
+        self.allow_prefetch, self.prefetch_reserve = False, 0
+        return True
+
     def close(self) -> None:
         """Also put back the forwards wrapped for activation offload."""
         if self.activations is not None:
             self.activations.remove()
             self.activations = None
+        if self.overlap is not None:
+            self.overlap.close()
         super().close()
 
     # -- audit ----------------------------------------------------------------------------
@@ -426,6 +547,8 @@ class GeminiPolicy(TieredPolicy):
                 "replanned": [dict(e) for e in self.replanned],
                 "non_model_peak": max(self.non_model, default=0),
                 "activations": self.activations.counts() if self.activations is not None else None,
+                "overlap": self.overlap.report() if self.overlap is not None else None,
+                "planned_activations": list(self.planned_activations), "activation_bytes": dict(self.activation_bytes),
                 "resident": self.tracer.resident, "fragmented": self.tracer.fragmented,
                 "allocator_cached_peak": self.tracer.cached_free}
 

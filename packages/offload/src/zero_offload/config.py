@@ -139,32 +139,45 @@ class GeminiConfig(TierConfig):
             ``trace_every_step`` watches too.
         offload_activations: Class names of the model's modules (for example ``("Block",)``)
             whose saved activations wait in pinned host memory between their forward and
-            backward (every module of those classes; see [Note: activation offload]). The
-            caller chooses them: Gemini does not plan them from its trace yet. ``()``: none.
+            backward (every module of those classes; see [Note: activation offload]);
+            ``"auto"``: Gemini chooses among the blocks of the model's ``nn.ModuleList`` s from
+            its warm-up trace, only when the step would not fit the device budget otherwise
+            (see [Note: gemini's decisions]). ``()``: none (the default: offloading costs link
+            time, and a step that fits needs none).
+        overlap_step: Step each chunk whose master shard, gradient and optimizer states are on
+            the host as soon as its gradient is down, on a worker thread, while the backward goes
+            on; ``optimizer.step()`` then waits for them, keeps those whose gradients are unchanged
+            and undoes the others from a copy (see [Note: overlapped host steps]). Off by default:
+            the copies cost 16 bytes per parameter of host memory for AdamW while the step is open
+            (charged to the host budget), and a run that clips or scales gradients between backward
+            and step undoes them (the first time turns it off). Not with a loss scaler.
     """
 
     margin_ratio: float = 0.0
     prefetch: bool = True
     trace_every_step: bool = False
     watch: bool | None = None
-    offload_activations: tuple[str, ...] = ()
+    offload_activations: tuple[str, ...] | str = ()
+    overlap_step: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _fraction("GeminiConfig", "margin_ratio", self.margin_ratio)
-        for name in ("prefetch", "trace_every_step"):
+        for name in ("prefetch", "trace_every_step", "overlap_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"GeminiConfig.{name} must be True or False, got {getattr(self, name)!r}.")
         if self.watch is not None and not isinstance(self.watch, bool):
             raise ConfigError(f"GeminiConfig.watch must be True, False or None, got {self.watch!r}.")
         names = self.offload_activations
-        if isinstance(names, list):  # from a mapping of options (JSON, YAML): a list is as good as a tuple
+        if names == "auto":
+            names = ()  # checked below as an empty tuple; the field keeps "auto"
+        elif isinstance(names, list):  # from a mapping of options (JSON, YAML): a list is as good as a tuple
             names = tuple(names)
             object.__setattr__(self, "offload_activations", names)
         if not isinstance(names, tuple) or not all(isinstance(n, str) and n.isidentifier() for n in names):
             raise ConfigError(
                 "GeminiConfig.offload_activations must be a tuple of module class names, for example ('Block',), "
-                f"got {names!r}."
+                f"or 'auto', got {names!r}."
             )
 
 
