@@ -107,12 +107,15 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(render(result)))
         print(json.dumps(result, indent=1))
         return 0 if all(r["status"] == "fit" for r in result["rows"]) else 1
-    from zero_bench.gpu.driver import _init_process_group
-
     device = torch.device(args.device if args.device != "cuda" else "cuda:0")
     shape, depth, batch = (DRY_SHAPE, DRY_DEPTH, 2) if args.dry_run else (SHAPE, DEPTH, BATCH)
     with tempfile.TemporaryDirectory() as tmp:
-        _init_process_group(device, tmp)
+        # world size 1 through a file rendezvous (FSDP2 needs a process group): no port to collide with
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                             init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0, world_size=1)
         row = measure_one(args.one, device=device, shape=shape, depth=depth, batch=batch, budget_gib=args.device_budget_gib)
         torch.distributed.destroy_process_group()
     with open(args.json_out, "w") as f:

@@ -219,7 +219,8 @@ class TieredPolicy(PlacementPolicy):
                 for chunk in batch:
                     self._stepped(chunk)
         if batches[DISK]:  # one at a time, files read ahead and written behind: [Note: the disk tier's pipeline]
-            step_from_disk(self, batches[DISK])
+            step_from_disk(tiers, batches[DISK], shard_to_host=lambda chunk: self._params_to(chunk, HOST),
+                           step=self.context.step_chunks, stepped=self._stepped, home=self._home)
 
     def _check_disk_space(self, chunks: Sequence[Chunk]) -> None:
         """Fail before anything is stepped if the disk cannot take this step's write-backs (a step is all or nothing)."""

@@ -26,18 +26,14 @@ optimizer step returns.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from zero_core.plugin import Chunk, rewrap
+from zero_core.plugin import Chunk, MemoryTier, rewrap
 from zero_offload._disk import DiskStore, Pending
 from zero_offload._tiers import DISK, HOST, Part, Tiers
-
-if TYPE_CHECKING:
-    from zero_offload._base import TieredPolicy
 
 __all__ = ["step_from_disk"]
 
@@ -103,12 +99,15 @@ def _land(tiers: Tiers, ahead: _Ahead) -> None:
         disk.delete(f"optim-{i}")  # out of date from now on, as after any move from disk
 
 
-def step_from_disk(policy: TieredPolicy, chunks: Sequence[Chunk]) -> None:
+def step_from_disk(tiers: Tiers, chunks: Sequence[Chunk], *, shard_to_host: Callable[[Chunk], None],
+                   step: Callable[[list[Chunk]], None], stepped: Callable[[Chunk], None],
+                   home: Mapping[int, MemoryTier]) -> None:
     """Step ``chunks`` (optimizer states on disk) one at a time with their files read ahead and written behind.
 
-    See [Note: the disk tier's pipeline].
+    The caller passes in how it brings a chunk's shard to the host for its step (``shard_to_host``), the
+    optimizer step of some chunks (``step``), what follows a chunk's step (``stepped``: a shard whose home is
+    the disk goes back there), and each moved shard's home tier (``home``). See [Note: the disk tier's pipeline].
     """
-    tiers = policy.tiers
     disk: DiskStore | None = tiers.disk
     assert disk is not None
     ahead: _Ahead | None = None
@@ -119,15 +118,15 @@ def step_from_disk(policy: TieredPolicy, chunks: Sequence[Chunk]) -> None:
                 if ahead is not None:
                     current, ahead = ahead, None
                     _land(tiers, current)
-                policy._params_to(chunk, HOST)
+                shard_to_host(chunk)
                 tiers.move(chunk, Part.OPTIM, HOST)  # nothing to do when it was read ahead
                 if n + 1 < len(chunks):
                     ahead = _read_ahead(tiers, chunks[n + 1], in_flight)
                 disk.note("step start", f"chunk-{chunk.index}")
-                policy.context.step_chunks([chunk])
+                step([chunk])
                 disk.note("step done", f"chunk-{chunk.index}")
-                shard_home = policy._home.get(chunk.index)
-                policy._stepped(chunk)  # a shard whose home is the disk is written back (behind) here
+                shard_home = home.get(chunk.index)
+                stepped(chunk)  # a shard whose home is the disk is written back (behind) here
                 tiers.move(chunk, Part.OPTIM, DISK)
                 in_flight = tiers.nbytes(chunk, Part.OPTIM) + (chunk.shard_bytes if shard_home is DISK else 0)
     finally:
