@@ -36,8 +36,12 @@ def test_dry_run_writes_every_section(tmp_path):
     assert all(s.get("error") is None for s in capacity["systems"])
     outcome = {(r["name"], r["depth"]): r["status"] for r in capacity["rows"]}
     depths = capacity["depths"]
-    for name in ("zero-gemini", "zero-gemini-disk"):  # zero plans under its own budget: every size trains
-        assert all(outcome[name, d] == "fit" for d in depths), outcome
+    # zero plans under its own budgets: every size trains; with the disk tier's small host budget (2 MiB over 8
+    # bytes per parameter in a dry run) depth 2 spills to disk and depth 4's disk reserve does not fit: refused
+    assert all(outcome["zero-gemini", d] == "fit" for d in depths), outcome
+    assert [outcome["zero-gemini-disk", d] for d in depths] == ["fit", "fit", "refused at planning"], outcome
+    disk_row = next(r for r in capacity["rows"] if r["name"] == "zero-gemini-disk" and r["depth"] == 2)
+    assert disk_row["disk_MiB_per_step"]["read"] > 0 and disk_row["disk_MiB_per_step"]["written"] > 0
     for name in ("torch", "fsdp2-offload"):  # the stand-in budget: 1 layer fits, 2 fail, deeper ones are not tried
         assert [outcome[name, d] for d in depths] == ["fit", "failed later", "not attempted"], outcome
     # host memory kept per parameter (zero_bench.host_memory): at least the fp32 parameter and AdamW's two moments

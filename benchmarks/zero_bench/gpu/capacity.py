@@ -56,6 +56,12 @@ DRY_DEPTHS = (1, 2, 4)
 HOST_SHARE = 0.5  # of physical RAM: attempts estimated above it are not made, and zero's host tier is capped at it
 GEMINI_MARGIN = 0.1  # of the budget, kept out of gemini's plan for fragmentation and cuBLAS workspaces
 DISK_SHARE = 0.5  # of the free space where the disk tier lives
+# zero-gemini-disk's host budget: the gradients and master shards (8 bytes per parameter) and room to read and
+# write the disk's files (two gather groups and three chunks' files: a few GiB at d_model 2048, where a chunk
+# holds the 103M-parameter embedding); the optimizer states (8 bytes per parameter) go to disk
+DISK_HOST_BYTES_PER_PARAM = 8
+DISK_HOST_SLACK = 8 << 30
+DRY_DISK_HOST_SLACK = 2 << 20
 LR = 3e-4
 
 
@@ -166,9 +172,12 @@ def _build_fsdp2(cfg: GPTConfig, env: Env) -> Trainer:
 
 def _zero_builder(*, disk: bool) -> Callable[[GPTConfig, Env], Trainer]:
     def build(cfg: GPTConfig, env: Env) -> Trainer:
+        # with the disk tier, a host budget the optimizer states do not fit in: they go to disk
+        slack = DRY_DISK_HOST_SLACK if env.dry_run else DISK_HOST_SLACK
+        host = min(env.host_cap, DISK_HOST_BYTES_PER_PARAM * cfg.num_params + slack) if disk else env.host_cap
         options = GeminiConfig(
             device_budget_mb=env.budget_gib * 1024 * (1 - GEMINI_MARGIN),
-            host_budget_mb=env.host_cap / 2**20,
+            host_budget_mb=host / 2**20,
             disk_dir=env.disk_dir if disk else None,
             disk_budget_mb=env.disk_budget / 2**20 if disk else None,
         )
@@ -206,8 +215,9 @@ SYSTEMS = (
            "`GeminiConfig` with the budgets above and defaults otherwise (margin_ratio=0: optimizer states step on the host), "
            "fused AdamW",
            0, _zero_builder(disk=False), own_budget=True),
-    System("zero-gemini-disk", "as zero-gemini, with the disk tier (`disk_dir`): past the host budget, "
-           "master shards and optimizer states go to disk", 0, _zero_builder(disk=True), own_budget=True),
+    System("zero-gemini-disk", "as zero-gemini, with the disk tier (`disk_dir`) and a host budget of "
+           f"{DISK_HOST_BYTES_PER_PARAM} bytes per parameter plus {DISK_HOST_SLACK >> 30} GiB (2 MiB in a dry run): "
+           "past it, optimizer states (and master shards) go to disk", 0, _zero_builder(disk=True), own_budget=True),
 )
 
 
