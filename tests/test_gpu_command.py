@@ -44,8 +44,10 @@ def test_dry_run_writes_every_section(tmp_path):
     assert disk_row["disk_MiB_per_step"]["read"] > 0 and disk_row["disk_MiB_per_step"]["written"] > 0
     for name in ("torch", "fsdp2-offload"):  # the stand-in budget: 1 layer fits, 2 fail, deeper ones are not tried
         assert [outcome[name, d] for d in depths] == ["fit", "failed later", "not attempted"], outcome
-    # host memory kept per parameter (zero_bench.host_memory): at least the fp32 parameter and AdamW's two moments
-    assert all(r["host_B_per_param"] >= 12 for r in capacity["rows"] if r["status"] == "fit")
+    # host memory kept per parameter (zero_bench.host_memory): at least the fp32 parameter and AdamW's two moments,
+    # except where the disk tier holds them
+    assert all(r["host_B_per_param"] >= 12 for r in capacity["rows"] if r["status"] == "fit" and r["name"] != "zero-gemini-disk")
+    assert disk_row["host_B_per_param"] < 12
     assert sections["disk"]["intact"] and sections["disk"]["tier_read_GBps"] > 0
     assert {r["name"]: r["status"] for r in sections["host memory"]["rows"]} == {"fsdp2-offload": "fit", "zero-gemini": "fit"}
 
