@@ -20,7 +20,7 @@ def test_dry_run_writes_every_section(tmp_path):
     report = (tmp_path / "report.md").read_text()
     for heading in ("## Environment", "## Host <-> device copy bandwidth", "## gloo collectives on the device under test",
                     "## Training: GPT-2-medium shape", "## The test suite on the device under test",
-                    "## Largest model under one device budget"):
+                    "## Disk tier bandwidth", "## Host memory per parameter", "## Fixed model sizes under one device budget"):
         assert heading in report, heading
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["errors"] == [], results["errors"]
@@ -32,9 +32,24 @@ def test_dry_run_writes_every_section(tmp_path):
         assert training[name]["losses"] == reference, name  # world size 1, the same recipe: the same numbers
     (harness,) = sections["cuda tests"]["files"].values()
     assert harness["tests"] > 0 and harness["failures"] == harness["errors"] == 0
-    assert all(s.get("error") is None and s["largest_depth"] > 0 for s in sections["capacity"]["systems"])
-    # host memory kept per parameter (zero_bench.host_memory): at least the fp32 parameter and AdamW's two moments
-    assert all(s["host_B_per_param"] >= 12 for s in sections["capacity"]["systems"])
+    capacity = sections["capacity"]
+    assert all(s.get("error") is None for s in capacity["systems"])
+    outcome = {(r["name"], r["depth"]): r["status"] for r in capacity["rows"]}
+    depths = capacity["depths"]
+    # zero plans under its own budgets: every size trains; with the disk tier's small host budget (2 MiB over 8
+    # bytes per parameter in a dry run) depth 2 spills to disk and depth 4's disk reserve does not fit: refused
+    assert all(outcome["zero-gemini", d] == "fit" for d in depths), outcome
+    assert [outcome["zero-gemini-disk", d] for d in depths] == ["fit", "fit", "refused at planning"], outcome
+    disk_row = next(r for r in capacity["rows"] if r["name"] == "zero-gemini-disk" and r["depth"] == 2)
+    assert disk_row["disk_MiB_per_step"]["read"] > 0 and disk_row["disk_MiB_per_step"]["written"] > 0
+    for name in ("torch", "fsdp2-offload"):  # the stand-in budget: 1 layer fits, 2 fail, deeper ones are not tried
+        assert [outcome[name, d] for d in depths] == ["fit", "failed later", "not attempted"], outcome
+    # host memory kept per parameter (zero_bench.host_memory): at least the fp32 parameter and AdamW's two moments,
+    # except where the disk tier holds them
+    assert all(r["host_B_per_param"] >= 12 for r in capacity["rows"] if r["status"] == "fit" and r["name"] != "zero-gemini-disk")
+    assert disk_row["host_B_per_param"] < 12
+    assert sections["disk"]["intact"] and sections["disk"]["tier_read_GBps"] > 0
+    assert {r["name"]: r["status"] for r in sections["host memory"]["rows"]} == {"fsdp2-offload": "fit", "zero-gemini": "fit"}
 
 
 def test_without_a_gpu_it_says_how_to_check_the_command(tmp_path):

@@ -71,12 +71,15 @@ class HostGrowth:
 
     Attributes:
         tensor_bytes: Bytes the host storages created in the window hold at its end (exact).
+        peak_tensor_bytes: The most those storages held at once during the window (exact: gradients on their way
+            to the optimizer, a gathered copy, ...).
         resident_bytes: Growth of the resident set over the window (None without ``/proc``).
         peak_resident_bytes: Growth of the resident set's high-water mark over the window (None where it
             cannot be reset).
     """
 
     tensor_bytes: int = 0
+    peak_tensor_bytes: int = 0
     resident_bytes: int | None = None
     peak_resident_bytes: int | None = None
 
@@ -86,7 +89,8 @@ class HostGrowth:
         def per(value: int | None) -> float | None:
             return None if value is None else round(value / params, 3)
 
-        return {"host_B_per_param": per(self.tensor_bytes), "host_rss_B_per_param": per(self.resident_bytes),
+        return {"host_B_per_param": per(self.tensor_bytes), "host_peak_B_per_param": per(self.peak_tensor_bytes),
+                "host_rss_B_per_param": per(self.resident_bytes),
                 "host_peak_rss_B_per_param": per(self.peak_resident_bytes)}
 
 
@@ -109,6 +113,7 @@ def host_growth() -> Iterator[HostGrowth]:
         gc.collect()  # tensors dropped in reference cycles inside the window are not kept
         after, peak = resident_bytes(), _peak_resident_bytes()
         grown.tensor_bytes = counter.held()
+        grown.peak_tensor_bytes = counter.peak
         if before is not None and after is not None:
             grown.resident_bytes = after - before
             if peak_known and peak is not None:

@@ -1,16 +1,25 @@
-"""The largest GPT each system trains for 3 steps under one device budget, found by bisection over depth.
+"""What each system trains at fixed model sizes under one device budget (issue 48, item 8).
 
 Systems: plain PyTorch, FSDP2 with ``CPUOffloadPolicy``, and zero with the ``gemini``
-placement, without and with its disk tier. Each one's depth is searched 1, 2, 4, ... until
-an attempt runs out of memory, then bisected between the last fit and the first failure,
-within its share of the section's time. At the largest fitting depth the row records
-tokens/s, the allocator's peaks, the bytes copied between host and device per step (and
-their rate, which the driver sets against its measured copy bandwidth), and for zero the
-bytes the placement report says its tier moves took per step.
+placement, without and with its disk tier. Each trains a GPT at d_model 2048 and depths
+8, 16, 32 and 64 (0.5B to 3.3B parameters) for 3 steps under the same device budget. A
+row per system and depth records tokens/s, the allocator's peaks, the host memory kept
+per parameter, the bytes copied between host and device per step (and their rate, which
+the driver sets against its measured copy bandwidth), for zero the bytes its tiers moved
+per step, and for a depth that did not train whether it was *refused at planning* (zero's
+``DeviceBudgetError`` or ``TierBudgetError``, before any parameter changed) or *failed
+later* (out of memory, or an error, in the build, the setup or a step). Once a depth did
+not train, a system's deeper ones are not attempted.
 
-``run_capacity(dry_run=True)`` runs every code path on the CPU with a tiny model and a
-stand-in budget (a depth fits if its parameter count is at most 3 layers' worth), so the
-section cannot rot while no GPU is at hand.
+Models are built lazily: zero's under ``zero_core.lazy_init()`` (``shard()`` fills each
+chunk's shard by replaying the initialisers), FSDP2's on the meta device, sharded, then
+``to_empty`` on the host and initialised there, plain PyTorch's on the meta device, then
+``to_empty`` on the device. No system builds a full fp32 copy of the model on the host first.
+
+``run_capacity(dry_run=True)`` runs every code path on the CPU with a tiny model, depths
+1, 2 and 4, and a stand-in budget for the systems without one of their own (plain
+PyTorch and FSDP2 fit a depth iff its parameter count is at most 1 layer's worth; zero
+plans under its real budget), so the section cannot rot while no GPU is at hand.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero_bench.host_memory import host_growth
-from zero_core import ChunkPolicy, Precision, ZeroConfig, shard
+from zero_core import ChunkPolicy, Precision, ZeroConfig, lazy_init, shard
 from zero_core.testing.gpt import GPT, GPTConfig, SyntheticTokens, lm_loss
 from zero_offload import GeminiConfig, TierBudgetError
 
@@ -41,11 +50,18 @@ FULL_SHAPE = {"vocab_size": 50257, "seq_len": 1024, "d_model": 2048, "n_head": 1
 FULL_BATCH = 4
 DRY_SHAPE = {"vocab_size": 256, "seq_len": 32, "d_model": 64, "n_head": 4}
 DRY_BATCH = 2
-DRY_FIT_LAYERS = 3  # the dry run's stand-in budget: what this many layers take
-MAX_DEPTH = 1024  # the exponential search stops here even if everything fits
+DRY_FIT_LAYERS = 1  # the dry run's stand-in budget for plain PyTorch and FSDP2: what this many layers take
+FULL_DEPTHS = (8, 16, 32, 64)  # 0.5B, 0.9B, 1.7B and 3.3B parameters at d_model 2048
+DRY_DEPTHS = (1, 2, 4)
 HOST_SHARE = 0.5  # of physical RAM: attempts estimated above it are not made, and zero's host tier is capped at it
 GEMINI_MARGIN = 0.1  # of the budget, kept out of gemini's plan for fragmentation and cuBLAS workspaces
 DISK_SHARE = 0.5  # of the free space where the disk tier lives
+# zero-gemini-disk's host budget: the gradients and master shards (8 bytes per parameter) and room to read and
+# write the disk's files (two gather groups and three chunks' files: a few GiB at d_model 2048, where a chunk
+# holds the 103M-parameter embedding); the optimizer states (8 bytes per parameter) go to disk
+DISK_HOST_BYTES_PER_PARAM = 8
+DISK_HOST_SLACK = 8 << 30
+DRY_DISK_HOST_SLACK = 2 << 20
 LR = 3e-4
 
 
@@ -84,21 +100,40 @@ class System:
     # Host bytes per parameter nothing else bounds: attempts whose estimate passes Env.host_cap are not made,
     # because a host that runs out kills the whole report, not just the attempt.
     host_bytes_per_param: int
-    build: Callable[[GPT, Env], Trainer]
+    build: Callable[[GPTConfig, Env], Trainer]  # builds the model itself, lazily
+    own_budget: bool = False  # plans under the device budget itself (zero): no stand-in in the dry run
+
+
+# what became of an attempt
+FIT, REFUSED, FAILED, SKIPPED = "fit", "refused at planning", "failed later", "not attempted"
 
 
 @dataclass
 class Attempt:
     depth: int
-    status: str  # "fit", "oom" or "error: ..."
+    status: str  # FIT, REFUSED, FAILED or SKIPPED
     detail: str = ""  # for a non-fit: where it stopped and why
     seconds: float = 0.0  # wall time of the whole attempt; 0 when it was not made
     measured: dict[str, Any] = field(default_factory=dict)
 
 
 # -- the systems ----------------------------------------------------------------------------------------
-def _build_plain(model: GPT, env: Env) -> Trainer:
-    model.to(env.device)
+def _initialise(model: GPT) -> None:
+    """GPT's own initialisation, on a model whose storages are real but uninitialised (after ``to_empty``)."""
+    with torch.no_grad():
+        model.apply(GPT._init)
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.reset_parameters()
+        for block in model.blocks:
+            torch.nn.init.normal_(block.out.weight, std=0.02 / (2 * model.cfg.n_layer) ** 0.5)
+
+
+def _build_plain(cfg: GPTConfig, env: Env) -> Trainer:
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device=env.device)
+    _initialise(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
 
     def step(tokens: torch.Tensor) -> None:
@@ -111,15 +146,19 @@ def _build_plain(model: GPT, env: Env) -> Trainer:
     return Trainer(step, opt.state.clear)
 
 
-def _build_fsdp2(model: GPT, env: Env) -> Trainer:
+def _build_fsdp2(cfg: GPTConfig, env: Env) -> Trainer:
     options = {
         "mesh": init_device_mesh(env.device.type, (1,)),
         "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         "offload_policy": CPUOffloadPolicy(pin_memory=env.device.type == "cuda"),
     }
+    with torch.device("meta"):
+        model = GPT(cfg)
     for block in model.blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)
+    model.to_empty(device="cpu")  # CPUOffloadPolicy keeps the sharded parameters on the host: materialised there
+    _initialise(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
 
     def step(tokens: torch.Tensor) -> None:
@@ -131,17 +170,22 @@ def _build_fsdp2(model: GPT, env: Env) -> Trainer:
     return Trainer(step, opt.state.clear)
 
 
-def _zero_builder(*, disk: bool) -> Callable[[GPT, Env], Trainer]:
-    def build(model: GPT, env: Env) -> Trainer:
+def _zero_builder(*, disk: bool) -> Callable[[GPTConfig, Env], Trainer]:
+    def build(cfg: GPTConfig, env: Env) -> Trainer:
+        # with the disk tier, a host budget the optimizer states do not fit in: they go to disk
+        slack = DRY_DISK_HOST_SLACK if env.dry_run else DISK_HOST_SLACK
+        host = min(env.host_cap, DISK_HOST_BYTES_PER_PARAM * cfg.num_params + slack) if disk else env.host_cap
         options = GeminiConfig(
             device_budget_mb=env.budget_gib * 1024 * (1 - GEMINI_MARGIN),
-            host_budget_mb=env.host_cap / 2**20,
+            host_budget_mb=host / 2**20,
             disk_dir=env.disk_dir if disk else None,
             disk_budget_mb=env.disk_budget / 2**20 if disk else None,
         )
         config = ZeroConfig(strategy="chunk", stage=3, precision=Precision(compute="bf16"),
                             chunk=ChunkPolicy(search_interval=env.shape["d_model"]),
                             placement="gemini", placement_options=options)
+        with lazy_init():  # shard() fills each chunk's shard by replaying the initialisers: no full copy first
+            model = GPT(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
         zmodel, zopt = shard(model, opt, config=config)
 
@@ -162,17 +206,18 @@ def _zero_builder(*, disk: bool) -> Callable[[GPT, Env], Trainer]:
 
 SYSTEMS = (
     System("torch", "plain PyTorch: the model on the device, `torch.autocast(bf16)`, fused AdamW", 4, _build_plain),
-    # fp32 parameters, gradients and AdamW's two states on the host, plus the CPU-built copy while it is sharded
+    # fp32 parameters, gradients and AdamW's two states on the host
     System("fsdp2-offload", "FSDP2: `fully_shard` per block and the root, `CPUOffloadPolicy(pin_memory=True on CUDA)`, "
            "`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`, fused AdamW (steps on the host)",
-           20, _build_fsdp2),
-    # only the CPU-built model: gemini's host tier is bounded by its own host_budget_mb
+           16, _build_fsdp2),
+    # gemini's host tier is bounded by its own host_budget_mb
     System("zero-gemini", "zero: `ZeroConfig(strategy='chunk', stage=3, Precision(compute='bf16'), placement='gemini')`, "
            "`GeminiConfig` with the budgets above and defaults otherwise (margin_ratio=0: optimizer states step on the host), "
            "fused AdamW",
-           4, _zero_builder(disk=False)),
-    System("zero-gemini-disk", "as zero-gemini, with the disk tier (`disk_dir`): past the host budget, "
-           "master shards and optimizer states go to disk", 4, _zero_builder(disk=True)),
+           0, _zero_builder(disk=False), own_budget=True),
+    System("zero-gemini-disk", "as zero-gemini, with the disk tier (`disk_dir`) and a host budget of "
+           f"{DISK_HOST_BYTES_PER_PARAM} bytes per parameter plus {DISK_HOST_SLACK >> 30} GiB (2 MiB in a dry run): "
+           "past it, optimizer states (and master shards) go to disk", 0, _zero_builder(disk=True), own_budget=True),
 )
 
 
@@ -216,29 +261,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _out_of_memory(err: BaseException) -> bool:
-    """Whether ``err`` (or what caused it) says the attempt did not fit: the allocator, a CUDA library that
-    could not allocate, or a zero tier that refused the model (gemini's DeviceBudgetError is a TierBudgetError)."""
-    seen: set[int] = set()
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and what caused it."""
+    seen: list[BaseException] = []
     current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        text = str(current).lower()
-        if isinstance(current, (torch.OutOfMemoryError, TierBudgetError)) or "out of memory" in text or "alloc_failed" in text:
-            return True
+    while current is not None and all(current is not e for e in seen):
+        seen.append(current)
         current = current.__cause__ or current.__context__
-    return False
+    return seen
+
+
+def refused_at_planning(err: BaseException) -> bool:
+    """Whether ``err`` is zero refusing the model before anything changed: gemini's ``DeviceBudgetError`` (a
+    ``TierBudgetError``) from its plan, or a tier budget refusing a placement at setup."""
+    return any(isinstance(e, TierBudgetError) for e in _chain(err))
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) is the allocator, or a CUDA library that could not allocate."""
+    return any(isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+               or "alloc_failed" in str(e).lower() for e in _chain(err))
 
 
 def _refusal(system: System, env: Env, params: int) -> str | None:
-    """Why a depth is judged not to fit without being attempted, if it is."""
-    if env.dry_run:
+    """Why a depth is not attempted, if it is not: the dry run's stand-in budget, or the host cap."""
+    if env.dry_run and not system.own_budget:
         limit = env.config(DRY_FIT_LAYERS).num_params
         if params > limit:
-            return f"stand-in budget: {params:,} parameters > {limit:,} ({DRY_FIT_LAYERS} layers)"
+            return f"stand-in budget: {params:,} parameters > {limit:,} ({DRY_FIT_LAYERS} layer(s))"
     host = system.host_bytes_per_param * params
     if host > env.host_cap:
-        return f"not attempted: ~{host / 2**30:.1f} GiB of host memory estimated, over the cap of {env.host_cap / 2**30:.1f} GiB"
+        return f"~{host / 2**30:.1f} GiB of host memory estimated, over the cap of {env.host_cap / 2**30:.1f} GiB"
     return None
 
 
@@ -246,7 +299,8 @@ def _attempt(system: System, env: Env, depth: int) -> Attempt:
     cfg = env.config(depth)
     refusal = _refusal(system, env, cfg.num_params)
     if refusal is not None:
-        return Attempt(depth, "oom", refusal)
+        # the stand-in plays the allocator: what a real run would do is fail while building
+        return Attempt(depth, FAILED if refusal.startswith("stand-in") else SKIPPED, refusal)
     device = env.device
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -266,13 +320,9 @@ def _attempt(system: System, env: Env, depth: int) -> Attempt:
     try:
         grown = window.enter_context(host_growth())
         torch.manual_seed(0)
-        model = GPT(cfg)  # fp32 on the CPU; each system moves or shards it as it would
-        measured["build_s"] = round(time.perf_counter() - start, 2)
-        phase = "setup"
-        t0 = time.perf_counter()
-        trainer = system.build(model, env)
-        del model  # the trainer holds what it still needs
-        measured["setup_s"] = round(time.perf_counter() - t0, 2)
+        phase = "build and setup"
+        trainer = system.build(cfg, env)  # built lazily, materialised where each system keeps it
+        measured["setup_s"] = round(time.perf_counter() - start, 2)
         times = []
         for i in range(STEPS):
             phase = f"step {i + 1}"
@@ -295,11 +345,14 @@ def _attempt(system: System, env: Env, depth: int) -> Attempt:
         if trainer.placement_report is not None:
             measured.update(_placement_per_step(before, trainer.placement_report(), STEPS - 1))
     except Exception as err:  # noqa: BLE001 - an attempt that fails is a row's data, not the section's end
-        status = "oom" if _out_of_memory(err) else f"error: {type(err).__name__}: {str(err)[:300]}"
-        return Attempt(depth, status, f"{phase}: {type(err).__name__}: {str(err)[:300]}", time.perf_counter() - start, measured)
+        why = f"{phase}: {type(err).__name__}: {str(err)[:300]}"
+        if refused_at_planning(err):
+            return Attempt(depth, REFUSED, why, time.perf_counter() - start, measured)
+        measured["out_of_memory"] = _out_of_memory(err)
+        return Attempt(depth, FAILED, why, time.perf_counter() - start, measured)
     else:
         measured.update(_count_copies(trainer, tokens[STEPS], device, step_s))
-        return Attempt(depth, "fit", seconds=time.perf_counter() - start, measured=measured)
+        return Attempt(depth, FIT, seconds=time.perf_counter() - start, measured=measured)
     finally:
         window.close()  # an attempt that failed before its second step: the counting stops here
         if trainer is not None:
@@ -343,63 +396,49 @@ def _release(device: torch.device) -> None:
             empty_host_cache()
 
 
-def _empty_row(system: System) -> dict[str, Any]:
-    return {"name": system.name, "what": system.what, "largest_depth": None, "params": None, "tokens_per_s": None,
-            "peak_alloc_MiB": None, "peak_reserved_MiB": None, "tried": [], "capped_by_time": False,
-            "offload_GBps": None, "error": None, "limit": None}
+def _row(system: System, attempt: Attempt, params: int) -> dict[str, Any]:
+    """One row of the table: a system at one depth."""
+    return {"name": system.name, "depth": attempt.depth, "params": params, "status": attempt.status,
+            "detail": attempt.detail or None, "seconds": round(attempt.seconds, 1), **attempt.measured}
 
 
-def _search(system: System, env: Env, until: float, log: Callable[[str], None]) -> dict[str, Any]:
-    """Exponential search up from depth 1, then bisection between the largest fit and the smallest failure."""
-    row = _empty_row(system)
-    best: Attempt | None = None
-    smallest_failure: Attempt | None = None
-    seconds_per_param = 0.0  # of the last fit, to tell whether the next attempt ends in time
-    while True:
-        if smallest_failure is None:
-            depth = 1 if best is None else 2 * best.depth
-            if depth > MAX_DEPTH:
-                row["limit"] = f"every depth up to {MAX_DEPTH} fit (the search stops there)"
-                break
-        else:
-            low = best.depth if best is not None else 0
-            if smallest_failure.depth - low <= 1:
-                break
-            depth = (low + smallest_failure.depth) // 2
-        if time.perf_counter() + seconds_per_param * env.config(depth).num_params > until:
-            row["capped_by_time"] = True
-            break
+def _sizes(system: System, env: Env, depths: Sequence[int], until: float, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The system at each depth, smallest first; once a depth did not train, the deeper ones are not attempted."""
+    rows = []
+    stopped: str | None = None
+    seconds_per_param = 0.0  # of the last attempt, to tell whether the next one ends in time
+    for depth in depths:
+        params = env.config(depth).num_params
+        if stopped is None and time.perf_counter() + seconds_per_param * params > until:
+            stopped = "the section's time share would run out"
+        if stopped is not None:
+            rows.append(_row(system, Attempt(depth, SKIPPED, stopped), params))
+            continue
         attempt = _attempt(system, env, depth)
         _release(env.device)
-        row["tried"].append([depth, attempt.status])
+        rows.append(_row(system, attempt, params))
         log(f"capacity {system.name} depth {depth}: {attempt.status} in {attempt.seconds:.1f} s"
-            + (f" ({attempt.measured['tokens_per_s']} tokens/s)" if attempt.status == "fit" else f" ({attempt.detail})"))
-        if attempt.status == "fit":
-            best = attempt
-            seconds_per_param = attempt.seconds / env.config(depth).num_params
-        elif attempt.status == "oom":
-            smallest_failure = attempt
-        else:
-            row["error"] = attempt.detail
-            break
-    if smallest_failure is not None:
-        row["limit"] = f"depth {smallest_failure.depth}: {smallest_failure.detail}"
-    if best is not None:
-        row.update({"largest_depth": best.depth, "params": env.config(best.depth).num_params, **best.measured})
-    return row
+            + (f" ({attempt.measured['tokens_per_s']} tokens/s)" if attempt.status == FIT else f" ({attempt.detail})"))
+        if attempt.status != FIT:
+            stopped = f"depth {depth} did not train"
+        elif attempt.seconds:
+            seconds_per_param = attempt.seconds / params
+    return rows
 
 
 def run_capacity(*, device: torch.device, dry_run: bool, budget_gib: float, deadline_s: float,
-                 log: Callable[[str], None], systems: Sequence[str] | None = None) -> dict[str, Any]:
-    """Search each system's largest depth within an equal share of ``deadline_s`` (time a system leaves unused
-    goes to the ones after it). ``systems``: the names to run (default: all of :data:`SYSTEMS`). Never raises: a
-    system that fails says so in its row."""
+                 log: Callable[[str], None], systems: Sequence[str] | None = None,
+                 depths: Sequence[int] | None = None) -> dict[str, Any]:
+    """Each system at each depth (default :data:`FULL_DEPTHS`, or :data:`DRY_DEPTHS` in a dry run) within an equal
+    share of ``deadline_s`` (time a system leaves unused goes to the ones after it). ``systems``: the names to run
+    (default: all of :data:`SYSTEMS`). Never raises: a system that fails says so in its rows."""
     start = time.perf_counter()
     shape, batch = (DRY_SHAPE, DRY_BATCH) if dry_run else (FULL_SHAPE, FULL_BATCH)
-    result: dict[str, Any] = {"budget_gib": budget_gib, "dry_run": dry_run, "device": str(device),
+    depths = tuple(depths or (DRY_DEPTHS if dry_run else FULL_DEPTHS))
+    result: dict[str, Any] = {"budget_gib": budget_gib, "dry_run": dry_run, "device": str(device), "depths": list(depths),
                               "shape": {**shape, "batch": batch, "steps": STEPS, "activation_checkpointing": True,
                                         "compute": "bf16", "master": "fp32", "optimizer": "AdamW"},
-                              "systems": []}
+                              "systems": [], "rows": []}
     disk_dir = None
     try:
         # /var/tmp is on disk where /tmp may be memory (tmpfs), which the disk tier would only take from the host
@@ -414,12 +453,13 @@ def run_capacity(*, device: torch.device, dry_run: bool, budget_gib: float, dead
         if unknown:
             raise ValueError(f"unknown capacity systems {sorted(unknown)}; choose from {[s.name for s in SYSTEMS]}")
         for index, system in enumerate(chosen):
+            result["systems"].append({"name": system.name, "what": system.what})
             left = deadline_s - (time.perf_counter() - start)
             until = time.perf_counter() + left / (len(chosen) - index)
             try:
-                result["systems"].append(_search(system, env, until, log))
+                result["rows"] += _sizes(system, env, depths, until, log)
             except Exception as err:  # noqa: BLE001 - fail soft: the other systems still run
-                result["systems"].append({**_empty_row(system), "error": f"{type(err).__name__}: {err}"})
+                result["systems"][-1]["error"] = f"{type(err).__name__}: {err}"
                 _release(device)
     except Exception as err:  # noqa: BLE001 - fail soft: the report says why the section has no rows
         result["error"] = f"{type(err).__name__}: {err}"
@@ -438,58 +478,57 @@ def _cell(value: Any) -> str:
 
 
 def render_capacity(result: dict[str, Any]) -> list[str]:
-    """The section's heading, its method, and one row per system. Reads ``pinned_H2D_GBps`` when the driver
-    has added its measured pinned host-to-device bandwidth, for the share of it the copies reach."""
+    """The section's heading, its method, and one row per system and depth. Reads ``pinned_H2D_GBps`` when the
+    driver has added its measured pinned host-to-device bandwidth, for the share of it the copies reach."""
     shape = result["shape"]
     pinned = result.get("pinned_H2D_GBps")
     lines = [
-        "\n## Largest model under one device budget\n",
-        f"The deepest GPT each system trains for {shape['steps']} steps under {result['budget_gib']} GiB of device memory "
-        "(`torch.cuda.set_per_process_memory_fraction`, set before every attempt; gemini plans under "
-        f"{result.get('gemini_device_budget_MiB')} MiB, {GEMINI_MARGIN:.0%} less). Shape: d_model {shape['d_model']}, "
-        f"{shape['n_head']} heads, sequence {shape['seq_len']}, vocabulary {shape['vocab_size']}, batch {shape['batch']}, "
-        "activation checkpointing on every block (so the model states decide the depth), bf16 compute, fp32 master "
-        "parameters, AdamW; built in fp32 on the CPU, then moved or sharded by each system. Depths 1, 2, 4, ... until "
-        "one runs out of memory (the allocator, or a zero tier refusing the model), then bisection; each system has "
-        "an equal share of the section's time and starts no attempt that would overrun it (\"capped by time\"). "
-        f"Attempts estimated past {result.get('host_cap_GiB')} GiB of host memory (half the RAM; zero's host tier is "
-        "capped there too) are not made.",
+        "\n## Fixed model sizes under one device budget\n",
+        f"Each system trains a GPT at depths {', '.join(map(str, result.get('depths', [])))} for {shape['steps']} steps "
+        f"under {result['budget_gib']} GiB of device memory (`torch.cuda.set_per_process_memory_fraction`, set before "
+        f"every attempt; gemini plans under {result.get('gemini_device_budget_MiB')} MiB, {GEMINI_MARGIN:.0%} less). "
+        f"Shape: d_model {shape['d_model']}, {shape['n_head']} heads, sequence {shape['seq_len']}, vocabulary "
+        f"{shape['vocab_size']}, batch {shape['batch']}, activation checkpointing on every block, bf16 compute, fp32 "
+        "master parameters, AdamW. Models are built lazily (zero: `lazy_init()`, filled shard by shard; FSDP2: meta, "
+        "`fully_shard`, `to_empty` on the host; plain: meta, `to_empty` on the device): no full host copy first. "
+        "Once a depth does not train, a system's deeper ones are not attempted; nor are attempts estimated past "
+        f"{result.get('host_cap_GiB')} GiB of host memory (half the RAM; zero's host tier is capped there too).",
         "",
+        "- outcome: `fit`; `refused at planning` (zero's `DeviceBudgetError` or `TierBudgetError`, raised before any "
+        "parameter changed); `failed later` (out of memory or an error in the build, the setup or a step); "
+        "`not attempted`.",
         "- tokens/s and step s: the median of steps 2 and 3; peaks: the allocator's over build, setup and steps.",
         "- host<->device GB/s: bytes copied between host and device, both directions, counted per operator on a 4th "
         "step, over the median step time"
         + (f"; share: of the pinned host-to-device bandwidth above ({pinned} GB/s)." if pinned else "."),
         "- host B/param: host memory kept per parameter after build, setup and the first step: the host tensors "
-        "alive then (exact), and the resident set's growth (what the machine pays: pinned blocks rounded up and "
-        "cached, malloc's slack); see zero_bench.host_memory.",
+        "alive then (exact; fp32 AdamW's floor is 12) and the resident set's growth (what the machine pays: pinned "
+        "blocks rounded up and cached, malloc's slack); see zero_bench.host_memory.",
         "- tier moves: what gemini's report counts as moved between tiers per step (master shards, gradients, optimizer "
-        "states). Gathers reading host-resident shards and the reduced gradients going down are not in it (they are in "
-        "the copy count), and a shard moved back to its kept pinned copy counts without being copied.",
+        "states); the disk tier's reads and writes per step are in results.json (`disk_MiB_per_step`).",
         "",
-        *(f"- {row['name']}: {row['what']}" for row in result["systems"]),
+        *(f"- {system['name']}: {system['what']}" + (f" **ERROR** `{system['error']}`" if system.get("error") else "")
+          for system in result["systems"]),
         "",
     ]
     if result["dry_run"]:
-        lines += ["**Dry run (CPU): the budget is a stand-in.** The CPU has no allocator cap, so a depth fits iff its "
-                  f"parameter count is at most {DRY_FIT_LAYERS} layers' worth; the device is the host, so there are no "
-                  "peaks and no link to measure. This checks the code path; the numbers mean nothing.", ""]
+        lines += ["**Dry run (CPU): the budget is a stand-in for plain PyTorch and FSDP2.** The CPU has no allocator "
+                  f"cap, so for them a depth fits iff its parameter count is at most {DRY_FIT_LAYERS} layer(s)' worth; "
+                  "zero plans under its own budget. The device is the host, so there are no peaks and no link to "
+                  "measure. This checks the code path; the numbers mean nothing.", ""]
     if result.get("error"):
         lines += [f"**ERROR** `{result['error']}`", ""]
-    header = ["system", "largest depth", "params (M)", "tokens/s", "step s", "peak alloc MiB", "peak reserved MiB",
-              "host<->device GB/s", "share", "host B/param (tensors / resident)", "tier moves MiB/step", "depths tried",
-              "what stopped it"]
+    header = ["system", "depth", "params (M)", "outcome", "tokens/s", "step s", "peak alloc MiB", "peak reserved MiB",
+              "host<->device GB/s", "share", "host B/param (tensors / resident)", "tier moves MiB/step", "why not"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in result["systems"]:
-        params, step_s, moves, rate = row.get("params"), row.get("step_s"), row.get("tier_moves_MiB_per_step"), row.get("offload_GBps")
-        stopped = [text for text in (row.get("error") and f"error: {row['error']}", row.get("limit"),
-                                     row.get("capped_by_time") and "capped by time") if text]
-        cells = [row["name"], row.get("largest_depth"), None if params is None else round(params / 1e6, 1),
+    for row in result.get("rows", []):
+        step_s, moves, rate = row.get("step_s"), row.get("tier_moves_MiB_per_step"), row.get("offload_GBps")
+        cells = [row["name"], row["depth"], round(row["params"] / 1e6, 1), row["status"],
                  row.get("tokens_per_s"), None if step_s is None else round(statistics.median(step_s[1:]), 3),
                  row.get("peak_alloc_MiB"), row.get("peak_reserved_MiB"), rate,
                  f"{rate / pinned:.0%}" if rate is not None and pinned else None,
                  None if row.get("host_B_per_param") is None else f"{row['host_B_per_param']} / {row.get('host_rss_B_per_param')}",
                  None if moves is None else round(sum(moves.values()), 1),
-                 " ".join(f"{depth}:{status.split(':')[0]}" for depth, status in row.get("tried", [])),
-                 "; ".join(stopped).replace("|", "/").replace("\n", " ")]
+                 (row.get("detail") or "").replace("|", "/").replace("\n", " ") or None]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return lines

@@ -34,9 +34,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per step in the training section")
     p.add_argument("--steps", type=int, default=10, help="timed steps in the training section")
     p.add_argument("--skip", default="", help="comma-separated sections to leave out: "
-                   "bandwidth, gloo, training, tests, capacity")
+                   "bandwidth, gloo, training, tests, disk, host-memory, capacity")
     p.add_argument("--capacity-systems", default="", help="comma-separated systems of the largest-model section "
                    "(default: all): torch, fsdp2-offload, zero-gemini, zero-gemini-disk")
+    p.add_argument("--capacity-depths", default="", help="comma-separated GPT depths of the largest-model section "
+                   "(default: 8,16,32,64 at d_model 2048; 1,2,4,8 in a dry run)")
     p.add_argument("--root", default=os.getcwd(), help="the zero checkout whose tests run (default: here)")
     return p.parse_args(argv)
 
@@ -88,13 +90,34 @@ def main(argv: list[str] | None = None) -> int:
         report.section("tests", lambda: cuda_tests.run_cuda_tests(
             report, args.root, device.type, args.dry_run, deadline_s=report.elapsed() + 0.4 * args.budget_s,
             workers=workers))
+    if "disk" not in skip:
+        def disk_section() -> None:
+            from zero_bench.gpu import disk
+
+            # /var/tmp is on disk where /tmp may be memory (tmpfs)
+            where = "/var/tmp" if os.path.isdir("/var/tmp") else args.out
+            result = disk.disk_bandwidth(where, total_bytes=(16 if args.dry_run else 4096) << 20,
+                                         file_bytes=(4 if args.dry_run else 256) << 20)
+            report.results["sections"]["disk"] = result
+            report.block("disk", disk.render(result))
+        report.section("disk", disk_section)
+    if "host-memory" not in skip:
+        def host_memory() -> None:
+            from zero_bench.gpu import host_per_param
+
+            result = host_per_param.compare(dry_run=args.dry_run, device=device.type,
+                                            budget_gib=args.device_budget_gib)
+            report.results["sections"]["host memory"] = result
+            report.block("host-memory", host_per_param.render(result))
+        report.section("host-memory", host_memory)
     if "capacity" not in skip:
         def largest() -> None:
             from zero_bench.gpu import capacity
 
             result = capacity.run_capacity(device=device, dry_run=args.dry_run, budget_gib=args.device_budget_gib,
                                            deadline_s=max(30.0, args.budget_s - report.elapsed() - 15), log=report.log,
-                                           systems=[s for s in args.capacity_systems.split(",") if s] or None)
+                                           systems=[s for s in args.capacity_systems.split(",") if s] or None,
+                                           depths=[int(d) for d in args.capacity_depths.split(",") if d] or None)
             pinned = next((r["GB/s median"] for r in rows if r["direction"] == "H2D"), None)
             result["pinned_H2D_GBps"] = pinned
             report.results["sections"]["capacity"] = result

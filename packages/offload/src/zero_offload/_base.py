@@ -11,6 +11,7 @@ import torch
 
 from zero_core import ZeroConfig
 from zero_core.plugin import Chunk, MemoryTier, PlacementContext, PlacementPolicy, TrainingState, rewrap
+from zero_offload._disk_step import step_from_disk
 from zero_offload._tiers import DEVICE, DISK, HOST, Part, Tiers
 from zero_offload.config import TierConfig
 from zero_offload.errors import DiskTierError, TierBudgetError
@@ -128,7 +129,8 @@ class TieredPolicy(PlacementPolicy):
         reserve = 0
         if tiers.disk is not None:
             reserve = 2 * max((sum(c.shard_bytes for c in g) for g in groups), default=0)
-            reserve += max((tiers.nbytes(c, Part.PARAMS) + tiers.nbytes(c, Part.OPTIM) for c in chunks), default=0)
+            files = max((tiers.nbytes(c, Part.PARAMS) + tiers.nbytes(c, Part.OPTIM) for c in chunks), default=0)
+            reserve += files
             grads = sum(tiers.nbytes(c, Part.GRADS) for c in chunks)
             if not tiers.fits(HOST, grads + reserve):
                 raise TierBudgetError(
@@ -136,6 +138,10 @@ class TieredPolicy(PlacementPolicy):
                     f"plus room to read two gather groups and step one chunk from disk ({reserve} bytes); raise "
                     f"host_budget_mb to at least {(grads + reserve) / 2**20:.3f} or use smaller chunks"
                 )
+            # Where the host has room, also one chunk's files read ahead and one's written behind while a chunk
+            # steps ([Note: the disk tier's pipeline]); below that the disk step runs without overlap.
+            if tiers.fits(HOST, grads + reserve + 2 * files):
+                reserve += 2 * files
         for chunk in chunks:
             tiers.move(chunk, Part.GRADS, HOST)
         for chunk, tier in zip(chunks, wanted):
@@ -190,7 +196,8 @@ class TieredPolicy(PlacementPolicy):
         Chunks whose states are on the device step together, then those on the host,
         each batch in one call of the user's optimizer (torch's fused and foreach kernels
         run on whole batches); chunks whose states are on disk step one at a time: states
-        and shard read into host memory, stepped, written back, dropped. The user's
+        and shard read into host memory (read ahead while the chunk before steps), stepped,
+        written back (behind, while the next steps), dropped. The user's
         ``optimizer.step()`` then has nothing left to do.
         """
         tiers = self.tiers
@@ -211,12 +218,9 @@ class TieredPolicy(PlacementPolicy):
                 self.context.step_chunks(batch)
                 for chunk in batch:
                     self._stepped(chunk)
-        for chunk in batches[DISK]:
-            self._params_to(chunk, HOST)
-            tiers.move(chunk, Part.OPTIM, HOST)
-            self.context.step_chunks([chunk])
-            self._stepped(chunk)
-            tiers.move(chunk, Part.OPTIM, DISK)
+        if batches[DISK]:  # one at a time, files read ahead and written behind: [Note: the disk tier's pipeline]
+            step_from_disk(tiers, batches[DISK], shard_to_host=lambda chunk: self._params_to(chunk, HOST),
+                           step=self.context.step_chunks, stepped=self._stepped, home=self._home)
 
     def _check_disk_space(self, chunks: Sequence[Chunk]) -> None:
         """Fail before anything is stepped if the disk cannot take this step's write-backs (a step is all or nothing)."""
