@@ -10,6 +10,9 @@ A gradient lives in exactly one of three places at a time, all owned by :class:`
 3. the sharded parameter's ``.grad``: what the optimizer reads, added to across backwards
    until ``zero_grad``.
 
+(2 and 3 overlap while a reduction's pieces wait for the end of backward: see [Note: gradients handed
+over as they land].)
+
 :meth:`ChunkGradients.take_for_reduction` moves 1 to the collectives, :meth:`~ChunkGradients.land`
 receives 2 from them (on the reducer's waiter thread: it touches nothing else), and
 :meth:`~ChunkGradients.hand_over` turns 2 into 3. :meth:`~ChunkGradients.discard` empties 1 and 2.
@@ -53,6 +56,11 @@ class ChunkGradients:
         self.got = [False] * len(chunk.slots)
         # Where reduced gradients go; None: where the master shard is. Set by placement policies.
         self.target_device: torch.device | None = None
+        # Whether :meth:`land` hands a slot's gradient to its ``.grad`` at once where that is exact (set by the
+        # engine; see [Note: gradients handed over as they land]), and the slots it did so for since the last
+        # hand-over or discard.
+        self.hands_early = False
+        self._early = [False] * len(chunk.slots)
 
     @property
     def unreduced(self) -> bool:
@@ -121,6 +129,11 @@ class ChunkGradients:
             self._chunk.pool.give(flat)
         for slot in self._chunk.slots:
             slot.param.grad = None
+        if any(self._early):  # they had no gradient before this backward's reduction landed: they have none again
+            for seg in self._chunk.segments:
+                if self._early[seg.slot]:
+                    seg.param.grad = None
+            self._early = [False] * len(self._chunk.slots)
         self.reduced = None
         self.got = [False] * len(self._chunk.slots)
 
@@ -177,6 +190,45 @@ class ChunkGradients:
             self.reduced = layout.own_pieces(kept)
         else:
             self.reduced = list(reduced.split(layout.split_sizes)[: len(layout.slots)])
+        if self.hands_early and self.target_device is None:
+            self._hand_over_early(self.reduced)
+
+    def _hand_over_early(self, reduced: list[torch.Tensor]) -> None:
+        """[Note: gradients handed over as they land]
+        FSDP2 sets a unit's sharded ``.grad`` as soon as its reduce-scatter is issued; hooks and code that
+        run later in the same backward (a hook on an earlier layer) can read it. Zero hands a slot's reduced
+        gradient to its sharded parameter's ``.grad`` as the reduction lands (on the reducer's waiter thread, or
+        on the training thread at one rank) wherever the result is certain to equal what the end of backward
+        would hand over:
+
+        - the slot got a gradient on this rank (``got``), so the ranks' agreement on which parameters got one
+          (``GradientReducer.hand_over``, one collective at the end of backward) cannot say otherwise;
+        - its ``.grad`` is None, so nothing is added in place: a backward that raises is undone by setting it
+          back to None (:meth:`discard`), exactly; a gradient that accumulates onto an earlier backward's
+          (several backwards before a step) is added at the end of backward, as before;
+        - gradients stay where the master shard is (``target_device`` None) and the placement policy does not
+          move shards after backward (the engine sets ``hands_early`` only then): a gradient must sit on its
+          parameter's device.
+
+        The other slots (no gradient on this rank, or one to add to) get theirs at the end of backward, as
+        before; their pieces stay in ``reduced`` until then. ``no_sync()`` backwards reduce nothing, so land
+        nothing. Only the sharded parameters' ``.grad`` is written here, which nothing in the engine reads
+        during a backward."""
+        chunk, got, early = self._chunk, self.got, self._early
+        shapes = self._shapes()
+        for seg in chunk.segments:
+            i = seg.slot
+            if got[i] and seg.param.grad is None and seg.param.requires_grad:
+                shape, numel = shapes[i]
+                seg.param.grad = chunk.wrap(i, reduced[i][:numel].view(shape))
+                early[i] = True
+
+    def _shapes(self) -> list[tuple[torch.Size, int]]:
+        """Each slot's local shape on this rank and its element count (read once: the layout is fixed once packed)."""
+        if not self._local_shapes:
+            layout = self._chunk.layout
+            self._local_shapes = [(s.local_shape(layout.rank), s.local_shape(layout.rank).numel()) for s in layout.slots]
+        return self._local_shapes
 
     def move_reduced(self, device: torch.device) -> None:
         """Route reduced gradients to ``device`` from now on, moving any not yet handed over (placement policies)."""
@@ -189,20 +241,19 @@ class ChunkGradients:
 
         ``present[i]`` says whether slot ``i`` got a gradient on any rank; the others keep
         their ``.grad`` untouched (``None`` after ``zero_grad``), so the optimizer skips
-        them. Gradients add to existing ones, so several backwards before a step accumulate.
+        them. Gradients add to existing ones, so several backwards before a step accumulate. Slots handed over
+        when their reduction landed are skipped (see [Note: gradients handed over as they land]).
         """
         chunk = self._chunk
         reduced, self.reduced = self.reduced, None
         self.got = [False] * len(chunk.slots)
+        early, self._early = self._early, [False] * len(chunk.slots)
         if reduced is None:
             return
-        if not self._local_shapes:  # the layout is fixed once the chunk is packed: read it once
-            layout = chunk.layout
-            self._local_shapes = [(s.local_shape(layout.rank), s.local_shape(layout.rank).numel()) for s in layout.slots]
-        shapes = self._local_shapes
+        shapes = self._shapes()
         with torch.no_grad():
             for seg in chunk.segments:
-                if not present[seg.slot] or not seg.param.requires_grad:
+                if not present[seg.slot] or not seg.param.requires_grad or early[seg.slot]:
                     continue
                 shape, numel = shapes[seg.slot]  # this rank's rows of the padded piece (ChunkLayout.local)
                 piece = reduced[seg.slot][:numel].view(shape)

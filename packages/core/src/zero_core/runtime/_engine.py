@@ -205,6 +205,9 @@ class Engine:
         # See [Note: a unit whose chunks are ready] in zero_core.runtime._unit: a policy that watches computes sees
         # every unit's.
         self.computes_watched = placement.watches_computes
+        # See [Note: gradients handed over as they land] in zero_core.chunks._chunk_grads.
+        for chunk in chunks:
+            chunk.grads.hands_early = not placement.moves_after_backward
         self.config = config
         # The plugin manager's hook relay (pluggy): "hooks" alone in this module are torch's module, autograd
         # and optimizer hooks.
@@ -456,6 +459,7 @@ class Engine:
             for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
                 if backward is None or not backward.holds_gathered:
                     self.residency.release([chunk])
+                self._module_hooks.chunk_reduced(chunk)
 
     @traced(POST_BACKWARD)
     def _finish_backward(self) -> None:
@@ -512,6 +516,7 @@ class Engine:
                 for chunk in self.reducer.launch_rest(self.bridge.loss_scale):
                     if finished and not backward.holds_gathered:
                         self.residency.release([chunk])
+                    self._module_hooks.chunk_reduced(chunk)
                 self.reducer.complete()
                 if finished:
                     self.placement.after_backward(self.chunks)

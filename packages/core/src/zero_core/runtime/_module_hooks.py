@@ -15,7 +15,6 @@ from typing import Any
 
 from torch import nn
 
-from zero_core.base._state import UnitState
 from zero_core.chunks.chunk import Chunk
 from zero_core.runtime._unit import Unit, UnitHost
 
@@ -47,6 +46,8 @@ class ModuleHooks:
         # Per chunk index, the units that ran in the current forward since it was last released (the units hold it).
         self._ran: dict[int, set[int]] = {}
         self.units: tuple[Unit, ...] = ()
+        # Per chunk index, the units that gather it (told when it is launched for reduction).
+        self._units_of: dict[int, tuple[Unit, ...]] = {}
         self._handles: list[Any] = []
         # The compiled modules (held, so their ids stay theirs) the hooks were grouped by.
         self._compiled: tuple[nn.Module, ...] = ()
@@ -72,6 +73,11 @@ class ModuleHooks:
             self._handles.append(module.register_forward_pre_hook(untraced(unit.before_forward)))
             self._handles.append(module.register_forward_hook(untraced(unit.after_forward)))
         self.units = tuple(built)
+        units_of: dict[int, list[Unit]] = {}
+        for unit in built:
+            for chunk in unit.chunks:
+                units_of.setdefault(chunk.index, []).append(unit)
+        self._units_of = {index: tuple(units) for index, units in units_of.items()}
 
     def begin_forward(self) -> None:
         """The wrapped model's forward begins: no unit has run in it yet."""
@@ -80,7 +86,12 @@ class ModuleHooks:
     def units_idle(self) -> None:
         """The step's forward and backward are over (or undone): every unit is IDLE again."""
         for unit in self.units:
-            unit.state = UnitState.IDLE
+            unit.after_backward()
+
+    def chunk_reduced(self, chunk: Chunk) -> None:
+        """``chunk`` was launched for reduction in the running backward: tell the units that gather it."""
+        for unit in self._units_of.get(chunk.index, ()):
+            unit.chunk_reduced()
 
     def regroup_if_compiled(self) -> None:
         """A module was compiled (or a compiled one replaced) since the hooks were installed: install them again."""
@@ -94,6 +105,7 @@ class ModuleHooks:
         self._handles.clear()
         self._compiled = ()
         self.units = ()
+        self._units_of = {}
 
     def _compiled_modules(self) -> tuple[nn.Module, ...]:
         """The modules below the root that are compiled, in ``modules()`` order."""
