@@ -48,7 +48,7 @@ def main() -> None:
     rows = {"plain": build(None), "s3": build(3), "s2": build(2)}
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(steps + 5)]
-    for name, (m, o) in rows.items():  # warm-up
+    for m, o in rows.values():  # warm-up
         for b in batches[:5]:
             step(m, o, b)
     cpu: dict[str, list[float]] = {k: [] for k in rows}

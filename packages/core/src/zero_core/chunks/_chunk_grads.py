@@ -88,8 +88,10 @@ class ChunkGradients:
     def _set_flat(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Take ``flat`` as this backward's buffer; each slot's view of it, in the parameter's shape."""
         self._flat = flat
-        views = [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self._chunk.slots]
-        self._ptrs = [v.data_ptr() for v in views]
+        slots = self._chunk.slots
+        views = [flat[s.offset : s.offset + s.numel].view(s.shape) for s in slots]
+        base, size = flat.data_ptr(), flat.element_size()  # a view's address is its offset's, one call per chunk
+        self._ptrs = [base + s.offset * size for s in slots]
         return views
 
     def adopt(self, index: int) -> None:
@@ -107,16 +109,18 @@ class ChunkGradients:
             grad = slot.param.grad
             if grad is not None and grad.data_ptr() != self._ptrs[index]:  # replaced behind our back: take it in
                 target = self._flat[slot.offset : slot.offset + slot.numel]
-                with torch.no_grad():
-                    target.copy_(grad.reshape(-1))
+                target.copy_(grad.detach().reshape(-1))  # see [Note: copies without no_grad]
                 slot.param.grad = target.view(slot.shape)
             return
         # Always copied, even where autograd's tensor has the buffer's layout: what the engine keeps must be the
         # engine's allocation, or a memory tracer would count it as activations (see zero_core.base._accounting).
+        # [Note: copies without no_grad]
+        # The buffer never requires grad, and a detached source records nothing, so these copies need no
+        # ``torch.no_grad()`` block (about five Python calls each, two per chunk a backward); a gradient with a
+        # graph of its own (``create_graph=True``) lands without it, as it did under no_grad.
         for s, view in zip(slots, self._set_flat(self._take())):
             if s.param.grad is not None:
-                with torch.no_grad():
-                    view.copy_(s.param.grad)
+                view.copy_(s.param.grad.detach())
                 s.param.grad = view
             elif s.param.requires_grad:
                 s.param.grad = view
@@ -165,17 +169,16 @@ class ChunkGradients:
         if flat is None:
             flat = self._take()
             ptrs = [-1] * len(chunk.slots)  # nothing points into a fresh buffer
-        with torch.no_grad():
-            for slot, ptr in zip(chunk.slots, ptrs):
-                grad = slot.param.grad
-                if grad is not None:
-                    if grad.data_ptr() != ptr:
-                        flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
-                    slot.param.grad = None
-            if chunk.layout.has_replicated:
-                for slot, region in zip(chunk.slots, chunk.layout.regions(flat)):
-                    if slot.replicated:
-                        region.copy_(region[:1].expand_as(region))
+        for slot, ptr in zip(chunk.slots, ptrs):  # see [Note: copies without no_grad]
+            grad = slot.param.grad
+            if grad is not None:
+                if grad.data_ptr() != ptr:
+                    flat[slot.offset : slot.offset + slot.numel].copy_(grad.detach().reshape(-1))
+                slot.param.grad = None
+        if chunk.layout.has_replicated:
+            for slot, region in zip(chunk.slots, chunk.layout.regions(flat)):
+                if slot.replicated:
+                    region.copy_(region[:1].expand_as(region))
         return flat
 
     def land(self, reduced: torch.Tensor) -> None:

@@ -449,12 +449,12 @@ class Engine:
         # the one end of this backward when it finishes; one that raises is ended by settle (autograd drops this)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
+    @engine_work  # the gradient buffer its chunk may take now is model data
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         """A gradient arrived: autograd accumulated ``param``'s (an unsharded parameter's) gradient."""
         if self.state is not TrainingState.BACKWARD:  # once per backward, not per parameter (nothing to do after)
             self._begin_backward()
-        self.reducer.accumulated(param)
-        if self.reducer.sync and self.reducer.next_ready:
+        if self.reducer.accumulated(param) and self.reducer.sync:
             backward = self.backward_pass
             for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
                 if backward is None or not backward.holds_gathered:

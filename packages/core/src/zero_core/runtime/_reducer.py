@@ -14,7 +14,6 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from zero_core.base._accounting import engine_work, engine_work_context
 from zero_core.base._state import ReduceState
 from zero_core.base._trace import REDUCE_SCATTER, REDUCE_WAIT, phase, traced
 from zero_core.base.errors import GradientLostError
@@ -114,7 +113,8 @@ class GradientReducer:
         return self._group_of[chunk.index].reduce_state is ReduceState.REDUCED
 
     def accumulated(self, param: torch.Tensor) -> bool:
-        """Autograd accumulated ``param``'s gradient (an unsharded parameter); whether its group became ready."""
+        """Autograd accumulated ``param``'s gradient (an unsharded parameter); whether the next group of the order is
+        ready to reduce now (:attr:`next_ready`, answered here: this runs for every parameter in every backward)."""
         chunk, slot, group = self._where[id(param)]
         if group.reduce_state is ReduceState.REDUCED:
             raise GradientLostError(
@@ -123,9 +123,11 @@ class GradientReducer:
                 "activation checkpointing (use torch.utils.checkpoint(..., use_reentrant=False)) or when a "
                 "parameter's gradient does not flow through the wrapped model's outputs."
             )
-        with engine_work_context():
-            chunk.grads.adopt(slot)  # see [Note: gradient buffers on arrival]
-        return group.arrived(id(param))
+        chunk.grads.adopt(slot)  # see [Note: gradient buffers on arrival]; the engine calls this as engine work
+        group.arrived(id(param))
+        # the next group may have been READY before this gradient (it waits for none): asked after every gradient
+        steps, nxt = self._steps, self._next
+        return nxt < len(steps) and steps[nxt][0].reduce_state is ReduceState.READY
 
     @property
     def next_ready(self) -> bool:
@@ -153,8 +155,8 @@ class GradientReducer:
             self._launch(chunk, loss_scale)
             yield chunk
 
-    @engine_work
     def _launch(self, chunk: Chunk, loss_scale: float) -> None:
+        # engine work: only the engine's gradient hook and the end of backward launch, both marked as such
         with phase(REDUCE_SCATTER, chunk):
             reduction = reduce_gradients(chunk, self._comm, loss_scale=loss_scale)
             if self._local:

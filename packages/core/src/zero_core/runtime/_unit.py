@@ -173,9 +173,12 @@ class Unit:
         reduction (see [Note: gradients handed over as they land] in ``zero_core.chunks._chunk_grads``)."""
         if self.state is UnitState.AFTER_BACKWARD:
             return
-        is_reduced = self._host.reducer.is_reduced
-        if all(is_reduced(c) for c in self.chunks if c.requires_grad):
-            self.state = UnitState.AFTER_BACKWARD
+        if len(self.chunks) > 1:  # a loop, not all(): this runs for each unit of every chunk reduced
+            is_reduced = self._host.reducer.is_reduced
+            for chunk in self.chunks:
+                if chunk.requires_grad and not is_reduced(chunk):
+                    return
+        self.state = UnitState.AFTER_BACKWARD
 
     def after_backward(self) -> None:
         """The backward ended (finished or undone): the unit is IDLE until its next forward."""
