@@ -81,7 +81,7 @@ Stage 3 then holds the model gathered between the two passes, as stage 2 always 
 [Note: torch.compile]
 Compiling a block (``block.compile()`` or ``torch.compile(block)``, before or after shard)
 makes dynamo trace the forward hooks of the modules the block calls. Zero's hooks gather,
-release and swap parameters, so they are disabled for dynamo (``_untraced``) and would run
+release and swap parameters, so dynamo skips them (``untraced``: see [Note: hooks dynamo skips without a wrapper]) and would run
 eagerly at a graph break, splitting the block at every module that registers parameters
 (6 graphs per GPT-2 block). So a compiled module is one unit of gather and release, as a
 module passed to FSDP2's fully_shard is: the parameter registrations of its whole subtree
