@@ -142,22 +142,32 @@ def _moments() -> dict:
     params = list(model.parameters())
     early: dict[str, object] = {}
 
-    def early_grads(grad):
-        """On the input, before the backward's end: the later chunk's reduction was launched when its last gradient
-        came, and its parameters' .grad are set as it lands (on the reducer's thread: wait for it); the earlier
-        chunk's are not reduced yet. See [Note: gradients handed over as they land]."""
+    def landed(grad):
+        """Before the third layer's backward (its gradients come next): the later chunk's reduction was launched when
+        its last gradient came; wait until the reducer's thread has landed it (the training thread never waits in a
+        backward), so that the next gradient to arrive hands it over. See [Note: gradients handed over as they
+        land] in zero_core.chunks._chunk_grads."""
         import time
 
         deadline = time.monotonic() + 60
-        while any(p.grad is None for p in params[6:]) and time.monotonic() < deadline:
+        while not engine.chunks[1].grads.landed and time.monotonic() < deadline:
             time.sleep(0.01)
+
+    def early_grads(grad):
+        """On the input, before the backward's end: the later chunk's .grad are set, the earlier chunk's not yet
+        (it is reduced at the end)."""
         early["set"] = [p.grad is not None for p in params]
         early["values"] = [p.grad.to_local().clone() for p in params[6:]]
 
     seen["before"] = now()
     handle = x.register_hook(look("backward"))
     early_handle = x.register_hook(early_grads)
+    def hook_third(module, args, out):
+        out.register_hook(landed)
+
+    third = sharded[2].register_forward_hook(hook_third)
     loss = F.mse_loss(model(x), y)
+    third.remove()
     seen["after forward"] = now()
     loss.backward()
     handle.remove()

@@ -193,16 +193,25 @@ class ChunkGradients:
             self.reduced = layout.own_pieces(kept)
         else:
             self.reduced = list(reduced.split(layout.split_sizes)[: len(layout.slots)])
-        if self.hands_early and self.target_device is None:
-            self._hand_over_early(self.reduced)
 
-    def _hand_over_early(self, reduced: list[torch.Tensor]) -> None:
+    @property
+    def landed(self) -> bool:
+        """This backward's reduction landed (its pieces wait for the hand-over). Set last by :meth:`land`, so the
+        training thread may ask while the waiter thread lands."""
+        return self.reduced is not None
+
+    def hand_over_landed(self) -> None:
         """[Note: gradients handed over as they land]
         FSDP2 sets a unit's sharded ``.grad`` as soon as its reduce-scatter is issued; hooks and code that
         run later in the same backward (a hook on an earlier layer) can read it. Zero hands a slot's reduced
-        gradient to its sharded parameter's ``.grad`` as the reduction lands (on the reducer's waiter thread, or
-        on the training thread at one rank) wherever the result is certain to equal what the end of backward
-        would hand over:
+        gradient to its sharded parameter's ``.grad`` once the reduction has landed, on the training thread:
+        at once at one rank (where a reduction completes on it), else at the next gradient that arrives
+        after the waiter thread landed it (``GradientReducer.hand_over_landed``; the training thread never
+        waits for a reduction inside a backward), and at the end of backward for the rest. Only on the
+        training thread, because autograd may accumulate into a sharded parameter's ``.grad`` in the same
+        backward (a term computed from the sharded parameters after the forward), and it runs nodes and the
+        engine's hooks on that thread one after another. It does so wherever the result is certain to equal
+        what the end of backward would hand over:
 
         - the slot got a gradient on this rank (``got``), so the ranks' agreement on which parameters got one
           (``GradientReducer.hand_over``, one collective at the end of backward) cannot say otherwise;
@@ -217,6 +226,9 @@ class ChunkGradients:
         before; their pieces stay in ``reduced`` until then. ``no_sync()`` backwards reduce nothing, so land
         nothing. Only the sharded parameters' ``.grad`` is written here, which nothing in the engine reads
         during a backward."""
+        reduced = self.reduced
+        if reduced is None or not self.hands_early or self.target_device is not None:
+            return
         chunk, got, early = self._chunk, self.got, self._early
         shapes = self._shapes()
         for seg in chunk.segments:

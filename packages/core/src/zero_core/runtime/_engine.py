@@ -454,6 +454,8 @@ class Engine:
         """A gradient arrived: autograd accumulated ``param``'s (an unsharded parameter's) gradient."""
         if self.state is not TrainingState.BACKWARD:  # once per backward, not per parameter (nothing to do after)
             self._begin_backward()
+        if self.reducer.in_flight:  # see [Note: gradients handed over as they land] in zero_core.chunks._chunk_grads
+            self.reducer.hand_over_landed()
         if self.reducer.accumulated(param) and self.reducer.sync:
             backward = self.backward_pass
             for chunk in self.reducer.launch_ready(self.bridge.loss_scale):

@@ -9,6 +9,7 @@ a backward begins and ends, and releases each chunk it launches.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -57,6 +58,10 @@ class GradientReducer:
         self.order: list[Chunk] = []  # the trainable chunks, in the order they are reduced
         self._take_order()
         self._next = 0  # the next group of the order to reduce in the running backward
+        # Chunks launched in the running backward whose reductions complete on the waiter thread, in launch order,
+        # until their gradients are handed over as they land (see [Note: gradients handed over as they land] in
+        # zero_core.chunks._chunk_grads); empty at one rank, where they land at launch.
+        self.in_flight: collections.deque[Chunk] = collections.deque()
 
     def _take_order(self) -> None:
         self._steps = [(g, trainable) for g in reversed(self._groups)
@@ -161,8 +166,17 @@ class GradientReducer:
             reduction = reduce_gradients(chunk, self._comm, loss_scale=loss_scale)
             if self._local:
                 reduction.complete()
+                chunk.grads.hand_over_landed()
             else:
                 self._waiter.submit(reduction)
+                self.in_flight.append(chunk)
+
+    def hand_over_landed(self) -> None:
+        """On the training thread, in a backward: hand over the gradients of the reductions the waiter thread has
+        landed, in launch order (see [Note: gradients handed over as they land] in zero_core.chunks._chunk_grads)."""
+        in_flight = self.in_flight
+        while in_flight and in_flight[0].grads.landed:
+            in_flight.popleft().grads.hand_over_landed()
 
     @traced(REDUCE_WAIT)
     def complete(self) -> None:
@@ -190,6 +204,7 @@ class GradientReducer:
 
     def end(self) -> None:
         """The backward is over (finished or undone): nothing waits any more."""
+        self.in_flight.clear()
         for group in self._groups:
             group.end_backward()
 
