@@ -92,6 +92,15 @@ def test_only_a_policy_that_overrides_before_compute_watches_every_unit():
     assert Watching().watches_computes
     assert PlacementPolicy.watches_computes.__doc__
 
+    class Moving(DevicePlacementPolicy):  # gradients then wait for the end of backward: see moves_after_backward
+        name = "moving-test"
+
+        def after_backward(self, chunks):
+            pass
+
+    assert not DevicePlacementPolicy().moves_after_backward and not Watching().moves_after_backward
+    assert Moving().moves_after_backward
+
 
 def test_on_first_gradient_runs_once_per_backward_as_a_multi_grad_hook_does():
     w = torch.randn(3, requires_grad=True)

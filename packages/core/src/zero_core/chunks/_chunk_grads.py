@@ -15,7 +15,8 @@ over as they land].)
 
 :meth:`ChunkGradients.take_for_reduction` moves 1 to the collectives, :meth:`~ChunkGradients.land`
 receives 2 from them (on the reducer's waiter thread: it touches nothing else), and
-:meth:`~ChunkGradients.hand_over` turns 2 into 3. :meth:`~ChunkGradients.discard` empties 1 and 2.
+:meth:`~ChunkGradients.hand_over` (and before it, where exact, :meth:`~ChunkGradients.hand_over_landed`)
+turns 2 into 3. :meth:`~ChunkGradients.discard` empties 1 and 2.
 The object reads its chunk's layout and sharded parameters, which are fixed once the chunk is
 packed, and is the only writer of the gradient state.
 """
@@ -56,9 +57,9 @@ class ChunkGradients:
         self.got = [False] * len(chunk.slots)
         # Where reduced gradients go; None: where the master shard is. Set by placement policies.
         self.target_device: torch.device | None = None
-        # Whether :meth:`land` hands a slot's gradient to its ``.grad`` at once where that is exact (set by the
-        # engine; see [Note: gradients handed over as they land]), and the slots it did so for since the last
-        # hand-over or discard.
+        # Whether :meth:`hand_over_landed` hands a slot's gradient to its ``.grad`` before the end of backward where
+        # that is exact (set by the engine; see [Note: gradients handed over as they land]), and the slots it did so
+        # for since the last hand-over or discard.
         self.hands_early = False
         self._early = [False] * len(chunk.slots)
 
