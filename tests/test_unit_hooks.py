@@ -92,6 +92,15 @@ def test_only_a_policy_that_overrides_before_compute_watches_every_unit():
     assert Watching().watches_computes
     assert PlacementPolicy.watches_computes.__doc__
 
+    class Moving(DevicePlacementPolicy):  # gradients then wait for the end of backward: see moves_after_backward
+        name = "moving-test"
+
+        def after_backward(self, chunks):
+            pass
+
+    assert not DevicePlacementPolicy().moves_after_backward and not Watching().moves_after_backward
+    assert Moving().moves_after_backward
+
 
 def test_on_first_gradient_runs_once_per_backward_as_a_multi_grad_hook_does():
     w = torch.randn(3, requires_grad=True)
@@ -139,13 +148,48 @@ def _moments() -> dict:
     x, y = _batch(0)
     per = BATCH // world
     x, y = x[rank * per:(rank + 1) * per].requires_grad_(True), y[rank * per:(rank + 1) * per]
+    params = list(model.parameters())
+    early: dict[str, object] = {}
+
+    def landed(grad):
+        """Before the third layer's backward (its gradients come next): the later chunk's reduction was launched when
+        its last gradient came; wait until the reducer's thread has landed it (the training thread never waits in a
+        backward), so that the next gradient to arrive hands it over. See [Note: gradients handed over as they
+        land] in zero_core.chunks._chunk_grads."""
+        import time
+
+        deadline = time.monotonic() + 60
+        while not engine.chunks[1].grads.landed and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def early_grads(grad):
+        """On the input, before the backward's end: the later chunk's .grad are set, the earlier chunk's not yet
+        (it is reduced at the end)."""
+        early["set"] = [p.grad is not None for p in params]
+        early["values"] = [p.grad.to_local().clone() for p in params[6:]]
+
     seen["before"] = now()
     handle = x.register_hook(look("backward"))
+    early_handle = x.register_hook(early_grads)
+    def hook_third(module, args, out):
+        out.register_hook(landed)
+
+    third = sharded[2].register_forward_hook(hook_third)
     loss = F.mse_loss(model(x), y)
+    third.remove()
     seen["after forward"] = now()
     loss.backward()
     handle.remove()
+    early_handle.remove()
     seen["after backward"] = now() + ([p.grad is not None for p in model.parameters()],)
+    # the values set early are those the backward's end leaves, and plain PyTorch's over the whole batch
+    reference = _model()
+    xs, ys = _batch(0)
+    F.mse_loss(reference(xs), ys).backward()
+    seen["early .grad set"] = early["set"]
+    seen["early .grad kept"] = all(torch.equal(v, p.grad.to_local()) for v, p in zip(early["values"], params[6:]))
+    seen["early .grad is plain PyTorch's"] = [
+        torch.allclose(p.grad.full_tensor(), r.grad, atol=1e-6, rtol=1e-5) for p, r in zip(params, reference.parameters())]
     opt.zero_grad()
     with torch.no_grad():  # a forward without a graph leaves every unit idle
         model(x)
@@ -183,12 +227,18 @@ def test_each_unit_and_backward_pass_records_its_moment_of_the_step():
         assert seen["units"] == [1] * 6  # six modules, each a unit of one of the two chunks
         assert seen["before"] == ("idle", None, None, ["idle"], sharded)
         assert seen["after forward"] == ("backward_pending", None, None, ["after_forward"], sharded)
-        assert seen["backward"] == ("backward", "reduce", False, ["backward"], [True, False])  # the later one reduced
+        # the later chunk was reduced: its three units are AFTER_BACKWARD, the earlier chunk's still in BACKWARD
+        assert seen["backward"] == ("backward", "reduce", False, ["after_backward", "backward"], [True, False])
         assert seen["after backward"] == ("idle", None, None, ["idle"], sharded, every)
+        assert seen["early .grad set"] == [False] * 6 + [True] * 6  # before the end of backward, as each lands
+        assert seen["early .grad kept"]
+        assert seen["early .grad is plain PyTorch's"] == every
         assert seen["after a forward without graph"] == ("idle", None, None, ["idle"], sharded)
         assert seen["capture for graph"] == ("backward", "capture_for_graph", False, ["backward"], gathered)
         assert seen["after capture for graph"] == ("backward_pending", None, None, ["idle"], gathered, none)
-        assert seen["through the gradients' graph"] == ("backward", "reduce", True, ["backward"], gathered)
+        # reduced as in any backward (the later chunk's units AFTER_BACKWARD), but nothing released before its end
+        assert seen["through the gradients' graph"] == ("backward", "reduce", True, ["after_backward", "backward"],
+                                                        gathered)
         assert seen["after the penalty's backward"] == ("idle", None, None, ["idle"], sharded, every)
         assert seen["capture"] == ("backward", "capture", False, ["backward"], gathered)  # released at its end
         assert seen["after capture"] == ("idle", None, None, ["idle"], sharded)

@@ -60,6 +60,10 @@ class UnitState(enum.Enum):
     AFTER_FORWARD = "after_forward"
     #: The backward reached its outputs: its chunks were gathered again for its backward.
     BACKWARD = "backward"
+    #: Every chunk of it was launched for reduction in this backward (its gradients are all in, or the backward
+    #: ended): no gradient of its parameters can come any more, and each ``.grad`` that can be is set as its
+    #: reduction lands. IDLE again when the backward ends.
+    AFTER_BACKWARD = "after_backward"
 
 
 class ChunkState(enum.Enum):

@@ -10,9 +10,13 @@ A gradient lives in exactly one of three places at a time, all owned by :class:`
 3. the sharded parameter's ``.grad``: what the optimizer reads, added to across backwards
    until ``zero_grad``.
 
+(2 and 3 overlap while a reduction's pieces wait for the end of backward: see [Note: gradients handed
+over as they land].)
+
 :meth:`ChunkGradients.take_for_reduction` moves 1 to the collectives, :meth:`~ChunkGradients.land`
 receives 2 from them (on the reducer's waiter thread: it touches nothing else), and
-:meth:`~ChunkGradients.hand_over` turns 2 into 3. :meth:`~ChunkGradients.discard` empties 1 and 2.
+:meth:`~ChunkGradients.hand_over` (and before it, where exact, :meth:`~ChunkGradients.hand_over_landed`)
+turns 2 into 3. :meth:`~ChunkGradients.discard` empties 1 and 2.
 The object reads its chunk's layout and sharded parameters, which are fixed once the chunk is
 packed, and is the only writer of the gradient state.
 """
@@ -53,6 +57,11 @@ class ChunkGradients:
         self.got = [False] * len(chunk.slots)
         # Where reduced gradients go; None: where the master shard is. Set by placement policies.
         self.target_device: torch.device | None = None
+        # Whether :meth:`hand_over_landed` hands a slot's gradient to its ``.grad`` before the end of backward where
+        # that is exact (set by the engine; see [Note: gradients handed over as they land]), and the slots it did so
+        # for since the last hand-over or discard.
+        self.hands_early = False
+        self._early = [False] * len(chunk.slots)
 
     @property
     def unreduced(self) -> bool:
@@ -80,8 +89,10 @@ class ChunkGradients:
     def _set_flat(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Take ``flat`` as this backward's buffer; each slot's view of it, in the parameter's shape."""
         self._flat = flat
-        views = [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self._chunk.slots]
-        self._ptrs = [v.data_ptr() for v in views]
+        slots = self._chunk.slots
+        views = [flat[s.offset : s.offset + s.numel].view(s.shape) for s in slots]
+        base, size = flat.data_ptr(), flat.element_size()  # a view's address is its offset's, one call per chunk
+        self._ptrs = [base + s.offset * size for s in slots]
         return views
 
     def adopt(self, index: int) -> None:
@@ -99,16 +110,18 @@ class ChunkGradients:
             grad = slot.param.grad
             if grad is not None and grad.data_ptr() != self._ptrs[index]:  # replaced behind our back: take it in
                 target = self._flat[slot.offset : slot.offset + slot.numel]
-                with torch.no_grad():
-                    target.copy_(grad.reshape(-1))
+                target.copy_(grad.detach().reshape(-1))  # see [Note: copies without no_grad]
                 slot.param.grad = target.view(slot.shape)
             return
         # Always copied, even where autograd's tensor has the buffer's layout: what the engine keeps must be the
         # engine's allocation, or a memory tracer would count it as activations (see zero_core.base._accounting).
+        # [Note: copies without no_grad]
+        # The buffer never requires grad, and a detached source records nothing, so these copies need no
+        # ``torch.no_grad()`` block (about five Python calls each, two per chunk a backward); a gradient with a
+        # graph of its own (``create_graph=True``) lands without it, as it did under no_grad.
         for s, view in zip(slots, self._set_flat(self._take())):
             if s.param.grad is not None:
-                with torch.no_grad():
-                    view.copy_(s.param.grad)
+                view.copy_(s.param.grad.detach())
                 s.param.grad = view
             elif s.param.requires_grad:
                 s.param.grad = view
@@ -121,6 +134,11 @@ class ChunkGradients:
             self._chunk.pool.give(flat)
         for slot in self._chunk.slots:
             slot.param.grad = None
+        if any(self._early):  # they had no gradient before this backward's reduction landed: they have none again
+            for seg in self._chunk.segments:
+                if self._early[seg.slot]:
+                    seg.param.grad = None
+            self._early = [False] * len(self._chunk.slots)
         self.reduced = None
         self.got = [False] * len(self._chunk.slots)
 
@@ -152,17 +170,16 @@ class ChunkGradients:
         if flat is None:
             flat = self._take()
             ptrs = [-1] * len(chunk.slots)  # nothing points into a fresh buffer
-        with torch.no_grad():
-            for slot, ptr in zip(chunk.slots, ptrs):
-                grad = slot.param.grad
-                if grad is not None:
-                    if grad.data_ptr() != ptr:
-                        flat[slot.offset : slot.offset + slot.numel].copy_(grad.reshape(-1))
-                    slot.param.grad = None
-            if chunk.layout.has_replicated:
-                for slot, region in zip(chunk.slots, chunk.layout.regions(flat)):
-                    if slot.replicated:
-                        region.copy_(region[:1].expand_as(region))
+        for slot, ptr in zip(chunk.slots, ptrs):  # see [Note: copies without no_grad]
+            grad = slot.param.grad
+            if grad is not None:
+                if grad.data_ptr() != ptr:
+                    flat[slot.offset : slot.offset + slot.numel].copy_(grad.detach().reshape(-1))
+                slot.param.grad = None
+        if chunk.layout.has_replicated:
+            for slot, region in zip(chunk.slots, chunk.layout.regions(flat)):
+                if slot.replicated:
+                    region.copy_(region[:1].expand_as(region))
         return flat
 
     def land(self, reduced: torch.Tensor) -> None:
@@ -178,6 +195,57 @@ class ChunkGradients:
         else:
             self.reduced = list(reduced.split(layout.split_sizes)[: len(layout.slots)])
 
+    @property
+    def landed(self) -> bool:
+        """This backward's reduction landed (its pieces wait for the hand-over). Set last by :meth:`land`, so the
+        training thread may ask while the waiter thread lands."""
+        return self.reduced is not None
+
+    def hand_over_landed(self) -> None:
+        """[Note: gradients handed over as they land]
+        FSDP2 sets a unit's sharded ``.grad`` as soon as its reduce-scatter is issued; hooks and code that
+        run later in the same backward (a hook on an earlier layer) can read it. Zero hands a slot's reduced
+        gradient to its sharded parameter's ``.grad`` once the reduction has landed, on the training thread:
+        at once at one rank (where a reduction completes on it), else at the next gradient that arrives
+        after the waiter thread landed it (``GradientReducer.hand_over_landed``; the training thread never
+        waits for a reduction inside a backward), and at the end of backward for the rest. Only on the
+        training thread, because autograd may accumulate into a sharded parameter's ``.grad`` in the same
+        backward (a term computed from the sharded parameters after the forward), and it runs nodes and the
+        engine's hooks on that thread one after another. It does so wherever the result is certain to equal
+        what the end of backward would hand over:
+
+        - the slot got a gradient on this rank (``got``), so the ranks' agreement on which parameters got one
+          (``GradientReducer.hand_over``, one collective at the end of backward) cannot say otherwise;
+        - its ``.grad`` is None, so nothing is added in place: a backward that raises is undone by setting it
+          back to None (:meth:`discard`), exactly; a gradient that accumulates onto an earlier backward's
+          (several backwards before a step) is added at the end of backward, as before;
+        - gradients stay where the master shard is (``target_device`` None) and the placement policy does not
+          move shards after backward (the engine sets ``hands_early`` only then): a gradient must sit on its
+          parameter's device.
+
+        The other slots (no gradient on this rank, or one to add to) get theirs at the end of backward, as
+        before; their pieces stay in ``reduced`` until then. ``no_sync()`` backwards reduce nothing, so land
+        nothing. Only the sharded parameters' ``.grad`` is written here, which nothing in the engine reads
+        during a backward."""
+        reduced = self.reduced
+        if reduced is None or not self.hands_early or self.target_device is not None:
+            return
+        chunk, got, early = self._chunk, self.got, self._early
+        shapes = self._shapes()
+        for seg in chunk.segments:
+            i = seg.slot
+            if got[i] and seg.param.grad is None and seg.param.requires_grad:
+                shape, numel = shapes[i]
+                seg.param.grad = chunk.wrap(i, reduced[i][:numel].view(shape))
+                early[i] = True
+
+    def _shapes(self) -> list[tuple[torch.Size, int]]:
+        """Each slot's local shape on this rank and its element count (read once: the layout is fixed once packed)."""
+        if not self._local_shapes:
+            layout = self._chunk.layout
+            self._local_shapes = [(s.local_shape(layout.rank), s.local_shape(layout.rank).numel()) for s in layout.slots]
+        return self._local_shapes
+
     def move_reduced(self, device: torch.device) -> None:
         """Route reduced gradients to ``device`` from now on, moving any not yet handed over (placement policies)."""
         self.target_device = device
@@ -189,20 +257,19 @@ class ChunkGradients:
 
         ``present[i]`` says whether slot ``i`` got a gradient on any rank; the others keep
         their ``.grad`` untouched (``None`` after ``zero_grad``), so the optimizer skips
-        them. Gradients add to existing ones, so several backwards before a step accumulate.
+        them. Gradients add to existing ones, so several backwards before a step accumulate. Slots handed over
+        when their reduction landed are skipped (see [Note: gradients handed over as they land]).
         """
         chunk = self._chunk
         reduced, self.reduced = self.reduced, None
         self.got = [False] * len(chunk.slots)
+        early, self._early = self._early, [False] * len(chunk.slots)
         if reduced is None:
             return
-        if not self._local_shapes:  # the layout is fixed once the chunk is packed: read it once
-            layout = chunk.layout
-            self._local_shapes = [(s.local_shape(layout.rank), s.local_shape(layout.rank).numel()) for s in layout.slots]
-        shapes = self._local_shapes
+        shapes = self._shapes()
         with torch.no_grad():
             for seg in chunk.segments:
-                if not present[seg.slot] or not seg.param.requires_grad:
+                if not present[seg.slot] or not seg.param.requires_grad or early[seg.slot]:
                     continue
                 shape, numel = shapes[seg.slot]  # this rank's rows of the padded piece (ChunkLayout.local)
                 piece = reduced[seg.slot][:numel].view(shape)

@@ -391,7 +391,10 @@ class Chunk:
         """Whether any of the chunk's parameters is trainable now (``requires_grad`` may change between steps)."""
         if not self.segments:
             return self._initially_trainable
-        return any(seg.param.requires_grad for seg in self.segments)
+        for seg in self.segments:  # a loop, not any(): asked many times a step
+            if seg.param.requires_grad:
+                return True
+        return False
 
     def held(self, slot: int) -> torch.Tensor:
         """The master values parameter ``slot`` has on this rank, flat, in the order of

@@ -179,6 +179,14 @@ class PlacementPolicy(ABC):
         ``zero_core.runtime._unit``)."""
         return type(self).before_compute is not PlacementPolicy.before_compute
 
+    @property
+    def moves_after_backward(self) -> bool:
+        """Whether the policy overrides :meth:`after_backward` (it may move shards once every gradient is reduced).
+        If not, a gradient is handed to its parameter's ``.grad`` as its reduction lands, where that is exact
+        (see [Note: gradients handed over as they land] in ``zero_core.chunks._chunk_grads``); if so, at the end
+        of backward, after the policy moved the shards."""
+        return type(self).after_backward is not PlacementPolicy.after_backward
+
     def before_gather(self, chunks: Sequence[Chunk]) -> None:
         """Make sure these chunks' shards can be gathered (they are about to be): each shard is in memory, on the
         device or in host memory (a gather reads a host shard directly), not an :func:`absent_shard` stand-in.

@@ -81,7 +81,7 @@ Stage 3 then holds the model gathered between the two passes, as stage 2 always 
 [Note: torch.compile]
 Compiling a block (``block.compile()`` or ``torch.compile(block)``, before or after shard)
 makes dynamo trace the forward hooks of the modules the block calls. Zero's hooks gather,
-release and swap parameters, so they are disabled for dynamo (``_untraced``) and would run
+release and swap parameters, so dynamo skips them (``untraced``: see [Note: hooks dynamo skips without a wrapper]) and would run
 eagerly at a graph break, splitting the block at every module that registers parameters
 (6 graphs per GPT-2 block). So a compiled module is one unit of gather and release, as a
 module passed to FSDP2's fully_shard is: the parameter registrations of its whole subtree
@@ -205,6 +205,9 @@ class Engine:
         # See [Note: a unit whose chunks are ready] in zero_core.runtime._unit: a policy that watches computes sees
         # every unit's.
         self.computes_watched = placement.watches_computes
+        # See [Note: gradients handed over as they land] in zero_core.chunks._chunk_grads.
+        for chunk in chunks:
+            chunk.grads.hands_early = not placement.moves_after_backward
         self.config = config
         # The plugin manager's hook relay (pluggy): "hooks" alone in this module are torch's module, autograd
         # and optimizer hooks.
@@ -446,16 +449,19 @@ class Engine:
         # the one end of this backward when it finishes; one that raises is ended by settle (autograd drops this)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
+    @engine_work  # the gradient buffer its chunk may take now is model data
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         """A gradient arrived: autograd accumulated ``param``'s (an unsharded parameter's) gradient."""
         if self.state is not TrainingState.BACKWARD:  # once per backward, not per parameter (nothing to do after)
             self._begin_backward()
-        self.reducer.accumulated(param)
-        if self.reducer.sync and self.reducer.next_ready:
+        if self.reducer.in_flight:  # see [Note: gradients handed over as they land] in zero_core.chunks._chunk_grads
+            self.reducer.hand_over_landed()
+        if self.reducer.accumulated(param) and self.reducer.sync:
             backward = self.backward_pass
             for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
                 if backward is None or not backward.holds_gathered:
                     self.residency.release([chunk])
+                self._module_hooks.chunk_reduced(chunk)
 
     @traced(POST_BACKWARD)
     def _finish_backward(self) -> None:
@@ -512,6 +518,7 @@ class Engine:
                 for chunk in self.reducer.launch_rest(self.bridge.loss_scale):
                     if finished and not backward.holds_gathered:
                         self.residency.release([chunk])
+                    self._module_hooks.chunk_reduced(chunk)
                 self.reducer.complete()
                 if finished:
                     self.placement.after_backward(self.chunks)

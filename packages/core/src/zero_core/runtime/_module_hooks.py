@@ -15,11 +15,13 @@ from typing import Any
 
 from torch import nn
 
-from zero_core.base._state import UnitState
 from zero_core.chunks.chunk import Chunk
 from zero_core.runtime._unit import Unit, UnitHost
 
 __all__ = ["ModuleHooks", "untraced"]
+
+
+_REASON = "zero_core hooks gather and release parameters"
 
 
 def untraced(hook: Any) -> Any:
@@ -28,10 +30,38 @@ def untraced(hook: Any) -> Any:
     A compiled module's ``_call_impl`` traces the forward hooks of the modules it calls. Zero's
     hooks communicate and swap the modules' parameters (``param.data = ...``, which dynamo would
     record as an in-place ``set_`` and autograd then rejects in backward); as FSDP2 does with its
-    own hooks, they are excluded from tracing and run eagerly at a graph break."""
+    own hooks, they are excluded from tracing and run eagerly at a graph break.
+
+    [Note: hooks dynamo skips without a wrapper]
+    ``torch._dynamo.disable(hook, recursive=True)`` wraps the hook in a function that switches
+    dynamo's frame evaluation off and on around every call: about six Python calls per hook, two
+    hooks per unit, 385 calls a step on a 48-block model, paid whether or not anything is compiled.
+    The same effect is had once per function: its code object is marked for dynamo's frame
+    evaluation to skip it and everything it calls (``set_code_exec_strategy`` with SKIP for the frame
+    and recursively, what the wrapper's switch does per call), and the function carries the
+    ``_torchdynamo_disable`` mark that makes a trace that reaches it break the graph and call it
+    eagerly, as it does for the wrapper. A bound method's function is marked (every unit shares
+    it); where torch lacks the API, the wrapper is used."""
+    function = getattr(hook, "__func__", None)
+    if function is not None and _skip_in_dynamo(function):
+        return hook
     import torch._dynamo  # lazily: zero_core's import stays light; DTensor's ops load it anyway once the model runs
 
-    return torch._dynamo.disable(hook, recursive=True, reason="zero_core hooks gather and release parameters")
+    return torch._dynamo.disable(hook, recursive=True, reason=_REASON)
+
+
+def _skip_in_dynamo(function: Any) -> bool:
+    """Mark ``function`` for dynamo to skip, with what it calls; whether torch has the means (see
+    [Note: hooks dynamo skips without a wrapper])."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:  # pragma: no cover - another torch
+        return False
+    # applied at every install (cheap): a dynamo reset may forget the strategies of codes it has seen
+    set_code_exec_strategy(function.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    function._torchdynamo_disable = True
+    function._torchdynamo_disable_msg = _REASON
+    return True
 
 
 class ModuleHooks:
@@ -47,9 +77,13 @@ class ModuleHooks:
         # Per chunk index, the units that ran in the current forward since it was last released (the units hold it).
         self._ran: dict[int, set[int]] = {}
         self.units: tuple[Unit, ...] = ()
+        # Per chunk index, the units that gather it (told when it is launched for reduction).
+        self._units_of: dict[int, tuple[Unit, ...]] = {}
         self._handles: list[Any] = []
         # The compiled modules (held, so their ids stay theirs) the hooks were grouped by.
         self._compiled: tuple[nn.Module, ...] = ()
+        # What regroup_if_compiled compares: see there.
+        self._snapshot: list[tuple[dict[str, Any], Any, dict[str, Any], dict[str, Any]]] = []
 
     def install(self) -> None:
         """Hook each unit; replaces the hooks installed before (a block compiled since then becomes one unit)."""
@@ -57,6 +91,7 @@ class ModuleHooks:
         for triggers in self.triggers.values():
             triggers.clear()
         self._compiled = self._compiled_modules()
+        self._snapshot = self._take_snapshot()
         owners = self._units(self._compiled)
         by_unit: dict[int, tuple[nn.Module, dict[int, Chunk]]] = {}
         for m, _, chunk, _ in self._registrations:
@@ -72,6 +107,11 @@ class ModuleHooks:
             self._handles.append(module.register_forward_pre_hook(untraced(unit.before_forward)))
             self._handles.append(module.register_forward_hook(untraced(unit.after_forward)))
         self.units = tuple(built)
+        units_of: dict[int, list[Unit]] = {}
+        for unit in built:
+            for chunk in unit.chunks:
+                units_of.setdefault(chunk.index, []).append(unit)
+        self._units_of = {index: tuple(units) for index, units in units_of.items()}
 
     def begin_forward(self) -> None:
         """The wrapped model's forward begins: no unit has run in it yet."""
@@ -80,13 +120,36 @@ class ModuleHooks:
     def units_idle(self) -> None:
         """The step's forward and backward are over (or undone): every unit is IDLE again."""
         for unit in self.units:
-            unit.state = UnitState.IDLE
+            unit.after_backward()
+
+    def chunk_reduced(self, chunk: Chunk) -> None:
+        """``chunk`` was launched for reduction in the running backward: tell the units that gather it."""
+        for unit in self._units_of.get(chunk.index, ()):
+            unit.chunk_reduced()
 
     def regroup_if_compiled(self) -> None:
-        """A module was compiled (or a compiled one replaced) since the hooks were installed: install them again."""
-        compiled = self._compiled_modules()
-        if len(compiled) != len(self._compiled) or any(a is not b for a, b in zip(compiled, self._compiled)):
-            self.install()
+        """A module was compiled (or a compiled one replaced) since the hooks were installed: install them again.
+
+        Asked at every root forward, so it compares a snapshot taken at install instead of walking
+        ``modules()`` (a generator call per module): a module compiled in place (``nn.Module.compile()``)
+        has its ``_compiled_call_impl`` set, and a compiled module put in a parent's place
+        (``parent.block = torch.compile(block)``) changes that parent's children."""
+        for attributes, compiled_call, children, kept in self._snapshot:
+            # operators only, no calls: this runs over every module at every root forward
+            if children != kept or ("_compiled_call_impl" in attributes
+                                    and attributes["_compiled_call_impl"] is not compiled_call):
+                compiled = self._compiled_modules()
+                if len(compiled) != len(self._compiled) or any(a is not b for a, b in zip(compiled, self._compiled)):
+                    self.install()
+                else:
+                    self._snapshot = self._take_snapshot()
+                return
+
+    def _take_snapshot(self) -> list[tuple[dict[str, Any], Any, dict[str, Any], dict[str, Any]]]:
+        """Each module below the root (the root included): its attributes, its compiled call (None unless compiled
+        in place), its children and a copy of them (modules compare by identity)."""
+        return [(m.__dict__, m.__dict__.get("_compiled_call_impl"), m._modules, dict(m._modules))
+                for m in self._root.modules()]
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -94,6 +157,7 @@ class ModuleHooks:
         self._handles.clear()
         self._compiled = ()
         self.units = ()
+        self._units_of = {}
 
     def _compiled_modules(self) -> tuple[nn.Module, ...]:
         """The modules below the root that are compiled, in ``modules()`` order."""

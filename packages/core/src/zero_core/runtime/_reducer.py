@@ -9,12 +9,12 @@ a backward begins and ends, and releases each chunk it launches.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from zero_core.base._accounting import engine_work, engine_work_context
 from zero_core.base._state import ReduceState
 from zero_core.base._trace import REDUCE_SCATTER, REDUCE_WAIT, phase, traced
 from zero_core.base.errors import GradientLostError
@@ -58,6 +58,10 @@ class GradientReducer:
         self.order: list[Chunk] = []  # the trainable chunks, in the order they are reduced
         self._take_order()
         self._next = 0  # the next group of the order to reduce in the running backward
+        # Chunks launched in the running backward whose reductions complete on the waiter thread, in launch order,
+        # until their gradients are handed over as they land (see [Note: gradients handed over as they land] in
+        # zero_core.chunks._chunk_grads); empty at one rank, where they land at launch.
+        self.in_flight: collections.deque[Chunk] = collections.deque()
 
     def _take_order(self) -> None:
         self._steps = [(g, trainable) for g in reversed(self._groups)
@@ -114,7 +118,8 @@ class GradientReducer:
         return self._group_of[chunk.index].reduce_state is ReduceState.REDUCED
 
     def accumulated(self, param: torch.Tensor) -> bool:
-        """Autograd accumulated ``param``'s gradient (an unsharded parameter); whether its group became ready."""
+        """Autograd accumulated ``param``'s gradient (an unsharded parameter); whether the next group of the order is
+        ready to reduce now (:attr:`next_ready`, answered here: this runs for every parameter in every backward)."""
         chunk, slot, group = self._where[id(param)]
         if group.reduce_state is ReduceState.REDUCED:
             raise GradientLostError(
@@ -123,9 +128,11 @@ class GradientReducer:
                 "activation checkpointing (use torch.utils.checkpoint(..., use_reentrant=False)) or when a "
                 "parameter's gradient does not flow through the wrapped model's outputs."
             )
-        with engine_work_context():
-            chunk.grads.adopt(slot)  # see [Note: gradient buffers on arrival]
-        return group.arrived(id(param))
+        chunk.grads.adopt(slot)  # see [Note: gradient buffers on arrival]; the engine calls this as engine work
+        group.arrived(id(param))
+        # the next group may have been READY before this gradient (it waits for none): asked after every gradient
+        steps, nxt = self._steps, self._next
+        return nxt < len(steps) and steps[nxt][0].reduce_state is ReduceState.READY
 
     @property
     def next_ready(self) -> bool:
@@ -153,14 +160,23 @@ class GradientReducer:
             self._launch(chunk, loss_scale)
             yield chunk
 
-    @engine_work
     def _launch(self, chunk: Chunk, loss_scale: float) -> None:
+        # engine work: only the engine's gradient hook and the end of backward launch, both marked as such
         with phase(REDUCE_SCATTER, chunk):
             reduction = reduce_gradients(chunk, self._comm, loss_scale=loss_scale)
             if self._local:
                 reduction.complete()
+                chunk.grads.hand_over_landed()
             else:
                 self._waiter.submit(reduction)
+                self.in_flight.append(chunk)
+
+    def hand_over_landed(self) -> None:
+        """On the training thread, in a backward: hand over the gradients of the reductions the waiter thread has
+        landed, in launch order (see [Note: gradients handed over as they land] in zero_core.chunks._chunk_grads)."""
+        in_flight = self.in_flight
+        while in_flight and in_flight[0].grads.landed:
+            in_flight.popleft().grads.hand_over_landed()
 
     @traced(REDUCE_WAIT)
     def complete(self) -> None:
@@ -188,6 +204,7 @@ class GradientReducer:
 
     def end(self) -> None:
         """The backward is over (finished or undone): nothing waits any more."""
+        self.in_flight.clear()
         for group in self._groups:
             group.end_backward()
 

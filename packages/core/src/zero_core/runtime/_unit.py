@@ -6,7 +6,9 @@ parameters. Zero's unit is the module whose forward needs a set of chunks (see [
 and released] and [Note: torch.compile] in ``zero_core.runtime._engine``), and a :class:`Unit` is its runtime
 object: its chunks, its :class:`~zero_core.base._state.UnitState`, and one method per moment of a step at which
 its torch hooks fire: :meth:`Unit.before_forward` (its forward pre-hook), :meth:`Unit.after_forward` (its forward
-hook), :meth:`Unit.before_backward` (the first gradient at its outputs). What is not the unit's alone stays with
+hook), :meth:`Unit.before_backward` (the first gradient at its outputs), :meth:`Unit.chunk_reduced` (one of its
+chunks launched for reduction; the last makes it AFTER_BACKWARD, and its ``.grad`` are set as the reductions land)
+and :meth:`Unit.after_backward` (the backward's one end). What is not the unit's alone stays with
 the objects that see across units, because a chunk is shared by every unit whose parameters it holds (a GPT-2
 block's six modules share one chunk under the chunk strategy): a gradient arrives per parameter and is reduced
 per gather group, in one order across groups (``GradientReducer``); a chunk is released after forward when every
@@ -164,6 +166,23 @@ class Unit:
         for chunk in chunks:
             if chunk.stage == 1 and not host.reducer.is_reduced(chunk):  # kept anyway
                 chunk.grads.prepare()  # stages 2 and 3: see [Note: gradient buffers on arrival]
+
+    def chunk_reduced(self) -> None:
+        """One of its chunks was launched for reduction: once all are (asked of the reducer), its backward is over
+        (AFTER_BACKWARD): every gradient of its parameters is in, and each lands in its ``.grad`` with its
+        reduction (see [Note: gradients handed over as they land] in ``zero_core.chunks._chunk_grads``)."""
+        if self.state is UnitState.AFTER_BACKWARD:
+            return
+        if len(self.chunks) > 1:  # a loop, not all(): this runs for each unit of every chunk reduced
+            is_reduced = self._host.reducer.is_reduced
+            for chunk in self.chunks:
+                if chunk.requires_grad and not is_reduced(chunk):
+                    return
+        self.state = UnitState.AFTER_BACKWARD
+
+    def after_backward(self) -> None:
+        """The backward ended (finished or undone): the unit is IDLE until its next forward."""
+        self.state = UnitState.IDLE
 
     def __repr__(self) -> str:
         return f"Unit({type(self.module).__name__}, chunks={[c.index for c in self.chunks]}, {self.state.value})"

@@ -1,0 +1,75 @@
+"""Host CPU time and Python calls per step on the bench's mlp-48 model at one rank: plain PyTorch, zero chunk
+stage 3 and stage 2 (one chunk per block), trained side by side with their steps interleaved (plain, s3, s2, plain,
+...), so load changes hit all three alike. Prints the median process CPU time per step of each, its ratio to plain,
+and the Python function calls of one step (cProfile, load-independent).
+
+    python benchmarks/results/cpu-2026-12-02-host-light/hostcpu.py [STEPS]
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from zero_bench.mlp import ThinMLP, block_params
+from zero_core import ChunkPolicy, ZeroConfig, shard
+
+VOCAB, WIDTH, LAYERS, BATCH, SEQ = 64, 32, 48, 4, 16
+
+
+def build(stage: int | None):
+    torch.manual_seed(0)
+    model = ThinMLP(vocab=VOCAB, width=WIDTH, layers=LAYERS)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if stage is None:
+        return model, opt
+    return shard(model, opt, config=ZeroConfig(stage=stage, chunk=ChunkPolicy(search_interval=WIDTH,
+                                                                               chunk_size=block_params(WIDTH))))
+
+
+def step(model, opt, tokens):
+    opt.zero_grad()
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    rows = {"plain": build(None), "s3": build(3), "s2": build(2)}
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(steps + 5)]
+    for m, o in rows.values():  # warm-up
+        for b in batches[:5]:
+            step(m, o, b)
+    cpu: dict[str, list[float]] = {k: [] for k in rows}
+    for b in batches[5:]:
+        for name, (m, o) in rows.items():
+            t = time.process_time()
+            step(m, o, b)
+            cpu[name].append(time.process_time() - t)
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    for k, v in med.items():
+        print(f"{k:6s} cpu/step {v * 1e3:7.2f} ms  {v / med['plain']:.2f}x plain")
+    for name, (m, o) in rows.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        step(m, o, batches[0])
+        prof.disable()
+        stats = pstats.Stats(prof)
+        print(f"{name:6s} python calls/step {stats.total_calls}")  # type: ignore[attr-defined]
+        if "-v" in sys.argv and name != "plain":
+            stats.sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
