@@ -89,3 +89,19 @@ def test_the_section_runs_end_to_end_and_reports_host_time_per_block():
         limit = host_overhead.TARGETS[row["name"].removesuffix("-1rank")][against]
         assert verdict == f"{ratio:.2f}x, {'met' if ratio <= limit else 'not met'}"
 
+
+
+def test_interleaved_host_cpu_script_prints_each_rows_cpu_time_and_python_calls(monkeypatch, capsys):
+    """``python -m zero_bench.host_cpu STEPS``: plain, stage 3 and stage 2 steps interleaved; each row's median CPU
+    time against plain and the Python calls of one step (zero's rows make more calls than plain PyTorch's)."""
+    import re
+
+    from zero_bench import host_cpu
+
+    monkeypatch.setattr(sys, "argv", ["host_cpu", "2"])
+    host_cpu.main()
+    out = capsys.readouterr().out
+    ratios = dict(re.findall(r"^(plain|s3|s2) +cpu/step +[\d.]+ ms +([\d.]+)x plain$", out, re.M))
+    assert ratios.keys() == {"plain", "s3", "s2"} and ratios["plain"] == "1.00", out
+    calls = {name: int(n) for name, n in re.findall(r"^(plain|s3|s2) +python calls/step (\d+)$", out, re.M)}
+    assert calls.keys() == {"plain", "s3", "s2"} and calls["s3"] > calls["plain"] and calls["s2"] > calls["plain"], out

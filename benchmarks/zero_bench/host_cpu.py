@@ -3,7 +3,7 @@ stage 3 and stage 2 (one chunk per block), trained side by side with their steps
 ...), so load changes hit all three alike. Prints the median process CPU time per step of each, its ratio to plain,
 and the Python function calls of one step (cProfile, load-independent).
 
-    python benchmarks/results/cpu-2026-12-02-host-light/hostcpu.py [STEPS]
+    python -m zero_bench.host_cpu [STEPS]
 """
 
 from __future__ import annotations
