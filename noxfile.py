@@ -155,7 +155,7 @@ def bench(session: nox.Session) -> None:
     each beside DDP and FSDP2 on the same 4 ranks.
 
     Writes benchmarks/results/latest.{json,md,png} and latest-memory.png (``-- --out DIR`` for another folder). Options after
-    -- go to the bench, e.g. ``nox -s bench -- --quick`` (under 5 minutes on 2 CPU cores), ``-- --meshes ''``
+    -- go to the bench, e.g. ``nox -s bench -- --quick`` (about 5 minutes on 2 quiet CPU cores), ``-- --meshes ''``
     to leave the mesh rows out, ``-- --help`` for the rest. The bench is the zero-bench distribution
     (benchmarks/pyproject.toml), installed editable with its plot and rich extras; where it is installed,
     ``zero bench ARGS`` and ``zero-bench ARGS`` run the same.

@@ -169,7 +169,7 @@ def test_the_console_script_is_the_same_command(capsys):
 
 def test_the_terminal_table_fits_120_columns_and_wide_prints_every_column(tmp_path, monkeypatch, capsys):
     """A saved CPU run's rows plus a failed row with a long name and error: the default output's table fits a
-    120-column terminal and points at the Markdown file; --wide prints the full 18-column table there too."""
+    120-column terminal and points at the Markdown file; --wide prints the full 20-column table there too."""
     import json
 
     saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cpu-2026-12-02-host-overhead" / "run1.json"
@@ -188,10 +188,10 @@ def test_the_terminal_table_fits_120_columns_and_wide_prints_every_column(tmp_pa
     rows = [line for line in out.splitlines() if line.startswith(("config ", *(r["name"][:10] for r in result["records"])))]
     assert len(rows) == len(result["records"]) + 1, out  # the heading and every row, a failed one included
     assert max(map(len, rows)) <= 120, "\n".join(line for line in rows if len(line) > 120)
-    assert any(line.startswith("chunk-s3-2ranks-gemini") and "…" in line and "failed" in line for line in rows), rows
-    assert f"All 18 columns, the collectives by kind and where the peak goes: {tmp_path / 'latest.md'} (or --wide)" in out
+    assert any(line.startswith("chunk-s3-2ranks-g") and "…" in line and "failed" in line for line in rows), rows
+    assert f"All 20 columns, the collectives by kind and where the peak goes: {tmp_path / 'latest.md'} (or --wide)" in out
     assert "| step vs DDP |" not in out and "| step vs DDP |" in (tmp_path / "latest.md").read_text()
 
     bench_main.main(["--out", str(tmp_path), "--wide"])
     wide = capsys.readouterr().out
-    assert "| config | status | step ms | tokens/s |" in wide and "| collectives/step |" in wide and "(or --wide)" not in wide
+    assert "| config | status | step ms | spread ms | place | tokens/s |" in wide and "| collectives/step |" in wide and "(or --wide)" not in wide

@@ -1,15 +1,17 @@
 """The command line of ``nox -s bench`` (options after ``--``).
 
-    nox -s bench -- --quick                     # the tiny model, 6 steps: under 5 minutes on 2 CPU cores
+    nox -s bench -- --quick                     # the tiny model, 6 steps, 2 launches per row: about 5 minutes on 2 quiet CPU cores
     nox -s bench                                # GPT-2 small's shape, 10 steps
     nox -s bench -- --model demo --world-size 4 --strategies chunk --stages 3 --policies device,gemini
     nox -s bench -- --quick --meshes 2x2,1x4,4x1 --mesh-stages 1,2,3   # HSDP 2x2, full sharding 1x4, plain DP 4x1
     nox -s bench -- --quick --compare benchmarks/results/baseline.json --threshold 0.15
     nox -s bench -- --compare-only benchmarks/results/baseline.json   # no run: latest.json against it
     nox -s bench -- --host-overhead             # host cost per unit: the 48-block MLP on 1 and 2 ranks, host-overhead.*
+    nox -s bench -- --quick --repeat 1          # one launch per row (default 2: each row's spread, and which order holds)
 
 Each configuration trains in its own torchrun launch (so peak memory is its own), for the same steps
-on the same data (a mesh row, and the references beside it, on the mesh's own ranks). Results go
+on the same data (a mesh row, and the references beside it, on the mesh's own ranks), ``--repeat`` times,
+interleaved; a row's step time is the median over every timed step of its launches, with their spread. Results go
 to ``--out`` (a checkout's ``benchmarks/results``, else ``./bench-results``): ``latest.json``
 (schema in docs/benchmarks.md), a Markdown table to stdout and ``latest.md``, the plot to
 ``latest.png`` and each row's memory across one sampled step to ``latest-memory.png``. The exit status is 1 when
@@ -39,6 +41,7 @@ from zero_bench.configs import MODELS, ModelSize, build_model, discover
 from zero_bench.launch import launch, sigterm_raises
 from zero_bench.plot import plot, plot_memory
 from zero_bench.report import add_ratios, check_losses, comm_table, compact_table, peak_table, table
+from zero_bench.spread import add_ranks, merge_repeats
 from zero_core import __version__, estimate
 from zero_core.plugin import ZeroPlugins
 
@@ -46,7 +49,10 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[1]
 # Run from a zero checkout (an editable install included): the package is benchmarks/zero_bench
 CHECKOUT = PACKAGE_PARENT.parent if PACKAGE_PARENT.name == "benchmarks" and (PACKAGE_PARENT / "bench.py").is_file() else None
 RESULTS = CHECKOUT / "benchmarks" / "results" if CHECKOUT is not None else Path("bench-results")
-SCHEMA_VERSION = 3  # 2: records carry comm_timing_per_step; 3: the memory timeline, in-use and setup peaks
+SCHEMA_VERSION = 4  # 2: records carry comm_timing_per_step; 3: the memory timeline, in-use and setup peaks; 4: repeats
+# Two launches per row: the least that shows whether a row's time holds from one process to the next (rows moved
+# 20-30% between two single-launch runs on a shared machine); the places in the table say where the order holds.
+REPEAT = 2
 
 
 def _number(kind: type, minimum: float, what: str) -> Any:
@@ -70,7 +76,9 @@ positive_float = _number(float, 1e-9, "a positive number")
 def parse_args(argv: list[str] | None, prog: str = "nox -s bench --") -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
-    p.add_argument("--quick", action="store_true", help="the tiny model for 6 steps (under 5 minutes on 2 CPU cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="the tiny model for 6 steps (about 5 minutes on 2 quiet CPU cores with 2 launches per row; "
+                        "--repeat 1 halves it)")
     p.add_argument("--host-overhead", action="store_true",
                    help=f"the host-overhead section instead: the {host_overhead.MODEL} model (48 thin MLP blocks) under plain "
                         f"PyTorch (DDP on 2 ranks and more), chunk stages 2 and 3, tensor stage 3 and FSDP2 on each of "
@@ -83,6 +91,9 @@ def parse_args(argv: list[str] | None, prog: str = "nox -s bench --") -> argpars
     for name in ("vocab", "d-model", "layers", "heads", "seq-len", "batch-size", "ffn", "kv-heads", "experts"):
         p.add_argument(f"--{name}", type=positive_int, default=None, help=f"override the preset's {name.replace('-', ' ')}")
     p.add_argument("--world-size", type=positive_int, default=2, help="ranks (processes) per configuration")
+    p.add_argument("--repeat", type=positive_int, default=REPEAT,
+                   help=f"launches of every row, interleaved (default {REPEAT}): the plot's bars and the table's spread and "
+                        "place come from every timed step of every launch; 1 for a single pass")
     p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps per configuration (default 10; 6 with --quick)")
     p.add_argument("--warmup", type=non_negative_int, default=None,
                    help=f"leading steps left out of the median step time (default 2; {host_overhead.WARMUP} with --host-overhead)")
@@ -112,7 +123,7 @@ def parse_args(argv: list[str] | None, prog: str = "nox -s bench --") -> argpars
     p.add_argument("--no-progress", action="store_true", help="plain lines instead of a progress display")
     p.add_argument("--wide", action="store_true",
                    help="print every table with all its columns (the Markdown file always has them); by default the "
-                        "terminal gets the main table's 11 columns, which fit 120 characters")
+                        "terminal gets the main table's 12 columns, which fit 120 characters")
     args = p.parse_args(argv)
     stem = "host-overhead" if args.host_overhead else "latest"
     args.out = args.out or RESULTS
@@ -265,25 +276,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = {"model": size.options(), "steps": args.steps, "warmup": args.warmup, "timeout_s": max(10.0, 0.8 * args.timeout)}
     if args.host_overhead:
         spec["threads"] = host_overhead.THREADS
-    records = []
-    progress = Progress(len(configs), args.no_progress)
+    launches: list[list[dict[str, Any]]] = [[] for _ in configs]
+    progress = Progress(len(configs) * args.repeat, args.no_progress)
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="zero-bench-") as tmp, sigterm_raises():
-            for config in configs:
-                progress.start(config.name)
-                world = config.world_size or args.world_size
-                record = {"name": config.name, "config": config.as_dict(), "world_size": world,
-                          **launch(config, spec, world, args.timeout, Path(tmp), pythonpath=PACKAGE_PARENT if CHECKOUT else None)}
-                records.append(record)
-                progress.finish(config.name, record)
+            # interleaved, so that a machine that slows down part way slows every row alike
+            for repeat in range(args.repeat):
+                for config, runs in zip(configs, launches, strict=True):
+                    if runs and runs[-1].get("median_step_s") is None:
+                        continue  # failed or not applicable: once says so, and a failed row is not ranked
+                    label = config.name if args.repeat == 1 else f"{config.name} (repeat {repeat + 1}/{args.repeat})"
+                    progress.start(label)
+                    world = config.world_size or args.world_size
+                    record = {"name": config.name, "config": config.as_dict(), "world_size": world,
+                              **launch(config, spec, world, args.timeout, Path(tmp), pythonpath=PACKAGE_PARENT if CHECKOUT else None)}
+                    runs.append(record)
+                    progress.finish(label, record)
     finally:
         progress.close()
+    records = [merge_repeats(runs, warmup=args.warmup) for runs in launches if runs]
     reference = check_losses(records, rtol=args.loss_rtol, rtol_16=args.loss_rtol_16)
     add_ratios(records)
+    add_ranks(records)
     result = {"schema_version": SCHEMA_VERSION, "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": machine(), "world_size": args.world_size, "steps": args.steps, "warmup": args.warmup,
-              "model": {"preset": args.model, **size.options(), "params": num_params},
+              "repeat": args.repeat, "model": {"preset": args.model, **size.options(), "params": num_params},
               "loss_reference": reference, "loss_rtol": args.loss_rtol, "loss_rtol_16": args.loss_rtol_16,
               "wall_s": time.perf_counter() - started, "records": records}
     if args.host_overhead:
@@ -320,7 +338,9 @@ def main(argv: list[str] | None = None, *, prog: str = "nox -s bench --") -> int
              f"{result['machine']['backend']}, torch {result['machine']['torch']}")
     shown = text if args.wide else (head + compact_table(records) + f"\n\nAll {table([]).splitlines()[0].count('|') - 1} columns, the "
                                     f"collectives by kind and where the peak goes: {args.out.with_suffix('.md')} (or --wide)")
-    print(f"\n{title}; median of steps {args.warmup + 1}..{args.steps}\n\n{shown}\n")
+    launches = "" if result.get("repeat", 1) == 1 else f" of {result['repeat']} launches each, interleaved"
+    print(f"\n{title}; median of steps {args.warmup + 1}..{args.steps}{launches}; place: 1 = fastest on its ranks, "
+          f"a range where the spreads overlap\n\n{shown}\n")
     for r in records:
         if r.get("log_tail"):
             print(f"--- {r['name']} failed: {r['error']}\n{r['log_tail']}\n")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from zero_bench.spread import rank_text, spread_s
+
 MiB = 2**20
 DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -147,20 +149,25 @@ def peak_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def _spread(r: dict[str, Any]) -> str:
+    low, high = spread_s(r)
+    return f"{1000 * low:.1f}-{1000 * high:.1f}"
+
+
 def table(records: list[dict[str, Any]]) -> str:
     """One row per configuration, in run order (references, strategies by stage, variants, then mesh rows)."""
-    head = ("| config | status | step ms | tokens/s | peak mem/rank MiB | peak in use MiB | above start | step vs DDP | step vs FSDP2 "
-            "| mem vs DDP | mem vs FSDP2 | model state/rank MiB | state vs theory | sent/step/rank MiB | sent vs theory "
-            "| shard / replicate MiB | vs estimate | collectives/step |")
+    head = ("| config | status | step ms | spread ms | place | tokens/s | peak mem/rank MiB | peak in use MiB | above start "
+            "| step vs DDP | step vs FSDP2 | mem vs DDP | mem vs FSDP2 | model state/rank MiB | state vs theory "
+            "| sent/step/rank MiB | sent vs theory | shard / replicate MiB | vs estimate | collectives/step |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         if r.get("median_step_s") is None:
-            rows.append(f"| {r['name']} | {r['status']}: {r.get('error') or ''} |" + " |" * 16)
+            rows.append(f"| {r['name']} | {r['status']}: {r.get('error') or ''} |" + " |" * 18)
             continue
         q = r["ratios"]
         above = max(p - s for p, s in zip(r["peak_memory_mib"], r["start_memory_mib"]))
         rows.append(
-            f"| {r['name']} | {r['status']} | {1000 * r['median_step_s']:.1f} | {r['tokens_per_s']:,.0f} "
+            f"| {r['name']} | {r['status']} | {1000 * r['median_step_s']:.1f} | {_spread(r)} | {rank_text(r)} | {r['tokens_per_s']:,.0f} "
             f"| {max(r['peak_memory_mib']):.0f} | {_in_use(r)} | {above:.0f} | {_x(q['step_vs_ddp'])} | {_x(q['step_vs_fsdp2'])} "
             f"| {_x(q['memory_vs_ddp'])} | {_x(q['memory_vs_fsdp2'])} | {max(r['model_state_bytes']) / MiB:.2f} | {_x(q['state_vs_theory'])} "
             f"| {max(r['bytes_sent_per_step']) / MiB:.2f} | {_x(q['sent_vs_theory'])} | {_groups(r)} | {_vs_estimate(r)} | {_calls(r)} |")
@@ -200,9 +207,9 @@ def comm_table(records: list[dict[str, Any]]) -> str:
 TERMINAL_WIDTH = 120
 # The terminal's columns: what a row costs (step time, against the references) and what zero changes (model-state
 # bytes and traffic per rank, against the ZeRO formulas). The rest is in the Markdown file and under --wide.
-COMPACT_HEAD = ("config", "status", "step ms", "x DDP", "x FSDP2", "peak MiB", "state MiB", "x theory", "sent MiB",
+COMPACT_HEAD = ("config", "status", "step ms", "place", "x DDP", "x FSDP2", "peak MiB", "state MiB", "x theory", "sent MiB",
                 "x theory", "estimate")
-_RIGHT = {"step ms", "x DDP", "x FSDP2", "peak MiB", "state MiB", "x theory", "sent MiB"}
+_RIGHT = {"step ms", "place", "x DDP", "x FSDP2", "peak MiB", "state MiB", "x theory", "sent MiB"}
 
 
 def _compact_row(r: dict[str, Any]) -> list[str]:
@@ -210,7 +217,7 @@ def _compact_row(r: dict[str, Any]) -> list[str]:
         return [r["name"], r["status"], *("–" for _ in COMPACT_HEAD[2:])]
     q = r["ratios"]
     estimate = _vs_estimate(r).split(" (est.")[0]  # the estimate's figures are in the full table
-    return [r["name"], r["status"], f"{1000 * r['median_step_s']:.1f}", _x(q["step_vs_ddp"]), _x(q["step_vs_fsdp2"]),
+    return [r["name"], r["status"], f"{1000 * r['median_step_s']:.1f}", rank_text(r), _x(q["step_vs_ddp"]), _x(q["step_vs_fsdp2"]),
             f"{max(r['peak_memory_mib']):.0f}", f"{max(r['model_state_bytes']) / MiB:.2f}", _x(q["state_vs_theory"]),
             f"{max(r['bytes_sent_per_step']) / MiB:.2f}", _x(q["sent_vs_theory"]), estimate]
 
@@ -220,7 +227,7 @@ def _cut(text: str, width: int) -> str:
 
 
 def compact_table(records: list[dict[str, Any]], width: int = TERMINAL_WIDTH) -> str:
-    """The rows of :func:`table` in the 11 columns a terminal of ``width`` shows without wrapping: aligned plain
+    """The rows of :func:`table` in the 12 columns a terminal of ``width`` shows without wrapping: aligned plain
     text; a config name, status or estimate too long for the room left is cut with an ellipsis."""
     rows = [list(COMPACT_HEAD), *(_compact_row(r) for r in records)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COMPACT_HEAD))]
