@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from test_idioms import _build
 from test_state_dicts import LR, _reference, _step
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 from torch.distributed.device_mesh import init_device_mesh
@@ -71,6 +72,7 @@ def _write(dcp_dir: str, zero_dir: str) -> dict:
     model, opt = _zero(model, opt)
     zero_losses = [_step(model, opt, s, world, rank) for s in range(SAVED)]
     zero_core.save_checkpoint(model, opt, zero_dir)
+    zero_core.save_full_state_dict(model, zero_dir + "-hf")  # zero's own Hugging Face export, read by DCP's HF reader
     model.close()
     return {"fsdp": fsdp_losses, "zero": zero_losses}
 
@@ -195,6 +197,12 @@ def test_fsdp2_and_zero_read_each_others_checkpoints(tmp_path):
         assert torch.allclose(whole["model"][k], v, rtol=1e-5, atol=1e-6), k
     # one group, of every parameter (in the order of zero's chunks: get_state_dict matches them by name)
     assert sorted(whole["optim"]["param_groups"][0]["params"]) == sorted(n for n, _ in _build().named_parameters())
+
+    # zero's Hugging Face export, through DCP's own Hugging Face reader
+    plain = dict(_build().state_dict())
+    dcp.load(plain, storage_reader=HuggingFaceStorageReader(zero_dir + "-hf"), no_dist=True)
+    for k, v in want["model"].items():
+        assert torch.allclose(plain[k], v, rtol=1e-5, atol=1e-6), k
 
     # a damaged rank file fails its checksum before anything is read from it
     meta = json.loads((tmp_path / "zero" / "zero_checkpoint.json").read_text())

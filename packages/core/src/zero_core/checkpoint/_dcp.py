@@ -204,7 +204,7 @@ class ZeroStorageReader(StorageReader):
                 value((self.optimizer_key, "param_groups", i, "params"),
                       [name for name, info in params.items() if info.get("group") == i])
         self._sources = sources
-        return Metadata(state_dict_metadata=entries, planner_data=planner_data)  # type: ignore[arg-type]
+        return Metadata(state_dict_metadata=entries, planner_data=planner_data)
 
     def _headers(self, zero: dict[str, Any]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """The dtype and shape of every entry of the rank files (their headers only), and each parameter's pieces
@@ -388,6 +388,7 @@ def _load_dcp(model: Any, optimizers: tuple[Any, ...] | None, comm: Any, directo
                               f"{exc}); the model is partly loaded, load it again") from exc
     model_sd = state[model_prefix[:-1]] if model_prefix else {k: state[k] for k in model_sd}
     if target is not None:
+        assert optim_sd is not None
         optim_sd = state[optim_prefix[:-1]] if optim_prefix else {k: state[k] for k in optim_sd}
         set_state_dict(model, target, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
     else:
