@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _small_loop import train_step
 from test_idioms import _build
 from test_state_dicts import LR, _reference, _step
 from torch.distributed.checkpoint.api import CheckpointException
@@ -73,6 +74,15 @@ def _write(dcp_dir: str, zero_dir: str) -> dict:
     zero_losses = [_step(model, opt, s, world, rank) for s in range(SAVED)]
     zero_core.save_checkpoint(model, opt, zero_dir)
     zero_core.save_full_state_dict(model, zero_dir + "-hf")  # zero's own Hugging Face export, read by DCP's HF reader
+    model.close()
+
+    # a whole-tensor optimizer (Muon): its states are saved whole by each parameter's owner
+    model = _muon_model()
+    opt = torch.optim.Muon(model.parameters(), lr=0.02, weight_decay=0.01)
+    model, opt = shard(model, opt, config=ZeroConfig(stage=3))
+    for s in range(SAVED):
+        train_step(model, opt, s, features=7, world=world, rank=rank)
+    zero_core.save_checkpoint(model, opt, zero_dir + "-muon")
     model.close()
     return {"fsdp": fsdp_losses, "zero": zero_losses}
 
@@ -134,6 +144,11 @@ def _read(dcp_dir: str, zero_dir: str) -> dict:
     out["zero_from_zero_next"] = _step(model, opt, SAVED, world, rank)
     model.close()
     return out if rank == 0 else {}
+
+
+def _muon_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 13, bias=False), torch.nn.Tanh(), torch.nn.Linear(13, 3, bias=False))
 
 
 def _plain_reference() -> dict:
@@ -203,6 +218,29 @@ def test_fsdp2_and_zero_read_each_others_checkpoints(tmp_path):
     dcp.load(plain, storage_reader=HuggingFaceStorageReader(zero_dir + "-hf"), no_dist=True)
     for k, v in want["model"].items():
         assert torch.allclose(plain[k], v, rtol=1e-5, atol=1e-6), k
+
+    # Muon's whole-tensor states, into a plain model and Muon
+    model = _muon_model()
+    opt = torch.optim.Muon(model.parameters(), lr=0.02, weight_decay=0.01)
+    losses = [train_step(model, opt, s, features=7, world=1, rank=0) for s in range(SAVED + 1)]
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    model = _muon_model()
+    opt = torch.optim.Muon(model.parameters(), lr=0.02, weight_decay=0.01)
+    for s in range(SAVED):  # the reference's state after the saved steps, to compare the loaded one with
+        train_step(model, opt, s, features=7, world=1, rank=0)
+    want_muon = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+    model = _muon_model()
+    opt = torch.optim.Muon(model.parameters(), lr=0.02, weight_decay=0.01)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, storage_reader=ZeroStorageReader(zero_dir + "-muon"), no_dist=True)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for n, p in model.named_parameters():
+        assert set(opt.state[p]) == set(want_muon[n]) == {"momentum_buffer"}, n
+        assert torch.allclose(opt.state[p]["momentum_buffer"], want_muon[n]["momentum_buffer"], rtol=1e-5, atol=1e-7), n
+    assert train_step(model, opt, SAVED, features=7, world=1, rank=0) == pytest.approx(losses[SAVED], rel=1e-5)
+    for k, v in after.items():
+        assert torch.allclose(model.state_dict()[k], v, rtol=1e-5, atol=1e-6), k
 
     # a damaged rank file fails its checksum before anything is read from it
     meta = json.loads((tmp_path / "zero" / "zero_checkpoint.json").read_text())
