@@ -121,6 +121,18 @@ def _read(dcp_dir: str, zero_dir: str) -> dict:
     out["unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters(), strict=True)) \
         and not opt.state
     model.close()
+    # another optimizer (SGD's momentum for AdamW's moments): refused, and the states made to compare are dropped
+    model = _build()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    model, opt = _zero(model, opt)
+    before = [p.to_local().clone() for p in model.parameters()]
+    try:
+        zero_core.load_checkpoint(model, opt, dcp_dir)
+    except zero_core.CheckpointError as exc:
+        out["refused_optim"] = str(exc)
+    out["unchanged_optim"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters(), strict=True)) \
+        and not opt.state and model.engine.step_count == 0
+    model.close()
 
     # zero -> ZeroStorageReader -> FSDP2
     model = _fsdp2(_build())
@@ -188,6 +200,8 @@ def test_fsdp2_and_zero_read_each_others_checkpoints(tmp_path):
     assert read["step_count"] == 0
     assert "other shapes than this model" in read["refused"] and "model.head.weight: (3, 10) saved, (4, 10)" \
         in read["refused"] and read["unchanged"]
+    assert "does not match this model: it lacks" in read["refused_optim"] and "momentum_buffer" in read["refused_optim"]
+    assert read["unchanged_optim"]
     for what in ("zero_from_dcp", "zero_from_titan", "fsdp_from_zero", "zero_from_zero"):
         _assert_state(read[what], want, what)
         assert read[f"{what}_next"] == pytest.approx(losses[SAVED], rel=1e-5), what

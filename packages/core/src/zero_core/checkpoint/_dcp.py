@@ -354,6 +354,7 @@ def _load_dcp(model: Any, optimizers: tuple[Any, ...] | None, comm: Any, directo
 
     model_prefix, optim_prefix = prefixes
     target = optimizers[0] if optimizers is not None and len(optimizers) == 1 else optimizers
+    fresh = [o for o in optimizers or () if not o.state]  # get_state_dict makes their states; a refusal drops them
     if target is not None:
         model_sd, optim_sd = get_state_dict(model, target, options=options)
     else:
@@ -376,7 +377,12 @@ def _load_dcp(model: Any, optimizers: tuple[Any, ...] | None, comm: Any, directo
                strict)
     except CheckpointError as exc:
         error = str(exc)
-    raise_if_any_failed(comm, error, what)
+    try:
+        raise_if_any_failed(comm, error, what)
+    except CheckpointError:
+        for optimizer in fresh:
+            optimizer.state.clear()
+        raise
 
     group = getattr(comm, "group", None)
     planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
