@@ -89,12 +89,15 @@ class ZeroStorageReader(StorageReader):
         if not isinstance(model_key, str) or (optimizer_key is not None and not optimizer_key):
             raise CheckpointError(f"ZeroStorageReader needs model_key as a string ('' for the top level) and "
                                   f"optimizer_key as a non-empty string or None, got {model_key!r} and {optimizer_key!r}")
+        if not isinstance(verify, bool):
+            raise CheckpointError(f"ZeroStorageReader(verify=...) must be True or False, got {verify!r}")
         if optimizer_key is not None and optimizer_key == model_key:
             raise CheckpointError(f"ZeroStorageReader's model_key and optimizer_key are both {model_key!r}; give them "
                                   "different names")
         self.path = None if path is None else Path(path)
         self.model_key, self.optimizer_key, self.verify = model_key, optimizer_key, verify
         self._metadata: Metadata | None = None
+        self._zero: dict[str, Any] = {}
         self._sources: dict[str, tuple[Any, ...]] = {}
 
     # -- StorageReader --------------------------------------------------------------------------
@@ -198,7 +201,7 @@ class ZeroStorageReader(StorageReader):
                     else:
                         value((*at, name, key), saved["value"])
             for i, group in enumerate(optimizer["param_groups"]):
-                for key, hyper in group.items():
+                for key, hyper in group.items():  # JSON kept Adam's betas as a list; torch's optimizers make a tuple
                     value((self.optimizer_key, "param_groups", i, key), tuple(hyper) if key == "betas" else hyper)
                 # the names get_state_dict lists: every parameter of the group under its first name
                 value((self.optimizer_key, "param_groups", i, "params"),
