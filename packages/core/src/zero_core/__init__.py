@@ -35,6 +35,7 @@ _HOME = {
     "load_checkpoint": "zero_core._persist",
     "save_checkpoint": "zero_core._persist",
     "save_full_state_dict": "zero_core._persist",
+    "ZeroStorageReader": "zero_core.checkpoint._dcp",
     "Sharded": "zero_core._shard",
     "shard": "zero_core._shard",
     "ChunkPolicy": "zero_core.config.api",
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
         ZeroSetupError,
     )
     from zero_core.checkpoint._async_save import AsyncSave
+    from zero_core.checkpoint._dcp import ZeroStorageReader
     from zero_core.comm.backend import CommStats
     from zero_core.config.api import ChunkPolicy, LossScale, Precision, ZeroConfig
     from zero_core.setup._lazy import lazy_init
@@ -124,6 +126,7 @@ __all__ = [
     "ZeroError",
     "ZeroModule",
     "ZeroSetupError",
+    "ZeroStorageReader",
     "__version__",
     "clip_grad_norm_",
     "config_from_deepspeed",

@@ -12,6 +12,7 @@ from zero_core._module import ZeroModule
 from zero_core.base.errors import CheckpointError, ConfigError
 from zero_core.checkpoint._async_save import AsyncSave, finish_pending_save, save_async
 from zero_core.checkpoint._checkpoint import read_sharded, write_sharded
+from zero_core.checkpoint._dcp import is_dcp_checkpoint, read_dcp
 from zero_core.checkpoint._full_state import write_full_state, write_hf_folder
 from zero_core.checkpoint._hf_folder import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -91,9 +92,17 @@ def load_checkpoint(model: ZeroModule, optimizer: Optimizers | None, directory: 
     as ``shard()`` returned them, the same ones in the same order as at the save. ``load_rng`` restores
     each rank's random state (when the rank existed in the saved run). Returns the saved
     ``extra`` object, or ``None``.
+
+    A directory written by ``torch.distributed.checkpoint`` (``.metadata`` and ``*.distcp`` files: FSDP2's
+    ``get_state_dict`` + ``dcp.save``, torchtitan) loads too, model and optimizer, at any world size; it
+    holds no checksums, random states or step, so those stay as they are and it returns ``None``. See
+    [Note: DCP both ways].
     """
     engine = _engine(model, optimizer, "load_checkpoint")
     finish_pending_save(engine)  # a save of this model still being written completes (or fails) first
+    if is_dcp_checkpoint(directory):
+        read_dcp(model, engine, None if optimizer is None else engine.optimizers, directory, strict=strict)
+        return None
     return read_sharded(engine, directory, load_optimizer=optimizer is not None, strict=strict, load_rng=load_rng)
 
 
