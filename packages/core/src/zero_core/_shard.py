@@ -14,8 +14,8 @@ from torch import nn
 from zero_core._module import ZeroModule, adopt
 from zero_core.base._host_memory import return_freed_host_memory
 from zero_core.base._log import logger
-from zero_core.base._streams import streams_for
 from zero_core.base._state import MemoryTier
+from zero_core.base._streams import streams_for
 from zero_core.base.errors import CheckpointError, ConfigError, PluginContractError, ZeroSetupError
 from zero_core.checkpoint._sources import open_source
 from zero_core.checkpoint._state_keys import ModelKeys, check_names, fill_from_source, refresh_kept
