@@ -111,6 +111,23 @@ def test_lazy_gemini_trains_as_eager():
     assert result == {"params": True, "buffers": True, "losses": True, "trained": True, "rng": True}
 
 
+def test_with_the_disk_tier_shards_go_from_host_memory_to_disk_and_train_as_eager(tmp_path, monkeypatch):
+    """Past the host budget gemini puts master shards on disk: made in host memory, written there from it."""
+    config = ZeroConfig(chunk=ChunkPolicy(chunk_size=300), placement="gemini", placement_options={
+        "device_budget_mb": 300_000 / 2**20, "host_budget_mb": 100_000 / 2**20, "disk_dir": str(tmp_path)})
+    with monkeypatch.context() as patch, _SetupDeviceBytes(patch) as tracker:
+        model, _ = build("gpt", config, lazy=True)
+    chunks, report = model.engine.chunks, model.engine.placement.report()
+    on_disk = [c for c in chunks if c.tier is MemoryTier.DISK]
+    assert 0 < len(on_disk) < len(chunks) and tracker.peak == 0
+    # the only shard moves of the setup: host memory -> disk, one per chunk on disk
+    assert report["moves"]["params"] == len(on_disk) and report["used"]["disk"] > 0
+    assert report["peak"]["host"] <= report["budget"]["host"]
+    model.close()
+    result = _lazy_vs_eager("gpt", config)
+    assert result == {"params": True, "buffers": True, "losses": True, "trained": True, "rng": True}
+
+
 def test_an_initial_tier_outside_device_and_host_is_refused(monkeypatch):
     monkeypatch.setattr(GeminiPolicy, "initial_tier", lambda self, chunk: MemoryTier.DISK)
     with pytest.raises(PluginContractError, match=r"initial_tier\(chunk 0\) with .*DISK.*made on the device"):

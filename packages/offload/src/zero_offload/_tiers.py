@@ -131,6 +131,7 @@ class Tiers:
         self.staged: set[int] = set()
         # Chunks whose master shard shard() made in host memory and the policy has not placed yet (charged nowhere).
         self.unplaced: set[int] = set()
+        self._made_to_disk = False
         self.moves = {part: 0 for part in Part}
         self.bytes_moved = {part: 0 for part in Part}
         self._bpe: list[float] = []
@@ -167,10 +168,17 @@ class Tiers:
             chunk.tier = self.where[i][Part.PARAMS]
 
     def settle_unplaced(self, chunks: Sequence[Chunk]) -> None:
-        """Charge the host tier for the shards made there that the policy's placement left there without a move."""
+        """After the policy's first placement: charge the host tier for the shards made there that it left there
+        without a move; on CUDA, give back the pinned memory of those it wrote to disk (torch's pinned allocator
+        keeps freed blocks for reuse, which the disk tier's few read buffers would not use up)."""
         for chunk in chunks:
             if chunk.index in self.unplaced:
                 self.move(chunk, Part.PARAMS, HOST)
+        if self._made_to_disk and self.cuda:
+            empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+            if empty is not None:
+                empty()
+        self._made_to_disk = False
 
     def nbytes(self, chunk: Chunk, part: Part | None = None) -> int:
         if part is None:
@@ -255,6 +263,7 @@ class Tiers:
             raise
         if unplaced:  # it was charged nowhere
             self.unplaced.discard(chunk.index)
+            self._made_to_disk |= tier is DISK
         else:
             self._discharge(src, nbytes)
         if src is DISK and self.disk is not None:  # the file is out of date from now on: free its space
