@@ -57,6 +57,15 @@ class _SetupDeviceBytes:
                 total += shard.untyped_storage().nbytes()
         return total
 
+    def bound(self, model):
+        """The most the setup may hold on the device with shards made in host memory: one chunk's full buffer (an
+        eager model is packed there) and, on CUDA, its packed shard until the copy down, and the model's buffers."""
+        one_chunk = max(c.full_bytes for c in self.chunks)
+        if not self.cuda:
+            return one_chunk
+        buffers = sum(b.untyped_storage().nbytes() for b in model.module.buffers())
+        return one_chunk + max(c.shard_bytes for c in self.chunks) + buffers
+
     def _sample(self):
         self.peak = max(self.peak, self.mode.held() if self.cuda else self._held_by_chunks())
 
@@ -81,6 +90,7 @@ def test_gemini_makes_each_shard_in_host_memory_and_setup_stays_within_one_chunk
         chunks = model.engine.chunks
         report = model.engine.placement.report()
         figures[made_where] = (tracker.peak, report["moves"]["params"], [c.shard_moves for c in chunks])
+        bound = tracker.bound(model)
         params = model.full_parameters()
         assert all(c.tier is MemoryTier.HOST for c in chunks)
         assert report["used"]["device"] == 0 and report["used"]["host"] > 0
@@ -98,7 +108,7 @@ def test_gemini_makes_each_shard_in_host_memory_and_setup_stays_within_one_chunk
     assert before >= shards > BUDGET, figures
     assert moves_before == len(chunks) and shard_moves_before == [1] * len(chunks)
     # after: filled in host memory, never moved; the device holds at most one chunk at any operator
-    assert after <= one_chunk < BUDGET, figures
+    assert after <= bound < BUDGET, figures
     assert moves_after == 0 and shard_moves_after == [0] * len(chunks)
     print(f"\nsetup device bytes ({'lazy' if lazy else 'eager'}): {before} made on the device, {after} made where "
           f"placed; {shards} bytes of shards, one chunk {one_chunk}, budget {BUDGET}")
@@ -119,7 +129,7 @@ def test_with_the_disk_tier_shards_go_from_host_memory_to_disk_and_train_as_eage
         model, _ = build("gpt", config, lazy=True)
     chunks, report = model.engine.chunks, model.engine.placement.report()
     on_disk = [c for c in chunks if c.tier is MemoryTier.DISK]
-    assert 0 < len(on_disk) < len(chunks) and tracker.peak == 0
+    assert 0 < len(on_disk) < len(chunks) and tracker.peak <= (tracker.bound(model) if tracker.cuda else 0)
     # the only shard moves of the setup: host memory -> disk, one per chunk on disk
     assert report["moves"]["params"] == len(on_disk) and report["used"]["disk"] > 0
     assert report["peak"]["host"] <= report["budget"]["host"]
