@@ -323,6 +323,8 @@ def _attempt(system: System, env: Env, depth: int) -> Attempt:
         phase = "build and setup"
         trainer = system.build(cfg, env)  # built lazily, materialised where each system keeps it
         measured["setup_s"] = round(time.perf_counter() - start, 2)
+        if device.type == "cuda":  # zero makes each master shard where gemini places it: see [Note: shards made where they live]
+            measured["setup_peak_alloc_MiB"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
         times = []
         for i in range(STEPS):
             phase = f"step {i + 1}"
@@ -497,7 +499,9 @@ def render_capacity(result: dict[str, Any]) -> list[str]:
         "- outcome: `fit`; `refused at planning` (zero's `DeviceBudgetError` or `TierBudgetError`, raised before any "
         "parameter changed); `failed later` (out of memory or an error in the build, the setup or a step); "
         "`not attempted`.",
-        "- tokens/s and step s: the median of steps 2 and 3; peaks: the allocator's over build, setup and steps.",
+        "- tokens/s and step s: the median of steps 2 and 3; peaks: the allocator's over build, setup and steps; "
+        "setup peak: the allocator's over build and setup only (zero makes each master shard where gemini places it, "
+        "in pinned host memory: at most about one chunk on the device).",
         "- host<->device GB/s: bytes copied between host and device, both directions, counted per operator on a 4th "
         "step, over the median step time"
         + (f"; share: of the pinned host-to-device bandwidth above ({pinned} GB/s)." if pinned else "."),
@@ -519,13 +523,13 @@ def render_capacity(result: dict[str, Any]) -> list[str]:
     if result.get("error"):
         lines += [f"**ERROR** `{result['error']}`", ""]
     header = ["system", "depth", "params (M)", "outcome", "tokens/s", "step s", "peak alloc MiB", "peak reserved MiB",
-              "host<->device GB/s", "share", "host B/param (tensors / resident)", "tier moves MiB/step", "why not"]
+              "setup peak alloc MiB", "host<->device GB/s", "share", "host B/param (tensors / resident)", "tier moves MiB/step", "why not"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in result.get("rows", []):
         step_s, moves, rate = row.get("step_s"), row.get("tier_moves_MiB_per_step"), row.get("offload_GBps")
         cells = [row["name"], row["depth"], round(row["params"] / 1e6, 1), row["status"],
                  row.get("tokens_per_s"), None if step_s is None else round(statistics.median(step_s[1:]), 3),
-                 row.get("peak_alloc_MiB"), row.get("peak_reserved_MiB"), rate,
+                 row.get("peak_alloc_MiB"), row.get("peak_reserved_MiB"), row.get("setup_peak_alloc_MiB"), rate,
                  f"{rate / pinned:.0%}" if rate is not None and pinned else None,
                  None if row.get("host_B_per_param") is None else f"{row['host_B_per_param']} / {row.get('host_rss_B_per_param')}",
                  None if moves is None else round(sum(moves.values()), 1),

@@ -14,8 +14,9 @@ from torch import nn
 from zero_core._module import ZeroModule, adopt
 from zero_core.base._host_memory import return_freed_host_memory
 from zero_core.base._log import logger
+from zero_core.base._state import MemoryTier
 from zero_core.base._streams import streams_for
-from zero_core.base.errors import CheckpointError, ConfigError, ZeroSetupError
+from zero_core.base.errors import CheckpointError, ConfigError, PluginContractError, ZeroSetupError
 from zero_core.checkpoint._sources import open_source
 from zero_core.checkpoint._state_keys import ModelKeys, check_names, fill_from_source, refresh_kept
 from zero_core.chunks._collectives import broadcast_from_rank0
@@ -27,7 +28,7 @@ from zero_core.config.api import ZeroConfig
 from zero_core.interfaces._inspection import device_bytes
 from zero_core.interfaces._plugins import ZeroPlugins
 from zero_core.interfaces.mesh import MeshSpec, Topology
-from zero_core.interfaces.placement import PlacementContext
+from zero_core.interfaces.placement import PlacementContext, PlacementPolicy
 from zero_core.interfaces.strategy import ChunkPlan, ShardPlan, ShardStrategy
 from zero_core.runtime._engine import Engine
 from zero_core.runtime._optimizer_bridge import OptimizerBridge
@@ -208,10 +209,13 @@ def shard(
                       mesh=chunk_comms.device_mesh, replicas=1 if cut else mesh_spec.replicate_ranks, outer=outer)
         chunk.plan, chunk.comms = chunk_plans[index], chunk_comms
         chunk.owned = True
+        # made where the policy places it first: see [Note: shards made where they live] in zero_core.chunks.chunk
+        tier = _initial_tier(placement, chunk)
         if recording is None:
-            chunk.pack(sync=functools.partial(broadcast_from_rank0, comm=comm) if config.sync_module_states else None)
+            chunk.pack(sync=functools.partial(broadcast_from_rank0, comm=comm) if config.sync_module_states else None,
+                       tier=tier)
         else:
-            chunk.begin_fill()
+            chunk.begin_fill(tier=tier)
         chunks.append(chunk)
     _initial_values(model, chunks, comm, config, recording, metas, source, complete)
     if recording is not None:
@@ -274,6 +278,19 @@ def shard(
     for opt in optimizers:
         opt._zero_sharded = True  # type: ignore[attr-defined]
     return Sharded(adopt(model, engine), optimizer)
+
+
+def _initial_tier(placement: PlacementPolicy, chunk: Chunk) -> MemoryTier:
+    """The policy's ``initial_tier`` for ``chunk``, checked: the device or the host."""
+    tier = placement.initial_tier(chunk)
+    if tier is not MemoryTier.DEVICE and tier is not MemoryTier.HOST:
+        raise PluginContractError(
+            f"placement policy {placement.name!r} ({type(placement).__module__}.{type(placement).__qualname__}) "
+            f"answered initial_tier(chunk {chunk.index}) with {tier!r}; a master shard is made on the device "
+            "(MemoryTier.DEVICE) or in host memory (MemoryTier.HOST). Answer HOST for a shard attach() puts on disk: "
+            "it is made in host memory and attach() moves it on"
+        )
+    return tier
 
 
 def _optimizers(optimizer: Any, config: ZeroConfig) -> tuple[torch.optim.Optimizer, ...]:

@@ -105,10 +105,12 @@ class TieredPolicy(PlacementPolicy):
         self.chunks = list(chunks)
         self.tiers.register(self.chunks)
         self.place(self.chunks)
+        self.tiers.settle_unplaced(self.chunks)
 
     @abstractmethod
     def place(self, chunks: Sequence[Chunk]) -> None:
-        """Put every chunk's parts in their first tiers (all start on the device)."""
+        """Put every chunk's parts in their first tiers (all start on the device, but master shards made in host
+        memory as :meth:`initial_tier` asked: see [Note: chunk parts])."""
 
     def tier_of(self, chunk: Chunk) -> MemoryTier:
         return self.tiers.tier(chunk, Part.PARAMS)

@@ -71,7 +71,7 @@ from typing import Any
 import torch
 
 from zero_core import ConfigError
-from zero_core.plugin import Chunk, TrainingState, get_logger
+from zero_core.plugin import Chunk, MemoryTier, TrainingState, get_logger
 from zero_offload._activations import ActivationOffload
 from zero_offload._base import TieredPolicy
 from zero_offload._overlap import HostStepOverlap
@@ -143,6 +143,12 @@ class GeminiPolicy(TieredPolicy):
         self._backward_open = False  # a backward began and its after_backward has not come yet
 
     # -- setup ------------------------------------------------------------------------
+    def initial_tier(self, chunk: Chunk) -> MemoryTier:
+        """Host memory: :meth:`place` puts every master shard there (or, past the host budget, on disk), so
+        ``shard()`` makes it there and never holds the model's shards on the device (see [Note: shards made
+        where they live] in ``zero_core.chunks.chunk``)."""
+        return HOST
+
     def place(self, chunks: Sequence[Chunk]) -> None:
         budget = self.tiers.budget[DEVICE]
         if budget is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from zero_core.plugin import Chunk, ChunkParts, ChunkSpec, PartTiers
+from zero_core.plugin import Chunk, ChunkParts, ChunkSpec, MemoryTier, PartTiers
 from zero_offload._base import TieredPolicy
 from zero_offload._tiers import DEVICE, HOST
 from zero_offload.config import StaticConfig
@@ -45,6 +45,12 @@ class StaticPolicy(TieredPolicy):
         """On one rank, chunks stay gathered only while every master shard stays on the device: offloading them is
         for device memory, which whole-model full buffers would take back."""
         return self.options.offload_param_frac == 0
+
+    def initial_tier(self, chunk: Chunk) -> MemoryTier:
+        """Full offload (both fractions 1) makes every master shard in host memory, where :meth:`place` puts it;
+        other fractions make them on the device and :meth:`place` moves the offloaded share."""
+        full = self.options.offload_param_frac >= 1 and self.options.offload_optim_frac >= 1
+        return HOST if full else DEVICE
 
     def estimate_tiers(self, parts: Sequence[ChunkParts]) -> list[PartTiers] | None:
         """The split :meth:`place` makes, when no disk tier can take what the host budget refuses."""

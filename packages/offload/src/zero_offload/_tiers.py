@@ -14,6 +14,13 @@ shard on the disk tier is the chunk's :func:`~zero_core.plugin.absent_shard` (on
 element, expanded) and optimizer states on disk are such stand-ins too, so any access
 that a policy did not prepare fails or shows NaN instead of reading stale values.
 
+A master shard that ``shard()`` made in host memory (the policy's ``initial_tier`` said HOST:
+see [Note: shards made where they live] in ``zero_core.chunks.chunk``) is registered in the
+host tier but charged nowhere until the policy's first placement of it: that move charges
+the tier it goes to, with the budget's check, and copies nothing when it stays in the host
+tier (to disk it is written from there). Until then it is *unplaced*, so the policy fills
+the host in its own order, as if every shard started on the device.
+
 On CUDA the host tier keeps a persistent pinned copy of each master shard that has been
 on the host (ColossalAI's even-shard refactor): moving a shard up copies it and keeps the
 copy; moving it down again copies only if the optimizer changed it on the device since
@@ -122,6 +129,9 @@ class Tiers:
         self.disk_fresh: set[int] = set()
         # Chunks whose parameters live on disk but are in host memory for a while (read for a gather).
         self.staged: set[int] = set()
+        # Chunks whose master shard shard() made in host memory and the policy has not placed yet (charged nowhere).
+        self.unplaced: set[int] = set()
+        self._made_to_disk = False
         self.moves = {part: 0 for part in Part}
         self.bytes_moved = {part: 0 for part in Part}
         self._bpe: list[float] = []
@@ -137,7 +147,8 @@ class Tiers:
 
     # -- registration ----------------------------------------------------------------
     def register(self, chunks: Sequence[Chunk]) -> None:
-        """Record every chunk's parts where packing left them: on the device."""
+        """Record every chunk's parts where packing left them: on the device, or a master shard made in host memory
+        (``chunk.tier`` HOST), unplaced. See [Note: chunk parts]."""
         dtypes = {c.master_dtype for c in chunks}
         bpe = {d: optimizer_bytes_per_element(self.optimizer, d) for d in dtypes if d.is_floating_point}
         for chunk in chunks:
@@ -148,9 +159,26 @@ class Tiers:
             elements = sum(seg.numel for seg in chunk.segments if seg.param.requires_grad)
             per = bpe[chunk.master_dtype][chunk.param_group] if chunk.master_dtype in bpe and chunk.param_group is not None else 0.0
             self.size[(i, Part.OPTIM)] = int(per * elements)
+            if chunk.tier is HOST:
+                self.where[i][Part.PARAMS] = HOST
+                self.unplaced.add(i)
             for part in Part:
-                self._charge(DEVICE, self.size[(i, part)], check=False)
-            chunk.tier = DEVICE
+                if self.where[i][part] is DEVICE:
+                    self._charge(DEVICE, self.size[(i, part)], check=False)
+            chunk.tier = self.where[i][Part.PARAMS]
+
+    def settle_unplaced(self, chunks: Sequence[Chunk]) -> None:
+        """After the policy's first placement: charge the host tier for the shards made there that it left there
+        without a move; on CUDA, give back the pinned memory of those it wrote to disk (torch's pinned allocator
+        keeps freed blocks for reuse, which the disk tier's few read buffers would not use up)."""
+        for chunk in chunks:
+            if chunk.index in self.unplaced:
+                self.move(chunk, Part.PARAMS, HOST)
+        if self._made_to_disk and self.cuda:
+            empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+            if empty is not None:
+                empty()
+        self._made_to_disk = False
 
     def nbytes(self, chunk: Chunk, part: Part | None = None) -> int:
         if part is None:
@@ -209,7 +237,8 @@ class Tiers:
     def move(self, chunk: Chunk, part: Part, tier: MemoryTier) -> None:
         """Move ``part`` of ``chunk`` to ``tier``, bytes exact; a move that does not fit changes nothing."""
         src = self.where[chunk.index][part]
-        if src is tier:
+        unplaced = part is Part.PARAMS and chunk.index in self.unplaced
+        if src is tier and not unplaced:
             return
         if part is Part.GRADS and tier is DISK:
             raise TierBudgetError("gradients stay in memory (clipping and the overflow check read them); "
@@ -223,12 +252,20 @@ class Tiers:
         # a shard going down to its kept pinned copy needs no new host memory (the copy is charged already)
         kept = part is Part.PARAMS and tier is HOST and chunk.index in self.host_copy
         self._charge(tier, nbytes, check=not kept, what=f"chunk {chunk.index}'s {part.value}")
+        if unplaced and tier is src:  # made in host memory and placed there: charged now, nothing to copy
+            self.unplaced.discard(chunk.index)
+            chunk.tier = tier
+            return
         try:
             {Part.PARAMS: self._move_params, Part.GRADS: self._move_grads, Part.OPTIM: self._move_optim}[part](chunk, src, tier)
         except BaseException:
             self._discharge(tier, nbytes)
             raise
-        self._discharge(src, nbytes)
+        if unplaced:  # it was charged nowhere
+            self.unplaced.discard(chunk.index)
+            self._made_to_disk |= tier is DISK
+        else:
+            self._discharge(src, nbytes)
         if src is DISK and self.disk is not None:  # the file is out of date from now on: free its space
             self.disk.delete(f"{'params' if part is Part.PARAMS else 'optim'}-{chunk.index}")
             if part is Part.PARAMS:

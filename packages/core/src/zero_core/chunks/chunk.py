@@ -82,6 +82,20 @@ reduce-scattered over the replicate group (to this rank's one shard) where they 
 all-reduced. After a step (or any write to the masters) the replicate group all-gathers the
 updated shards into the group shard. In one dtype the master shard is this rank's slice of
 the group shard, so fp32 Adam holds ``4 psi / S + 12 psi / N`` bytes per rank.
+
+[Note: shards made where they live]
+``shard()`` asks the placement policy where each chunk's master shard starts
+(``PlacementPolicy.initial_tier``) before any value arrives, and :meth:`Chunk.pack` or
+:meth:`Chunk.begin_fill` makes it there: on the compute device, or in host memory (pinned
+when the compute device is CUDA) for a shard the policy's ``attach`` would otherwise copy
+down at once. Filled on the device and moved after, every shard of the model sat on the
+device together before the first one left: a 1-3B parameter model failed in setup under a
+4 GiB device budget that its training fits. Made in host memory, the device holds at most
+one chunk while the chunks are built: ``pack`` stages one full buffer there (and on CUDA
+the packed shard, copied down before the next chunk), ``begin_fill`` (a lazily built model,
+its values replayed on the CPU) nothing. A shard the kept full buffer holds
+(``shard_is_view``), or an ``outer > 1`` group shard, is the device's whatever the policy
+says; ``tier`` records where the shard was made, and the policy's ``attach`` starts from it.
 """
 
 from __future__ import annotations
@@ -93,7 +107,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from zero_core.base._devices import to_compute_device
+from zero_core.base._devices import copy_on_copy_stream, to_compute_device
 from zero_core.base._host_memory import advise_huge_pages
 from zero_core.base._state import ChunkState, MemoryTier
 from zero_core.base._streams import streams_for
@@ -257,12 +271,22 @@ class Chunk:
         return out
 
     # -- setup ---------------------------------------------------------------------
-    def pack(self, *, sync: Callable[[torch.Tensor], None] | None = None) -> None:
+    def _home(self, tier: MemoryTier) -> tuple[torch.device, bool]:
+        """Where a master shard made in ``tier`` lives, and whether pinned. See [Note: shards made where they live]."""
+        if tier is MemoryTier.DEVICE:
+            return self.device, False
+        if tier is MemoryTier.HOST:
+            return torch.device("cpu"), self.device.type == "cuda"
+        raise PlanError(f"chunk {self.index}'s master shard can be made on the device or in host memory, not in the "
+                        f"{tier.value} tier; a placement policy moves it there from the host in attach()")
+
+    def pack(self, *, sync: Callable[[torch.Tensor], None] | None = None, tier: MemoryTier = MemoryTier.DEVICE) -> None:
         """Copy the parameters into the chunk, keep this rank's shard, point params at views.
 
         ``sync``, when given, makes the staged values rank 0's on every rank before the shard is
         cut (``shard()`` passes :func:`zero_core.chunks._collectives.broadcast_from_rank0` for
-        ``sync_module_states``).
+        ``sync_module_states``). ``tier`` is where the master shard is kept (see [Note: shards
+        made where they live]).
 
         Each parameter's original storage is dropped as soon as it is copied, so at no
         point does a rank hold more than its parameters plus one full chunk (two when the
@@ -292,19 +316,27 @@ class Chunk:
                 self._set_master(None if self._shard_in_group_possible else
                                  self._pack(self.layout.own_pieces(staging), self.master_dtype))
             else:
-                self._shard = self._pack(self.layout.own_pieces(staging), self.master_dtype)
+                shard = self._pack(self.layout.own_pieces(staging), self.master_dtype)
+                home, pin = self._home(tier)
+                if home != shard.device:  # packed on the device, kept in host memory: the device copy goes now
+                    kept = torch.empty(self.shard_size, dtype=self.master_dtype, device=home, pin_memory=pin)
+                    copy_on_copy_stream(kept, shard, self.streams)
+                    shard = kept
+                self._shard = shard
+                self._tier = tier
                 self.pieces = self.layout.shard_pieces(self._shard)
             del staging
             if not self.persistent:
                 self.release()
         self._build_segments()
 
-    def begin_fill(self) -> None:
+    def begin_fill(self, *, tier: MemoryTier = MemoryTier.DEVICE) -> None:
         """Allocate this rank's shard (and a kept full buffer), zeroed, for values that arrive one parameter at a time.
 
         The alternative to :meth:`pack` for parameters that hold no values (meta tensors under
         :func:`zero_core.lazy_init`): the values come through :meth:`fill`, and a stage-3 chunk
-        never allocates its full buffer here.
+        never allocates its full buffer here. ``tier`` is where the master shard is made (see
+        [Note: shards made where they live]).
         """
         self.check_state(ChunkState.GATHERED)
         for slot in self.slots:
@@ -325,7 +357,9 @@ class Chunk:
                 self._set_master(None if self._shard_in_group_possible else
                                  torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.device))
             else:
-                self._shard = torch.zeros(self.shard_size, dtype=self.master_dtype, device=self.device)
+                home, pin = self._home(tier)
+                self._shard = torch.zeros(self.shard_size, dtype=self.master_dtype, device=home, pin_memory=pin)
+                self._tier = tier
                 self.pieces = self.layout.shard_pieces(self._shard)
             if not self.persistent:
                 for slot in self.slots:

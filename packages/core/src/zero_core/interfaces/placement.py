@@ -5,6 +5,8 @@ each chunk's shard lives. The engine calls it at fixed points, in this order:
 
 1. :meth:`PlacementPolicy.from_config` builds it from ``ZeroConfig.placement_options``;
 2. :meth:`PlacementPolicy.keep_gathered` may ask for some chunks to stay gathered at stage 3;
+   :meth:`PlacementPolicy.initial_tier` says, for each chunk as it is built, where its master shard is
+   made and filled (the device, or host memory for a shard :meth:`PlacementPolicy.attach` keeps off it);
 3. :meth:`PlacementPolicy.setup` hands it the :class:`PlacementContext` (optimizer, device,
    process group, and the engine's ``step_chunks``), then :meth:`PlacementPolicy.attach`
    places every chunk for the first time;
@@ -151,6 +153,21 @@ class PlacementPolicy(ABC):
         device memory only while a module computes with it (the ``keep_gathered`` ones excepted).
         """
         return True
+
+    def initial_tier(self, chunk: Chunk) -> MemoryTier:
+        """Where ``shard()`` makes ``chunk``'s master shard and fills it: ``MemoryTier.DEVICE`` (the default) or
+        ``MemoryTier.HOST`` (host memory, pinned when the compute device is CUDA). See [Note: shards made where
+        they live] in ``zero_core.chunks.chunk``.
+
+        Called once per chunk, in plan order, right after the chunk is built and before its values arrive (packed
+        from the model's parameters, or replayed from a :func:`zero_core.lazy_init` recording), so before
+        :meth:`setup`: decide from the chunk and the policy's own options. A policy whose :meth:`attach` moves a
+        chunk's shard to the host (or, through the host, to disk) answers ``HOST`` for it: the shard is then made
+        there and ``attach`` finds ``chunk.tier`` already ``HOST``, so setup never holds the model's shards on the
+        device. A shard the chunk's kept full buffer holds (stages 1 and 2, chunks kept gathered) is made on the
+        device whatever the answer; ``chunk.tier`` says where each shard was made.
+        """
+        return MemoryTier.DEVICE
 
     def setup(self, context: PlacementContext) -> None:
         """Receive the optimizer, device and process group; called once, right before :meth:`attach`."""
@@ -333,6 +350,10 @@ class HostPlacementPolicy(PlacementPolicy):
     """
 
     name = "host"
+
+    def initial_tier(self, chunk: Chunk) -> MemoryTier:
+        """Every shard is made in host memory: setup never holds the model's shards on the device."""
+        return MemoryTier.HOST
 
     def attach(self, chunks: Sequence[Chunk]) -> None:
         host = torch.device("cpu")
