@@ -135,6 +135,26 @@ class CommBackend(ABC):
         alive and unchanged until then.
         """
 
+    # [Note: collectives that may be lossy]
+    # The runtime sends parameters for compute and gradients for reduction through the two methods below, and
+    # everything else (master values for checkpoints and inspection, optimizer pieces, the kept post-forward copies,
+    # the replicas' master shards, setup broadcasts) through the exact collectives above. A backend that communicates
+    # lossily (zero-comm-quantized sends int8 blocks with their scales) overrides only these two, so a master value
+    # never passes through a lossy collective; the defaults are the exact collectives. Every rank must take the same
+    # path for the same call (the runtime decides by call site, never by rank-local state), or the payloads differ
+    # in size.
+    def all_gather_params(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
+        """:meth:`all_gather` of parameter values for forward and backward (stage 3's gathers, stages 1 and 2's
+        after-step refresh): see [Note: collectives that may be lossy]. ``input`` may be this rank's row of
+        ``output`` (a gather in place), whose values the call must then leave as they are (they may be the master
+        values). Defaults to :meth:`all_gather`."""
+        return self.all_gather(output, input, async_op=async_op)
+
+    def reduce_scatter_grads(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
+        """:meth:`reduce_scatter` of gradients: see [Note: collectives that may be lossy]. Defaults to
+        :meth:`reduce_scatter`."""
+        return self.reduce_scatter(output, input, async_op=async_op)
+
     @abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """Reduce ``tensor`` in place over ranks with ``op`` (``sum`` or ``max``)."""
