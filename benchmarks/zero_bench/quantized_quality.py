@@ -3,8 +3,8 @@
 The bench's small GPT (``tiny``: 2 layers, 128 wide, 2,048 tokens) and a Llama-shaped one of the same size learn the
 bench's synthetic Markov chain for ``--steps`` steps on each of ``--worlds`` gloo ranks, once per comm backend (the
 exact ``torch`` one first), from the same initial weights on the same global batches (``--global-batch``
-sequences a step, split over the ranks). Written to ``--out``: ``quantized-quality.json`` (every loss, and the
-bytes each collective kind sent per step on rank 0) and ``quantized-quality.md`` (the losses every ``--every``
+sequences a step, split over the ranks), in fp32 or with ``--compute bf16``. Written to ``--out``: ``NAME.json``
+(every loss, and the bytes each collective kind sent per step on rank 0) and ``NAME.md`` (the losses every ``--every``
 steps, the final loss, the mean of the last 20 and their differences from the exact run).
 
 Each rank runs one intra-op thread: the machine's cores are shared, and the figures are losses and bytes, not time.
@@ -31,14 +31,15 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def train(model: dict[str, Any], backends: list[str], *, steps: int, global_batch: int, lr: float, stage: int) -> Any:
+def train(model: dict[str, Any], backends: list[str], *, steps: int, global_batch: int, lr: float, stage: int,
+          compute: str | None = None) -> Any:
     """On every rank: train ``model`` once per backend; rank 0 returns each run's losses and bytes per step."""
     import torch
     import torch.distributed as dist
 
     import zero_comm_quantized.plugin
     from zero_bench.configs import build_model
-    from zero_core import ZeroConfig, shard
+    from zero_core import Precision, ZeroConfig, shard
     from zero_core.testing.gpt import SyntheticTokens, lm_loss
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -49,7 +50,7 @@ def train(model: dict[str, Any], backends: list[str], *, steps: int, global_batc
         torch.manual_seed(0)
         net = build_model(model)
         optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
-        config = ZeroConfig(stage=stage, comm_backend=backend)
+        config = ZeroConfig(stage=stage, comm_backend=backend, precision=Precision(compute=compute))
         net, optimizer = shard(net, optimizer, config=config, plugins=[zero_comm_quantized.plugin])
         losses = []
         start = time.process_time()
@@ -75,7 +76,8 @@ def _summary(results: dict[str, Any], every: int) -> str:
     lines = [f"# Quantized comm backends against the exact one ({results['when']})", "",
              f"{results['steps']} steps, global batch {results['global_batch']} sequences of "
              f"{results['models'][next(iter(results['models']))]['seq_len']} tokens, AdamW lr {results['lr']}, "
-             f"stage {results['stage']}, gloo on CPU, one thread per rank; load before: {results['load_before']}, "
+             f"stage {results['stage']}, {results['compute']} compute (fp32 masters), gloo on CPU, one thread per rank; "
+             f"load before: {results['load_before']}, "
              f"after: {results['load_after']}.", ""]
     for key, runs in results["runs"].items():
         exact = runs[results["backends"][0]]
@@ -108,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
+    parser.add_argument("--compute", choices=("fp32", "bf16"), default="fp32",
+                        help="the dtype forward and backward run in, which the exact backend gathers and reduces in")
+    parser.add_argument("--name", default="quantized-quality", help="the files' stem")
     parser.add_argument("--every", type=int, default=20, help="the summary shows the losses every this many steps")
-    parser.add_argument("--out", type=Path, required=True, help="folder for quantized-quality.json and .md")
+    parser.add_argument("--out", type=Path, required=True, help="folder for NAME.json and NAME.md")
     args = parser.parse_args(argv)
     for world in args.worlds:
         if args.global_batch % world:
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from zero_core.testing.distributed import run_distributed
 
     results: dict[str, Any] = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "steps": args.steps,
-                               "global_batch": args.global_batch, "lr": args.lr, "stage": args.stage,
+                               "global_batch": args.global_batch, "lr": args.lr, "stage": args.stage, "compute": args.compute,
                                "backends": args.backends, "models": {m: MODELS[m] for m in args.models},
                                "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()), "runs": {}}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -128,14 +133,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: {' then '.join(args.backends)}, {args.steps} steps each", file=sys.stderr, flush=True)
             runs = run_distributed(train, world, MODELS[name], args.backends, steps=args.steps,
                                    global_batch=args.global_batch, lr=args.lr, stage=args.stage,
+                                   compute=None if args.compute == "fp32" else args.compute,
                                    timeout=max(600.0, 20.0 * args.steps * len(args.backends)))[0]
             results["runs"][key] = runs
             for backend, run in runs.items():
                 print(f"  {backend}: final loss {run['losses'][-1]:.4f}, bytes/step {run['bytes_per_step']}",
                       file=sys.stderr, flush=True)
             results["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-            (args.out / "quantized-quality.json").write_text(json.dumps(results, indent=1) + "\n")
-    (args.out / "quantized-quality.md").write_text(_summary(results, args.every) + "\n")
+            (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    (args.out / f"{args.name}.md").write_text(_summary(results, args.every) + "\n")
     assert all(math.isfinite(x) for r in results["runs"].values() for run in r.values() for x in run["losses"])
     return 0
 

@@ -77,7 +77,8 @@ class _Dequantizing:
     """A quantized all-gather in flight: ``wait()`` (once; idempotent) waits for the transfer, then dequantizes."""
 
     def __init__(self, inner: Pending | None, finish: Callable[[], None]) -> None:
-        self._inner, self._finish = inner, finish
+        self._inner = inner
+        self._finish: Callable[[], None] | None = finish
 
     def wait(self) -> None:
         finish, self._finish = self._finish, None
@@ -101,7 +102,10 @@ class QuantizedCommBackend(TorchCommBackend):
 
     def __init__(self, group: Any = None, *, timeout: timedelta = timedelta(minutes=5)) -> None:
         super().__init__(group, timeout=timeout)
-        self._packed = BufferPool()  # the uint8 rows sent and received; thread-safe (the waiter thread gives back)
+        # The uint8 rows sent and received, a pool per collective: on CUDA the all-gathers and the reduce-scatters run on
+        # streams of their own, and a buffer handed from one to the other could still be read by the first one's
+        # kernels (within one stream, stream order keeps reuse safe). Thread-safe: the waiter thread gives back.
+        self._gather_rows, self._reduce_rows = BufferPool(), BufferPool()
 
     @classmethod
     def variant(cls, name: str, quantization: Quantization) -> type[QuantizedCommBackend]:
@@ -113,12 +117,16 @@ class QuantizedCommBackend(TorchCommBackend):
 
     def free(self) -> None:
         super().free()
-        self._packed = BufferPool()
+        self._gather_rows, self._reduce_rows = BufferPool(), BufferPool()
 
     @property
     def buffer_bytes(self) -> int:
-        pool = self._packed
-        return super().buffer_bytes + pool.nbytes + pool.lent
+        pools = (self._gather_rows, self._reduce_rows)
+        return super().buffer_bytes + sum(pool.nbytes + pool.lent for pool in pools)
+
+    @property
+    def params_exact(self) -> bool:
+        return not (self.quantization.params and self.world_size > 1)
 
     def _quantizes(self, tensor: torch.Tensor, enabled: bool) -> bool:
         # decided by the call site's setting, the world and the dtype alone: the same on every rank for one call
@@ -132,7 +140,7 @@ class QuantizedCommBackend(TorchCommBackend):
             raise CommError(f"all_gather output has {output.numel()} elements, expected world_size x input = "
                             f"{world} x {m}")
         width = row_bytes(m, block)
-        pool = self._packed  # the one it came from, even if free() replaces it meanwhile
+        pool = self._gather_rows  # the one it came from, even if free() replaces it meanwhile
         send = pool.take(width, torch.uint8, input.device, zeroed=False)
         quantize_rows(input.detach().reshape(1, m), send.view(1, width), block=block)
         received = pool.take(width * world, torch.uint8, output.device, zeroed=False)
@@ -166,7 +174,7 @@ class QuantizedCommBackend(TorchCommBackend):
         check_reduce_scatter_sizes(output, input, self.world_size)
         world, m, block = self.world_size, output.numel(), self.quantization.block_size
         width = row_bytes(m, block)
-        pool = self._packed
+        pool = self._reduce_rows
         send = pool.take(width * world, torch.uint8, input.device, zeroed=False)
         quantize_rows(input.detach().reshape(world, m), send.view(world, width), block=block)
         received = pool.take(width * world, torch.uint8, input.device, zeroed=False)

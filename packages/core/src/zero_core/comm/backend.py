@@ -150,6 +150,13 @@ class CommBackend(ABC):
         values). Defaults to :meth:`all_gather`."""
         return self.all_gather(output, input, async_op=async_op)
 
+    @property
+    def params_exact(self) -> bool:
+        """Whether :meth:`all_gather_params` delivers the inputs exactly. A backend that says no makes every chunk
+        keep its master shard apart from the full buffer it gathers into, also at stages 1 and 2 in one dtype, where
+        that buffer would otherwise hold the masters (and reading them would read the lossy copies)."""
+        return True
+
     def reduce_scatter_grads(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
         """:meth:`reduce_scatter` of gradients: see [Note: collectives that may be lossy]. Defaults to
         :meth:`reduce_scatter`."""
