@@ -137,6 +137,20 @@ def test_training_bytes_and_losses_against_the_exact_backend(two_rank_runs):
     for a, b in zip(exact.losses, quantized.losses, strict=True):
         assert abs(a - b) <= 0.01 * a, (exact.losses, quantized.losses)
     assert exact.losses != quantized.losses
+    # zero_core.estimate predicts those bytes from the backend's estimate_bytes_sent
+    predicted = _estimate(ZeroConfig(chunk=ChunkPolicy(chunk_size=300), comm_backend="quantized"))
+    assert predicted.bytes_sent == {kind: quantized.step_stats[-1][kind]["bytes_sent"] for kind in predicted.bytes_sent}
+
+
+def _estimate(config):
+    from zero_core import estimate
+    from zero_core.testing.parity import make_optimizer
+    from zero_core.testing.zoo import get_case
+
+    case = get_case("gpt")
+    model = case.build()
+    return estimate(model, world_size=2, config=config, optimizer=make_optimizer(case, model),
+                    plugins=ZeroPlugins.load([zero_comm_quantized.plugin]))
 
 
 def test_masters_stay_exact(two_rank_runs):
@@ -149,3 +163,7 @@ def test_masters_stay_exact(two_rank_runs):
         assert result.params.keys() == initial.keys()
         for name, value in initial.items():
             assert torch.equal(result.params[name], value), (stage, name)
+        # the masters kept apart at stage 1 (see CommBackend.params_exact), as zero_core.estimate predicts
+        predicted = _estimate(ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=300), comm_backend="quantized"))
+        held = {kind: result.model_state_bytes[kind] for kind in predicted.per_rank[0]}
+        assert held == predicted.per_rank[0], (stage, held, predicted.per_rank[0])

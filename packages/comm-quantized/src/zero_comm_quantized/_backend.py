@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,9 @@ from zero_comm._torch_backend import check_reduce_scatter_sizes
 from zero_comm_quantized._codec import dequantize_rows, quantize_rows, row_bytes
 from zero_core import ConfigError
 from zero_core.plugin import BufferPool, CollectiveKind, CommError, Pending
+
+if TYPE_CHECKING:
+    from zero_core import ZeroConfig
 
 __all__ = ["Quantization", "QuantizedCommBackend"]
 
@@ -124,9 +127,21 @@ class QuantizedCommBackend(TorchCommBackend):
         pools = (self._gather_rows, self._reduce_rows)
         return super().buffer_bytes + sum(pool.nbytes + pool.lent for pool in pools)
 
-    @property
-    def params_exact(self) -> bool:
-        return not (self.quantization.params and self.world_size > 1)
+    @classmethod
+    def params_exact_at(cls, world_size: int) -> bool:
+        return not (cls.quantization.params and world_size > 1)
+
+    @classmethod
+    def estimate_bytes_sent(cls, kind: CollectiveKind, numel_per_rank: int, *, element_size: int, world_size: int,
+                            config: ZeroConfig) -> int:
+        """One quantized row per rank (see [Note: the int8 wire format] in ``zero_comm_quantized._codec``), ring
+        bytes: ``(world_size - 1)`` rows leave each rank. Collectives this backend leaves exact count as the torch
+        backend's. The dtype is not known here: a floating one is assumed, which zero's chunks are."""
+        quantized = cls.quantization.params if kind is CollectiveKind.ALL_GATHER else cls.quantization.grads
+        if not quantized or world_size <= 1 or numel_per_rank == 0:
+            return super().estimate_bytes_sent(kind, numel_per_rank, element_size=element_size, world_size=world_size,
+                                               config=config)
+        return (world_size - 1) * row_bytes(numel_per_rank, cls.quantization.block_size)
 
     def _quantizes(self, tensor: torch.Tensor, enabled: bool) -> bool:
         # decided by the call site's setting, the world and the dtype alone: the same on every rank for one call
