@@ -26,7 +26,8 @@ nox.options.error_on_missing_interpreters = True
 TORCH = "torch==2.13.0"
 # the suite's default: as many workers as cores, at most 4 (each worker spawns worlds of up to 4 ranks)
 PARALLEL = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"]
-PACKAGES = ["packages/core", "packages/comm", "packages/comm-quantized", "packages/strategies/chunk", "packages/strategies/tensor", "packages/offload"]
+PACKAGES = ["packages/core", "packages/comm", "packages/comm-quantized", "packages/strategies/chunk", "packages/strategies/tensor",
+            "packages/offload"]
 
 
 def install_zero(session: nox.Session, *extra: str) -> None:
