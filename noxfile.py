@@ -8,7 +8,7 @@
 pass pytest-benchmark options after ``--``, e.g. ``--benchmark-compare``),
 ``nox -s install_lines`` (every ``pip install`` command of the docs, run as written in a fresh clone),
 ``nox -s lint`` (``ruff check .`` with pyproject.toml's rules; ruff options after ``--``) and
-``nox -s typecheck`` (mypy over the six libraries, settings in pyproject.toml's ``[tool.mypy]``;
+``nox -s typecheck`` (mypy over the seven libraries, settings in pyproject.toml's ``[tool.mypy]``;
 mypy options after ``--``). CI (.ci/run) runs tests, docs, lint and typecheck."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ nox.options.error_on_missing_interpreters = True
 TORCH = "torch==2.13.0"
 # the suite's default: as many workers as cores, at most 4 (each worker spawns worlds of up to 4 ranks)
 PARALLEL = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"]
-PACKAGES = ["packages/core", "packages/comm", "packages/strategies/chunk", "packages/strategies/tensor", "packages/offload"]
+PACKAGES = ["packages/core", "packages/comm", "packages/comm-quantized", "packages/strategies/chunk", "packages/strategies/tensor",
+            "packages/offload"]
 
 
 def install_zero(session: nox.Session, *extra: str) -> None:
@@ -196,7 +197,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def typecheck(session: nox.Session) -> None:
-    """mypy over the six libraries (zero_core, zero_comm, the two strategies, zero_offload, zero_integrations).
+    """mypy over the seven libraries (zero_core, zero_comm, zero_comm_quantized, the two strategies, zero_offload, zero_integrations).
 
     The packages, search path and strictness are pyproject.toml's ``[tool.mypy]``; torch, pluggy,
     safetensors and numpy are typed and installed here, the integrations' optional frameworks

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Every distribution's import roots: the packages, the benchmark harness and the example plugins.
 SOURCE_ROOTS = ("packages/*/src", "packages/strategies/*/src", "benchmarks", "examples/*/src")
-PACKAGES = {"zero_core", "zero_comm", "zero_strategy_chunk", "zero_strategy_tensor", "zero_offload",
+PACKAGES = {"zero_core", "zero_comm", "zero_comm_quantized", "zero_strategy_chunk", "zero_strategy_tensor", "zero_offload",
             "zero_integrations", "zero_bench"}
 
 

@@ -51,7 +51,7 @@ SOURCE_ROOTS = ("packages/*/src", "packages/strategies/*/src", "benchmarks", "ex
 MODULE_ROOTS = ("packages/*/src", "packages/strategies/*/src", "benchmarks", "examples/*/src")  # import roots
 TEST_ROOTS = ("tests", "packages/*/tests", "packages/strategies/*/tests")
 DOC_ROOTS = ("docs",)
-PACKAGES = {"zero_core", "zero_comm", "zero_strategy_chunk", "zero_strategy_tensor", "zero_offload",
+PACKAGES = {"zero_core", "zero_comm", "zero_comm_quantized", "zero_strategy_chunk", "zero_strategy_tensor", "zero_offload",
             "zero_integrations", "zero_bench", "zero_placement_lru", "zero_strategy_nodelocal"}
 SELF = Path(__file__).resolve()
 

@@ -2,9 +2,10 @@
 
 tools/build_dists.py (what ``nox -s build`` runs) builds every distribution's wheel and checks its
 contents; meanwhile a fresh venv (no system site-packages: nothing from this checkout) gets torch and
-every floor that zero-core, zero-comm and zero-strategy-chunk declare, pinned exactly. Then the README's
-line ``pip install --find-links dist zero-core zero-strategy-chunk`` runs as written; it must keep the
-floors, so what the metadata promises is what ran. Two steps train at 2 ranks under torchrun, a full state
+every floor that zero-core, zero-comm, zero-strategy-chunk and zero-comm-quantized declare, pinned exactly. Then
+the README's line ``pip install --find-links dist zero-core zero-strategy-chunk`` runs as written; it must keep
+the floors, so what the metadata promises is what ran; zero-comm-quantized then installs on its own beside them and
+registers its backends through the entry points. Two steps train at 2 ranks under torchrun, a full state
 dict round-trips through safetensors' reader, ``zero --help`` runs from the venv, and the example's
 progress bar draws with the ``[examples]`` extra's rich at its floor.
 """
@@ -27,7 +28,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
-INSTALLED = ["packages/core", "packages/comm", "packages/strategies/chunk"]
+INSTALLED = ["packages/core", "packages/comm", "packages/strategies/chunk", "packages/comm-quantized"]
 
 TRAIN = textwrap.dedent(
     """
@@ -195,6 +196,13 @@ def test_wheels_install_at_their_floors_and_train(tmp_path: Path, tmp_path_facto
     for name, floor in floors.items():
         assert Version(Version(installed[name]).public) == Version(floor), f"{name} {installed[name]} was installed, not its floor {floor}"
     lap("zero-core, zero-comm, zero-strategy-chunk installed from dist/; the floors kept")
+    # a distribution of its own: installed by name beside the others, found through the `zero` entry points
+    _run([*pip, "--no-index", "--find-links", str(dist_dir), "zero-comm-quantized"], env=env, cwd=tmp_path, timeout=120)
+    found = _run([python, "-c", "from zero_core.plugin import ZeroPlugins; b = ZeroPlugins.load().comm_backends; "
+                  "print(*(b.get(n).__module__ for n in ('quantized', 'quantized-params', 'quantized-grads')))"],
+                 env=env, cwd=tmp_path, timeout=60).stdout.split()
+    assert found == ["zero_comm_quantized._backend"] * 3, found
+    lap("zero-comm-quantized installed from dist/; its backends registered")
 
     help_text = _run([str(bindir / "zero"), "--help"], env=env, cwd=tmp_path, timeout=120).stdout
     assert "usage: zero" in help_text, help_text

@@ -14,7 +14,7 @@ from pathlib import Path
 import zero_core
 
 ROOT = Path(__file__).resolve().parents[3]
-PLUGIN_SOURCES = ("packages/comm/src", "packages/strategies/*/src", "packages/offload/src", "examples/*/src")
+PLUGIN_SOURCES = ("packages/comm/src", "packages/comm-quantized/src", "packages/strategies/*/src", "packages/offload/src", "examples/*/src")
 ALLOWED = {"zero_core", "zero_core.plugin"}
 # Importing `from zero_core import chunk` reaches a submodule just like `import zero_core.chunks.chunk`.
 CORE_SUBMODULES = {path.stem for path in Path(zero_core.__file__).parent.glob("*.py")} - {"__init__"} | {
@@ -47,7 +47,7 @@ def _core_modules_used(tree: ast.AST) -> Iterator[tuple[int, str]]:
 def test_plugin_sources_are_found():
     files = _plugin_files()
     names = {path.relative_to(ROOT).parts[1] for path in files}
-    assert {"comm", "strategies", "offload", "placement-lru"} <= names, f"plugin sources not found under {ROOT}: {names}"
+    assert {"comm", "comm-quantized", "strategies", "offload", "placement-lru"} <= names, f"plugin sources not found under {ROOT}: {names}"
 
 
 def test_plugins_import_only_the_plugin_namespace():

@@ -17,6 +17,7 @@ __all__ = ["install_command"]
 _SOURCES = {
     "zero-core": "packages/core",
     "zero-comm": "packages/comm",
+    "zero-comm-quantized": "packages/comm-quantized",
     "zero-strategy-chunk": "packages/strategies/chunk",
     "zero-strategy-tensor": "packages/strategies/tensor",
     "zero-offload": "packages/offload",

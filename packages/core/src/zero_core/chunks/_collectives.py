@@ -52,18 +52,19 @@ def gather_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) -> 
     chunk.check_state_mover("gather it")
     comm = chunk.comm_for(comm)
     if chunk.state is ChunkState.SHARDED_POST_FORWARD:
+        # the kept copy is already what the last gather delivered: exact, see [Note: collectives that may be lossy]
         comm, send = chunk.comms.sub, chunk.take_post_forward_copy()
-        done_order = False
+        done_order = params = False
     else:
         send = chunk.gather_send()
-        done_order = True
+        done_order = params = True
     streams = chunk.streams
     received = None if chunk.direct else chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False,
                                                          stream=streams.all_gather)
     done = _CopyOut(chunk, received, gather_order=done_order, held=send)
     chunk.begin_gather(done)  # allocates the full buffer: the ranks' shards side by side are it when direct
     done.pending = _issue_all_gather(streams, comm, chunk.full if received is None else received, send,
-                                     async_op=async_op)
+                                     async_op=async_op, params=params)
     if not async_op:
         chunk.wait()
 
@@ -71,7 +72,8 @@ def gather_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) -> 
 def gather_for_peers(chunk: Chunk, comm: CommBackend) -> None:
     """Join an all-gather of this chunk that other ranks need, without changing local state."""
     scratch = chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False)
-    chunk.comm_for(comm).all_gather(scratch, chunk.gather_send())
+    # the peers gather it for compute: the same collective as theirs (see [Note: collectives that may be lossy])
+    chunk.comm_for(comm).all_gather_params(scratch, chunk.gather_send())
     chunk.pool.give(scratch)
 
 
@@ -102,7 +104,7 @@ def gather_group(group: GatherGroup, comm: CommBackend, *, async_op: bool = Fals
     unpack = _Unpack(group, send, received, chunks, targets)
     for chunk in targets:
         chunk.begin_gather(unpack)
-    unpack.pending = _issue_all_gather(streams, comm, received, send, async_op=True)
+    unpack.pending = _issue_all_gather(streams, comm, received, send, async_op=True, params=True)
     if not targets:
         unpack.wait()
         return
@@ -125,7 +127,7 @@ def _gather_copies(group: GatherGroup, targets: Sequence[Chunk], *, async_op: bo
     unpack = _CopiesOut(group, received, parts, targets, held=send)
     for chunk in targets:
         chunk.begin_gather(unpack)
-    unpack.pending = _issue_all_gather(streams, sub, received, send, async_op=True)
+    unpack.pending = _issue_all_gather(streams, sub, received, send, async_op=True, params=False)
     if not async_op:
         for chunk in targets:
             chunk.wait()
@@ -151,7 +153,7 @@ def refresh_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) ->
     if chunk.direct:  # in place: this rank's slice of the full buffer is what it sends
         own = chunk.full[chunk.rank * chunk.shard_size : (chunk.rank + 1) * chunk.shard_size]
         copy = _CopyOut(chunk, None)
-        copy.pending = _issue_all_gather(streams, comm, chunk.full, own, async_op=async_op)
+        copy.pending = _issue_all_gather(streams, comm, chunk.full, own, async_op=async_op, params=True)
     else:
         # pooled, like the receive buffer: a fresh send buffer every step would be faulted in page by page
         send = chunk.pool.take(chunk.shard_size, chunk.dtype, chunk.device, zeroed=False)
@@ -159,7 +161,7 @@ def refresh_chunk(chunk: Chunk, comm: CommBackend, *, async_op: bool = False) ->
         chunk.pack_own(send)
         received = chunk.pool.take(chunk.size, chunk.dtype, chunk.device, zeroed=False, stream=streams.all_gather)
         copy = _CopyOut(chunk, received, send=send)
-        copy.pending = _issue_all_gather(streams, comm, received, send, async_op=async_op)
+        copy.pending = _issue_all_gather(streams, comm, received, send, async_op=async_op, params=True)
     if not async_op:
         copy.wait()
         return None
@@ -185,7 +187,7 @@ def refresh_group(group: GatherGroup, comm: CommBackend, *, members: Sequence[Ch
     received = group.pool.take(group.world_size * numel, group.dtype, group.device, zeroed=False,
                                stream=streams.all_gather)
     unpack = _Unpack(group, send, received, refreshed, refreshed)
-    unpack.pending = _issue_all_gather(streams, comm, received, send, async_op=True)
+    unpack.pending = _issue_all_gather(streams, comm, received, send, async_op=True, params=True)
     return [unpack]
 
 
@@ -200,15 +202,18 @@ def refresh_group_shard(chunk: Chunk) -> None:
 
 
 def _issue_all_gather(streams: Streams, comm: CommBackend, out: torch.Tensor, send: torch.Tensor, *,
-                      async_op: bool) -> Pending | None:
+                      async_op: bool, params: bool) -> Pending | None:
     """Issue an all-gather on the all-gather stream, after the compute stream's work so far (which packed ``send``
     and allocated ``out``): see [Note: streams of the data plane] in ``zero_core.base._streams``. Its completion
-    object lands it (:meth:`_Gathered._land`)."""
+    object lands it (:meth:`_Gathered._land`). ``params``: parameter values for compute, which a backend may send
+    lossily (:meth:`~zero_core.comm.backend.CommBackend.all_gather_params`); else exact."""
     gather = streams.all_gather
     streams.wait(gather, streams.record(streams.compute))
     streams.read(send, gather)
     streams.wrote(out, gather)
     with streams.on(gather):
+        if params:
+            return comm.all_gather_params(out, send, async_op=async_op)
         return comm.all_gather(out, send, async_op=async_op)
 
 
@@ -396,7 +401,7 @@ def reduce_gradients(chunk: Chunk, comm: CommBackend, *, loss_scale: float = 1.0
     streams.read(send, scatter)
     streams.wrote(reduced, scatter)
     with streams.on(scatter):
-        pending = comm.reduce_scatter(reduced, send, async_op=True)
+        pending = comm.reduce_scatter_grads(reduced, send, async_op=True)
     if pooled_send is not None and getattr(pending, "input_released", False):
         # a bucketing backend copied it: reuse it for the next gradient once the stream that copied it is past
         pool.give(pooled_send, after=streams.record(scatter))
@@ -447,7 +452,7 @@ class PendingReduction:
             # over the replicas to this rank's one shard
             outer, self._outer = self._outer, None
             mine = torch.empty(chunk.shard_size, dtype=self._reduced.dtype, device=self._reduced.device)
-            outer.reduce_scatter(mine, self._reduced)
+            outer.reduce_scatter_grads(mine, self._reduced)
             self._reduced = mine
         if self._reduced is not None:
             # moved to where the master shard lives (the host, when offloaded), never copied and kept twice

@@ -143,7 +143,7 @@ class Chunk:
         pool: BufferPool | None = None, stage: int = 3, compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None, gradient_predivide_factor: float = 1.0, keep_gathered: bool = False,
         keep_alone: bool = True,
-        mesh: Any = None, replicas: int = 1, outer: int = 1,
+        mesh: Any = None, replicas: int = 1, outer: int = 1, exact_gathers: bool = True,
     ) -> None:
         if spec.size % world_size:
             raise PlanError(f"chunk size {spec.size} is not a multiple of the world size {world_size}")
@@ -197,8 +197,11 @@ class Chunk:
         # chunks gathered too (zero-offload's shard_param_frac).
         self.persistent = stage < 3 or (world_size == 1 and keep_alone) or keep_gathered
         # In one dtype, a kept full buffer holds the master values: the optimizer updates this rank's pieces of it.
-        # A strided piece (see [Note: shard dimension]) is not a range of the full buffer: such a chunk keeps its shard.
-        self.shard_is_view = self.persistent and self.dtype == self.master_dtype and not self.layout.strided
+        # A strided piece (see [Note: shard dimension]) is not a range of the full buffer: such a chunk keeps its shard,
+        # and so does one whose parameter gathers are lossy (``exact_gathers=False``: the full buffer's other ranks'
+        # pieces are then not their masters, see [Note: collectives that may be lossy] in zero_core.comm.backend).
+        self.shard_is_view = (self.persistent and self.dtype == self.master_dtype and not self.layout.strided
+                              and exact_gathers)
         # Runtime state, changed only through the transition methods below (the collectives call them).
         self.state = ChunkState.GATHERED
         self._tier = MemoryTier.DEVICE

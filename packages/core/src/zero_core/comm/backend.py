@@ -135,6 +135,49 @@ class CommBackend(ABC):
         alive and unchanged until then.
         """
 
+    # [Note: collectives that may be lossy]
+    # The runtime sends parameters for compute and gradients for reduction through the two methods below, and
+    # everything else (master values for checkpoints and inspection, optimizer pieces, the kept post-forward copies,
+    # the replicas' master shards, setup broadcasts) through the exact collectives above. A backend that communicates
+    # lossily (zero-comm-quantized sends int8 blocks with their scales) overrides only these two, so a master value
+    # never passes through a lossy collective; the defaults are the exact collectives. Every rank must take the same
+    # path for the same call (the runtime decides by call site, never by rank-local state), or the payloads differ
+    # in size.
+    def all_gather_params(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
+        """:meth:`all_gather` of parameter values for forward and backward (stage 3's gathers, stages 1 and 2's
+        after-step refresh): see [Note: collectives that may be lossy]. ``input`` may be this rank's row of
+        ``output`` (a gather in place), whose values the call must then leave as they are (they may be the master
+        values). Defaults to :meth:`all_gather`."""
+        return self.all_gather(output, input, async_op=async_op)
+
+    @property
+    def params_exact(self) -> bool:
+        """Whether :meth:`all_gather_params` delivers the inputs exactly (:meth:`params_exact_at` this world size). A
+        backend that says no makes every chunk keep its master shard apart from the full buffer it gathers into, also
+        at stages 1 and 2 in one dtype, where that buffer would otherwise hold the masters (and reading them would
+        read the lossy copies)."""
+        return self.params_exact_at(self.world_size)
+
+    @classmethod
+    def params_exact_at(cls, world_size: int) -> bool:
+        """Whether :meth:`all_gather_params` over ``world_size`` ranks delivers the inputs exactly; for
+        :func:`zero_core.estimate` too. The default: always."""
+        return True
+
+    @classmethod
+    def estimate_bytes_sent(cls, kind: CollectiveKind, numel_per_rank: int, *, element_size: int, world_size: int,
+                            config: ZeroConfig) -> int:
+        """Bytes one rank sends in one :meth:`all_gather_params` (``kind`` ALL_GATHER: ``numel_per_rank`` elements
+        from each rank) or :meth:`reduce_scatter_grads` (REDUCE_SCATTER: ``numel_per_rank`` elements to each rank),
+        as :attr:`stats` counts them; for :func:`zero_core.estimate`. The default is the ring convention on the
+        full payload; a backend that sends other bytes (a lossy one) overrides it."""
+        return ring_bytes_sent(kind, numel_per_rank * world_size * element_size, world_size)
+
+    def reduce_scatter_grads(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Pending | None:
+        """:meth:`reduce_scatter` of gradients: see [Note: collectives that may be lossy]. Defaults to
+        :meth:`reduce_scatter`."""
+        return self.reduce_scatter(output, input, async_op=async_op)
+
     @abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """Reduce ``tensor`` in place over ranks with ``op`` (``sum`` or ``max``)."""

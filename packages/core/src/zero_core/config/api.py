@@ -230,7 +230,8 @@ class ZeroConfig(KeywordsChecked):
         strategy: Name of the shard strategy plugin (``"chunk"`` from zero-strategy-chunk).
         comm_backend: Name of the comm backend plugin: ``"torch"`` (zero-comm) runs each collective
             when asked; ``"bucketed"`` (zero-comm) packs small gradient reduce-scatters into
-            buckets of ``reduce_bucket_mb``. ``None`` takes the strategy's choice
+            buckets of ``reduce_bucket_mb``; ``"quantized"`` (zero-comm-quantized) sends parameter all-gathers
+            and gradient reduce-scatters as int8 with per-block scales. ``None`` takes the strategy's choice
             (:attr:`zero_core.plugin.ShardStrategy.comm`). Its old name ``comm=`` (keyword,
             config file key and attribute) still works, with a ``DeprecationWarning``.
         reduce_bucket_mb: Size of one reduce-scatter bucket in MiB, for backends that

@@ -28,6 +28,9 @@ _INSTALL_HINTS = {
     "tensor": "zero-strategy-tensor",
     "torch": "zero-comm",
     "bucketed": "zero-comm",
+    "quantized": "zero-comm-quantized",
+    "quantized-params": "zero-comm-quantized",
+    "quantized-grads": "zero-comm-quantized",
     "gemini": "zero-offload",
     "static": "zero-offload",
 }

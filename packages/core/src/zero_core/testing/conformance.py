@@ -90,10 +90,29 @@ def _comm_worker(backend_cls: type[CommBackend]) -> dict[str, Any]:
     sent = torch.cat([torch.full((j + 1,), float(100 * r + j)) for j in range(n)])
     exchanged = torch.empty((r + 1) * n)
     comm.all_to_all(exchanged, sent, output_splits=[r + 1] * n, input_splits=[j + 1 for j in range(n)])
+    # the collectives that may be lossy ([Note: collectives that may be lossy] in zero_core.comm.backend), on values
+    # that span several blocks of any block size up to 256 and end in a partial one
+    values = [torch.randn(700 * n, generator=torch.Generator().manual_seed(k)) for k in range(n)]
+    gathered = torch.empty(700 * n)
+    comm.all_gather_params(gathered, values[r][:700])
+    gathered_async = torch.empty(700 * n)
+    pending = comm.all_gather_params(gathered_async, values[r][:700].clone(), async_op=True)
+    if pending is not None:
+        pending.wait()
+    in_place = torch.zeros(700 * n)
+    in_place[700 * r : 700 * (r + 1)] = values[r][:700]
+    comm.all_gather_params(in_place, in_place[700 * r : 700 * (r + 1)])
+    grads = torch.empty(700)
+    comm.reduce_scatter_grads(grads, values[r].clone())
+    grads_async = torch.empty(700)
+    pending = comm.reduce_scatter_grads(grads_async, values[r].clone(), async_op=True)
+    if pending is not None:
+        pending.wait()
     return {
         "rank": r, "world": n, "full": full, "rs": rs_out, "rs_async": pending_out, "ar": ar.item(), "max": mx.item(),
         "bcast": b, "agreed": agreed, "any": anyflags.tolist(), "maxed": maxed, "objs": objs, "stats": stats,
-        "exchanged": exchanged,
+        "exchanged": exchanged, "values": values, "gathered": gathered, "gathered_async": gathered_async,
+        "in_place": in_place, "grads": grads, "grads_async": grads_async,
     }
 
 
@@ -105,9 +124,49 @@ class CommBackendConformance:
 
     backend_class: ClassVar[type[CommBackend]]
     world_sizes: ClassVar[tuple[int, ...]] = (1, 2)
+    #: How far ``all_gather_params`` may move a value, as a fraction of the largest magnitude among the inputs
+    #: gathered; 0 (default) demands the exact gather. A lossy backend states its bound here (int8 blocks with
+    #: absmax scales: 1/254), see [Note: collectives that may be lossy] in ``zero_core.comm.backend``.
+    params_tolerance: ClassVar[float] = 0.0
+    #: How far ``reduce_scatter_grads`` may move a sum, as a fraction of the sum over ranks of each rank's largest
+    #: input magnitude; 0 (default) demands exactly the sum in rank order.
+    grads_tolerance: ClassVar[float] = 0.0
+
+    _results: ClassVar[dict[tuple[type[CommBackend], int], list[dict[str, Any]]]] = {}
 
     def _run(self, world: int) -> list[dict[str, Any]]:
-        return run_distributed(_comm_worker, world, self.backend_class, timeout=120)
+        # one world per size and backend for the whole class: every test reads the same run
+        key = (self.backend_class, world)
+        if key not in CommBackendConformance._results:
+            CommBackendConformance._results[key] = run_distributed(_comm_worker, world, self.backend_class, timeout=120)
+        return CommBackendConformance._results[key]
+
+    def test_lossy_collectives_within_tolerance(self) -> None:
+        """all_gather_params and reduce_scatter_grads compute what all_gather and reduce_scatter do, within
+        params_tolerance and grads_tolerance (exactly, by default); every rank gathers the same values; a gather in
+        place leaves this rank's own row bit for bit. A failure with the default tolerances means the backend's
+        lossy path ran where the exact one was asked for."""
+        for world in self.world_sizes:
+            results = self._run(world)
+            for res in results:
+                n, r, values = res["world"], res["rank"], res["values"]
+                # exact at one rank: nothing is sent, so nothing needs quantizing
+                params_tol = self.params_tolerance if n > 1 else 0.0
+                grads_tol = self.grads_tolerance if n > 1 else 0.0
+                expect = torch.cat([v[:700] for v in values])
+                bound = params_tol * max(v[:700].abs().max().item() for v in values)
+                for key in ("gathered", "gathered_async", "in_place"):
+                    err = (res[key] - expect).abs().max().item()
+                    assert err <= bound, f"{key} at rank {r} of {n}: off by up to {err:.3g}, allowed {bound:.3g}"
+                own = slice(700 * r, 700 * (r + 1))
+                assert torch.equal(res["in_place"][own], values[r][:700]), "a gather in place changed this rank's row"
+                exact = torch.sum(torch.stack([v.view(n, 700)[r] for v in values]), dim=0)
+                bound = grads_tol * sum(v.view(n, 700)[r].abs().max().item() for v in values)
+                for key in ("grads", "grads_async"):
+                    err = (res[key] - exact).abs().max().item()
+                    assert err <= bound, f"{key} at rank {r} of {n}: off by up to {err:.3g}, allowed {bound:.3g}"
+            for key in ("gathered", "gathered_async"):
+                assert all(torch.equal(res[key], results[0][key]) for res in results), f"{key} differs between ranks"
 
     def test_collectives_compute_the_right_values(self) -> None:
         """all_gather concatenates in rank order; reduce_scatter sums and keeps this rank's slice."""

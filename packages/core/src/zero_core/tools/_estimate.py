@@ -269,6 +269,15 @@ def estimate(
     per_rank = tuple(dict(by_shard[rank % layout_world]) for rank in range(world))
     tiers = None if tiers_by_shard is None else tuple(dict(tiers_by_shard[rank % layout_world]) for rank in range(world))
     sent, calls = _traffic(chunks, compute_bytes, groups, shards, replicas, config, reduce_bytes, comm_cls)
+    if comm_cls is not None and not comm_cls.params_exact_at(shards):
+        # lossy parameter gathers: kept chunks hold their master shard apart (see CommBackend.params_exact)
+        by_shard = [_rank_bytes(chunks, compute_bytes, rank, layout_world, config.stage, optimizer_bytes_per_element,
+                                reduce_bytes=reduce_bytes, separate=_separate(chunks, placed[rank], copies),
+                                masters_apart=True)
+                    for rank in range(layout_world)]
+        tiers_by_shard = _tiers(placed, by_shard)
+        per_rank = tuple(dict(by_shard[rank % layout_world]) for rank in range(world))
+        tiers = None if tiers_by_shard is None else tuple(dict(tiers_by_shard[rank % layout_world]) for rank in range(world))
     master = chunks[0].master_bytes
     formula_chunk = [_Layout(size=psi, used=psi, requires_grad=True, master_bytes=master, kept=not released, outer=outer)]
     formula_rank = _rank_bytes(formula_chunk, [_bytes(compute, master)], 0, layout_world, config.stage,
@@ -371,7 +380,8 @@ def _real(chunk: _Layout, rank: int, shard: int | Fraction) -> int | Fraction:
 
 
 def _rank_bytes(chunks: Sequence[_Layout], compute_bytes: Sequence[int], rank: int, world: int, stage: int,
-                opt_bytes: int, *, reduce_bytes: int, exact: bool = True, separate: Sequence[bool] | None = None) -> dict[str, int]:
+                opt_bytes: int, *, reduce_bytes: int, exact: bool = True, separate: Sequence[bool] | None = None,
+                masters_apart: bool = False) -> dict[str, int]:
     out: dict[str, int | Fraction] = dict.fromkeys(_KINDS, 0)
     for i, (chunk, b) in enumerate(zip(chunks, compute_bytes)):
         m = chunk.master_bytes
@@ -379,7 +389,9 @@ def _rank_bytes(chunks: Sequence[_Layout], compute_bytes: Sequence[int], rank: i
         real = _real(chunk, rank, shard)
         # a kept full buffer in the master dtype holds the shard as a view, unless the placement moved the shard away;
         # so does a group shard (cut over the replicas) in the master dtype
-        view = ((chunk.kept and not chunk.strided) or chunk.outer > 1) and b == m and not (separate and separate[i])
+        # (not a kept buffer gathered lossily, ``masters_apart``: see CommBackend.params_exact)
+        view = ((chunk.kept and not chunk.strided and not masters_apart) or chunk.outer > 1) and b == m \
+            and not (separate and separate[i])
         out["params"] += (b * chunk.size if chunk.kept else 0) + (b * shard * chunk.outer if chunk.outer > 1 else 0) \
             + (0 if view else m * shard)
         if chunk.requires_grad:
@@ -447,23 +459,33 @@ def _traffic(chunks: Sequence[_Layout], compute_bytes: Sequence[int], groups: Se
             return ring_bytes_sent(kind, int(payload), n)
         return (2 if kind is CollectiveKind.ALL_REDUCE else 1) * Fraction(n - 1, n) * payload
 
+    def data(kind: CollectiveKind, numel_per_rank: Fraction | int, element_size: int, n: int) -> Fraction | int:
+        """A parameter gather or gradient reduce-scatter: what the backend sends, which may be fewer bytes (see
+        [Note: collectives that may be lossy] in zero_core.comm.backend)."""
+        if comm_cls is None or not exact:
+            return ring(kind, numel_per_rank * n * element_size, n)
+        return int(comm_cls.estimate_bytes_sent(kind, int(numel_per_rank), element_size=element_size, world_size=n,
+                                                config=config))
+
     reduced = [c for c in reversed(chunks) if c.requires_grad]  # the engine reduces in reverse plan order
     if world > 1:
         gather_groups = groups if groups is not None else [[i] for i in range(len(chunks))]
         for group in gather_groups:
             # A group with a chunk that is released after use is gathered whole for forward and again for backward.
-            if not all(chunks[i].kept for i in group):
-                payload = sum(chunks[i].size * compute_bytes[i] for i in group)
-                sent["all_gather"] += 2 * ring(CollectiveKind.ALL_GATHER, payload, world)
+            if not all(chunks[i].kept for i in group):  # a group is one dtype: one element size
+                numel = sum(chunks[i].size for i in group) // world if exact else Fraction(sum(chunks[i].size for i in group), world)
+                sent["all_gather"] += 2 * data(CollectiveKind.ALL_GATHER, numel, compute_bytes[group[0]], world)
                 calls["all_gather"] += 2
             # After the step, the trainable kept members are refreshed from their updated shards in one all-gather.
             refreshed = [i for i in group if chunks[i].kept and chunks[i].requires_grad]
             if refreshed:
-                sent["all_gather"] += ring(CollectiveKind.ALL_GATHER, sum(chunks[i].size * compute_bytes[i] for i in refreshed),
-                                           world)
+                numel = sum(chunks[i].size for i in refreshed) // world if exact else \
+                    Fraction(sum(chunks[i].size for i in refreshed), world)
+                sent["all_gather"] += data(CollectiveKind.ALL_GATHER, numel, compute_bytes[refreshed[0]], world)
                 calls["all_gather"] += 1
         for chunk in reduced:
-            sent["reduce_scatter"] += ring(CollectiveKind.REDUCE_SCATTER, chunk.size * reduce_bytes, world)
+            numel = chunk.size // world if exact else Fraction(chunk.size, world)
+            sent["reduce_scatter"] += data(CollectiveKind.REDUCE_SCATTER, numel, reduce_bytes, world)
         if comm_cls is not None:
             calls["reduce_scatter"] = comm_cls.estimate_reduce_scatter_calls(
                 [c.size // world for c in reduced], element_size=reduce_bytes, world_size=world, config=config)
@@ -476,7 +498,8 @@ def _traffic(chunks: Sequence[_Layout], compute_bytes: Sequence[int], groups: Se
         for chunk, b in zip(chunks, compute_bytes):
             if chunk.requires_grad:
                 group_shard = chunk.size // world if exact else Fraction(chunk.size, world)
-                across["reduce_scatter"] += ring(CollectiveKind.REDUCE_SCATTER, group_shard * reduce_bytes, replicas)
+                per_replica = chunk.size // world // replicas if exact else Fraction(chunk.size, world * replicas)
+                across["reduce_scatter"] += data(CollectiveKind.REDUCE_SCATTER, per_replica, reduce_bytes, replicas)
                 across["all_gather"] += ring(CollectiveKind.ALL_GATHER, group_shard * b, replicas)
         for kind, value in across.items():
             sent[kind] += value
