@@ -87,6 +87,21 @@ def _write(dcp_dir: str, zero_dir: str) -> dict:
     return {"fsdp": fsdp_losses, "zero": zero_losses}
 
 
+def _refused(model, opt, dcp_dir: str) -> tuple[str | None, bool]:
+    """Load a DCP checkpoint that does not fit: its error, and whether the parameters, the optimizer states and the
+    step count are as they were."""
+    before = [p.to_local().clone() for p in model.parameters()]
+    error = None
+    try:
+        zero_core.load_checkpoint(model, opt, dcp_dir)
+    except zero_core.CheckpointError as exc:
+        error = str(exc)
+    unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters(), strict=True)) \
+        and not opt.state and model.engine.step_count == 0
+    model.close()
+    return error, unchanged
+
+
 def _read(dcp_dir: str, zero_dir: str) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     out = {}
@@ -111,28 +126,11 @@ def _read(dcp_dir: str, zero_dir: str) -> dict:
     # another model (a wider head): refused on every rank before anything changes
     model = _build()
     model.head = torch.nn.Linear(10, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    model, opt = _zero(model, opt)
-    before = [p.to_local().clone() for p in model.parameters()]
-    try:
-        zero_core.load_checkpoint(model, opt, dcp_dir)
-    except zero_core.CheckpointError as exc:
-        out["refused"] = str(exc)
-    out["unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters(), strict=True)) \
-        and not opt.state
-    model.close()
+    out["refused"], out["unchanged"] = _refused(*_zero(model, torch.optim.AdamW(model.parameters(), lr=LR)), dcp_dir)
     # another optimizer (SGD's momentum for AdamW's moments): refused, and the states made to compare are dropped
     model = _build()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    model, opt = _zero(model, opt)
-    before = [p.to_local().clone() for p in model.parameters()]
-    try:
-        zero_core.load_checkpoint(model, opt, dcp_dir)
-    except zero_core.CheckpointError as exc:
-        out["refused_optim"] = str(exc)
-    out["unchanged_optim"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters(), strict=True)) \
-        and not opt.state and model.engine.step_count == 0
-    model.close()
+    out["refused_optim"], out["unchanged_optim"] = _refused(
+        *_zero(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)), dcp_dir)
 
     # zero -> ZeroStorageReader -> FSDP2
     model = _fsdp2(_build())
