@@ -116,8 +116,7 @@ def test_a_step_past_its_trace_replans_instead_of_failing():
 
 
 def test_a_step_past_its_trace_that_the_budget_cannot_hold_is_refused_before_it_steps():
-    # margin_ratio 0: the headroom goes to the cache (not to chunks stepping on the device), which the over step empties
-    error, unchanged, report = _train([8, 32], _config(300 * 1024, watch=True, margin_ratio=0.0))
+    error, unchanged, report = _train([8, 32], _config(300 * 1024, watch=True))
     assert isinstance(error, DeviceBudgetError) and error.measured, error
     assert "step 1 needed at its peak, past the warm-up's trace" in str(error)
     assert error.needed > report["budget"]["device"] and f"({error.needed} bytes)" in str(error)
