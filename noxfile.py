@@ -2,6 +2,8 @@
 ``nox -s demo`` (2-rank training of a byte-level GPT on the standard library's sources),
 ``nox -s docs`` (strict docs build), ``nox -s docs_screenshots`` (the built site checked in headless Chromium),
 ``nox -s hf_trainer`` (the HF Trainer example on 2 ranks), ``nox -s soak`` (long fuzz and soak runs),
+``nox -s "frameworks(lowest)"`` and ``nox -s "frameworks(newest)"`` (the integrations' tests at each end of the
+transformers, accelerate and lightning ranges the extras allow),
 ``nox -s bench`` (every strategy and policy against DDP and FSDP2),
 ``nox -s gpu`` (one GPU's figures into a report; ``-- --dry-run`` on the CPU),
 ``nox -s microbench`` (pytest-benchmark micro-benchmarks of the collectives on 2 gloo ranks;
@@ -9,7 +11,7 @@ pass pytest-benchmark options after ``--``, e.g. ``--benchmark-compare``),
 ``nox -s install_lines`` (every ``pip install`` command of the docs, run as written in a fresh clone),
 ``nox -s lint`` (``ruff check .`` with pyproject.toml's rules; ruff options after ``--``) and
 ``nox -s typecheck`` (mypy over the seven libraries, settings in pyproject.toml's ``[tool.mypy]``;
-mypy options after ``--``). CI (.ci/run) runs tests, docs, lint and typecheck."""
+mypy options after ``--``). CI (.ci/run) runs tests, "frameworks(lowest)", docs, lint and typecheck."""
 
 from __future__ import annotations
 
@@ -95,6 +97,32 @@ def hf_trainer(session: nox.Session) -> None:
     install_zero(session, "-e", "packages/integrations[hf]")
     session.run("python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "examples/hf_trainer.py", *session.posargs)
+
+
+# Each end of the framework ranges the zero-integrations extras allow (packages/integrations/pyproject.toml), pinned:
+# the lowest releases the integrations' tests pass with, and the newest the package index has (transformers 5.25
+# needs kernels>=0.19.1, which it lacks). Raising a bound is a change here, in the extras and in the docs' tables.
+FRAMEWORKS = {
+    "lowest": ("transformers==5.5.4", "accelerate==1.14.0", "lightning==2.5.0"),
+    "newest": ("transformers==5.24.0", "accelerate==1.16.0", "lightning==2.6.6"),
+}
+# the tests that import the frameworks through zero_integrations, and transformers' own models under zero
+FRAMEWORK_TESTS = ("packages/integrations/tests", "tests/test_transformers.py", "tests/test_deepspeed_scheduler.py")
+
+
+@nox.session(default=False)
+@nox.parametrize("end", list(FRAMEWORKS), ids=list(FRAMEWORKS))
+def frameworks(session: nox.Session, end: str) -> None:
+    """The integrations' tests (HF Trainer, Accelerate loops, Lightning strategy, transformers models) against one
+    end of the ranges the extras allow: ``nox -s "frameworks(lowest)"`` or ``nox -s "frameworks(newest)"``.
+
+    The pins are installed together with the extras, so pip refuses a pin the extras' ranges exclude. Serial (the
+    files spawn their own 2-rank worlds); options after -- go to pytest. CI runs the lowest end: ``nox -s tests``
+    covers whatever pip resolves, the newest releases as they come out.
+    """
+    install_zero(session, "pytest>=8", "pytest-timeout>=2.3", "-e", "packages/integrations[hf,lightning,accelerate]",
+                 *FRAMEWORKS[end])
+    session.run("pytest", *FRAMEWORK_TESTS, "-p", "no:cacheprovider", *session.posargs)
 
 
 @nox.session(default=False)

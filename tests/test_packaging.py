@@ -136,6 +136,33 @@ def _fake_wheel(outdir: Path, files: dict[str, str | bytes]) -> None:
             archive.writestr(name, content)
 
 
+def test_the_framework_sessions_pin_the_ends_of_the_extras_ranges() -> None:
+    """``nox -s "frameworks(lowest)"`` tests the extras' floors exactly and ``frameworks(newest)`` a release inside
+    their ranges; the support table of the docs names both ends (noxfile.py read as text: nox need not be installed)."""
+    import ast
+
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    ends = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "FRAMEWORKS" for t in node.targets))
+    assert set(ends) == {"lowest", "newest"}
+    extras = tomllib.loads((ROOT / "packages/integrations/pyproject.toml").read_text())["project"]["optional-dependencies"]
+    ranges: dict[str, list] = {}
+    for extra in ("hf", "lightning", "accelerate"):
+        for line in extras[extra]:
+            requirement = Requirement(line)
+            ranges.setdefault(requirement.name, []).append(requirement.specifier)
+    table = (ROOT / "docs/integrations/hf-trainer.md").read_text()
+    for end, pins in ends.items():
+        pinned = {Requirement(pin).name: Version(str(Requirement(pin).specifier).removeprefix("==")) for pin in pins}
+        assert set(pinned) == {"transformers", "accelerate", "lightning"} <= set(ranges), (end, pinned)
+        for name, version in pinned.items():
+            for specifier in ranges[name]:
+                assert specifier.contains(version), f"frameworks({end}) pins {name}=={version}, outside the extras' {specifier}"
+                floor = next(Version(s.version) for s in specifier if s.operator == ">=")
+                assert end != "lowest" or version == floor, f"frameworks(lowest) pins {name}=={version}, the floor is {floor}"
+            assert f"{name} {version}" in table, f"the support table of docs/integrations/hf-trainer.md lacks {name} {version}"
+
+
 def test_the_wheel_check_names_each_problem(tmp_path: Path) -> None:
     build_dists = _build_dists()
     assert {p.relative_to(ROOT).as_posix() for p in build_dists.distributions()} >= {*INSTALLED, "packages/offload",

@@ -27,6 +27,8 @@ TOL = 1e-6  # measured: 1.2e-7 on the losses, 6e-8 on the weights (the reduction
 
 
 def _run(cmd: list[str], tmp_path: Path) -> None:
+    if str(ROOT / "tests") not in sys.path:  # run on its own, this file's folder is the only test folder on the path
+        sys.path.insert(0, str(ROOT / "tests"))
     from _checked_run import run_checked
 
     # a user's saved `accelerate config` must not change the launch; one thread per rank on the shared cores
@@ -85,6 +87,8 @@ def test_prepare_refuses_what_it_cannot_honour():
 
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # an earlier test of this process (a Trainer built in process) may have left Accelerate's singleton state set
+    AcceleratorState._reset_state(reset_partial_state=True)
     try:
         with pytest.raises(ConfigError, match=r"mixed_precision='bf16'.*precision=Precision\(compute='bf16'\)"):
             prepare(Accelerator(mixed_precision="bf16", cpu=True), model, optimizer)
