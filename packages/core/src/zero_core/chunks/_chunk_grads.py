@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from zero_core.base._accounting import engine_work
+from zero_core.chunks._chunk_layout import dtensor
 from zero_core.chunks._slots import to_local
 
 __all__ = ["ChunkGradients"]
@@ -289,13 +290,16 @@ class ChunkGradients:
                     seg.param.grad = chunk.wrap(i, self._local_piece(i))
                     early[i] = True
             return
-        base, offsets = landed  # _local_piece, inlined: this runs for every parameter in every backward
-        at, geometry = base.storage_offset(), self._geometry()
+        # _local_piece and Chunk.wrap (of a segment), inlined: this runs for every parameter in every backward
+        base, offsets = landed
+        at, geometry, mesh = base.storage_offset(), self._geometry(), chunk.mesh
         for seg in chunk.segments:
             i = seg.slot
-            if got[i] and seg.param.grad is None and seg.param.requires_grad:
+            param = seg.param
+            if got[i] and param.grad is None and param.requires_grad:
                 shape, stride = geometry[i]
-                seg.param.grad = chunk.wrap(i, base.as_strided(shape, stride, at + offsets[i]))
+                local = base.as_strided(shape, stride, at + offsets[i])
+                param.grad = local if mesh is None else dtensor(local, param._spec)
                 early[i] = True
 
     def _geometry(self) -> list[tuple[torch.Size, tuple[int, ...]]]:

@@ -100,12 +100,16 @@ class Residency:
         now: list[Chunk] = []
         with_copy: list[Chunk] = []
         for chunk in chunks:
+            if chunk.persistent:  # kept gathered for good: nothing to release (release() would skip it)
+                continue
             policy = chunk.plan.reshard_after_forward if chunk.plan is not None else True
             if policy is False and chunk.requires_grad:
                 continue
             (with_copy if policy is not True and chunk.requires_grad else now).append(chunk)
-        self.release(now)
-        self.release(with_copy, keep_copy=True)
+        if now:
+            self.release(now)
+        if with_copy:
+            self.release(with_copy, keep_copy=True)
 
     def drop_leftovers(self, *, wait: bool = False) -> None:
         """No backward will use what forwards kept for it (copies, chunks kept gathered): free them.

@@ -130,7 +130,12 @@ class Unit:
         chunks = self.chunks
         outs = tensors_of(outputs)
         graph = torch.is_grad_enabled()
-        returned = self._params.returned(outs)
+        returned: set[int] = set()
+        chunk_of = self._params.chunk_of
+        for t in outs:  # returned() only when one of them is a parameter (rare): this runs for every unit
+            if id(t) in chunk_of:
+                returned = self._params.returned(outs)
+                break
         if returned:  # a module returned one of its parameters: its caller reads it after this hook
             if graph:
                 host.expose(returned)
