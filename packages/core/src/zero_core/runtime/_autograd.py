@@ -60,6 +60,11 @@ def on_first_gradient(tensors: Sequence[torch.Tensor], fn: Callable[..., Any]) -
     A node's pre-hook runs when its outputs' gradients are in, before it computes, as their tensor hooks do;
     the hooks live as long as the graph does."""
     hook = _FirstGradient(fn)
+    if len(tensors) == 1:  # most modules return one tensor: no set to build
+        node = tensors[0].grad_fn
+        if node is not None and tensors[0].requires_grad:
+            node.register_prehook(hook)
+        return
     nodes = {t.grad_fn for t in tensors if t.requires_grad and t.grad_fn is not None}
     for node in nodes:
         node.register_prehook(hook)

@@ -449,19 +449,32 @@ class Engine:
         # the one end of this backward when it finishes; one that raises is ended by settle (autograd drops this)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    @engine_work  # the gradient buffer its chunk may take now is model data
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
-        """A gradient arrived: autograd accumulated ``param``'s (an unsharded parameter's) gradient."""
+        """A gradient arrived: autograd accumulated ``param``'s (an unsharded parameter's) gradient.
+
+        Not engine work as a whole: this runs for every parameter in every backward, and most gradients only
+        tick the reducer's bookkeeping (autograd added them in place into the chunk's buffer); what allocates
+        (the chunk's buffer on its first gradient, ``ChunkGradients.adopt``; the reductions; the hand-over) is."""
         if self.state is not TrainingState.BACKWARD:  # once per backward, not per parameter (nothing to do after)
             self._begin_backward()
-        if self.reducer.in_flight:  # see [Note: gradients handed over as they land] in zero_core.chunks._chunk_grads
-            self.reducer.hand_over_landed()
-        if self.reducer.accumulated(param) and self.reducer.sync:
-            backward = self.backward_pass
-            for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
-                if backward is None or not backward.holds_gathered:
-                    self.residency.release([chunk])
-                self._module_hooks.chunk_reduced(chunk)
+        reducer = self.reducer
+        if reducer.in_flight:  # see [Note: gradients handed over as they land] in zero_core.chunks._chunk_grads
+            self._hand_over_landed()
+        if reducer.accumulated(param) and reducer.sync:
+            self._launch_ready()
+
+    @engine_work
+    def _hand_over_landed(self) -> None:
+        self.reducer.hand_over_landed()
+
+    @engine_work
+    def _launch_ready(self) -> None:
+        """The next group of the reducer's order is ready: launch it and every ready one after it."""
+        backward = self.backward_pass
+        for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
+            if backward is None or not backward.holds_gathered:
+                self.residency.release([chunk])
+            self._module_hooks.chunk_reduced(chunk)
 
     @traced(POST_BACKWARD)
     def _finish_backward(self) -> None:

@@ -86,10 +86,10 @@ class ModuleParameters:
                 if unsharded.requires_grad != seg.param.requires_grad:
                     unsharded.requires_grad_(seg.param.requires_grad)
                     self._watch(unsharded)
+        real = {c.index for c in self.chunks if c.is_gathered or not stand_ins}  # asked once per chunk, not per name
         for m, name, chunk, i in self.registrations:
-            real = chunk.is_gathered or not stand_ins
-            m._parameters[name] = chunk.slots[i].param if real else self._stand_ins[(chunk.index, i)]
-        self._real = {c.index for c in self.chunks if c.is_gathered or not stand_ins}
+            m._parameters[name] = chunk.slots[i].param if chunk.index in real else self._stand_ins[(chunk.index, i)]
+        self._real = real
         self.unsharded = True
 
     def use_sharded(self) -> None:

@@ -72,12 +72,17 @@ class GradientReducer:
     @property
     def has_unreduced(self) -> bool:
         """Gradients accumulated inside ``no_sync()`` and not reduced yet."""
-        return any(chunk.grads.unreduced for chunk in self.order)
+        for chunk in self.order:  # a loop, not any(): asked when each backward begins
+            if chunk.grads.unreduced:
+                return True
+        return False
 
     def reorder(self) -> None:
         """A step's first forward begins (no ``no_sync()`` accumulation open): take the trainable chunks anew."""
-        if not any(chunk.grads.unreduced for chunk in self._chunks):
-            self._take_order()
+        for chunk in self._chunks:  # a loop, not any(): this runs at every step's first forward
+            if chunk.grads.unreduced:
+                return
+        self._take_order()
 
     def expect(self, reachable: set[int]) -> None:
         """A forward built a graph that reaches the parameters (ids) in ``reachable``."""
@@ -120,7 +125,8 @@ class GradientReducer:
     def accumulated(self, param: torch.Tensor) -> bool:
         """Autograd accumulated ``param``'s gradient (an unsharded parameter); whether the next group of the order is
         ready to reduce now (:attr:`next_ready`, answered here: this runs for every parameter in every backward)."""
-        chunk, slot, group = self._where[id(param)]
+        key = id(param)
+        chunk, slot, group = self._where[key]
         if group.reduce_state is ReduceState.REDUCED:
             raise GradientLostError(
                 f"parameter {chunk.slots[slot].name!r} received a gradient after its chunk {chunk.index} was already "
@@ -129,7 +135,7 @@ class GradientReducer:
                 "parameter's gradient does not flow through the wrapped model's outputs."
             )
         chunk.grads.adopt(slot)  # see [Note: gradient buffers on arrival]; the engine calls this as engine work
-        group.arrived(id(param))
+        group.arrived(key)
         # the next group may have been READY before this gradient (it waits for none): asked after every gradient
         steps, nxt = self._steps, self._next
         return nxt < len(steps) and steps[nxt][0].reduce_state is ReduceState.READY

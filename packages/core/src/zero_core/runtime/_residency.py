@@ -77,14 +77,17 @@ class Residency:
             self.scheduler.gather(chunks)
         self._params.show(chunks)
 
-    @engine_work
     def release(self, chunks: Sequence[Chunk], *, keep_copy: bool = False) -> None:
-        done = [c for c in chunks if c.is_gathered and not c.persistent]
+        done = [c for c in chunks if not c.persistent and c.is_gathered]
+        if done:  # nothing to release (a kept buffer of stages 1 and 2, a chunk released already): no engine work
+            self._release(done, keep_copy=keep_copy)
+
+    @engine_work
+    def _release(self, done: list[Chunk], *, keep_copy: bool) -> None:
         for chunk in done:
             chunk.release(keep_copy=keep_copy)
-        if done:
-            self._placement.after_release(done)
-            self._params.show(done)
+        self._placement.after_release(done)
+        self._params.show(done)
 
     def release_after_forward(self, chunks: Sequence[Chunk], *, for_backward: bool) -> None:
         """A forward is done with ``chunks``: each is resharded as its plan says when a backward will need it.
@@ -97,12 +100,16 @@ class Residency:
         now: list[Chunk] = []
         with_copy: list[Chunk] = []
         for chunk in chunks:
+            if chunk.persistent:  # kept gathered for good: nothing to release (release() would skip it)
+                continue
             policy = chunk.plan.reshard_after_forward if chunk.plan is not None else True
             if policy is False and chunk.requires_grad:
                 continue
             (with_copy if policy is not True and chunk.requires_grad else now).append(chunk)
-        self.release(now)
-        self.release(with_copy, keep_copy=True)
+        if now:
+            self.release(now)
+        if with_copy:
+            self.release(with_copy, keep_copy=True)
 
     def drop_leftovers(self, *, wait: bool = False) -> None:
         """No backward will use what forwards kept for it (copies, chunks kept gathered): free them.

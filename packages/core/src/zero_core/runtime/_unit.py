@@ -61,8 +61,8 @@ class UnitHost(Protocol):
 class Unit:
     """One module (or compiled block) that gathers its chunks before its forward and releases them after."""
 
-    __slots__ = ("_before_own_backward", "_host", "_params", "_ran", "_triggers", "_watched", "chunks", "module",
-                 "module_id", "state")
+    __slots__ = ("_before_own_backward", "_host", "_keeps_grads", "_params", "_ran", "_triggers", "_watched", "chunks",
+                 "module", "module_id", "state")
 
     def __init__(self, module: nn.Module, chunks: tuple[Chunk, ...], host: UnitHost,
                  triggers: dict[int, set[int]], ran: dict[int, set[int]]) -> None:
@@ -78,6 +78,8 @@ class Unit:
         # since it was last released (cleared when a root forward begins).
         self._triggers = triggers
         self._ran = ran
+        # Whether a chunk of it keeps its gradient buffer for the run (stage 1), which its backward prepares.
+        self._keeps_grads = any(c.stage == 1 for c in chunks)
         # What its outputs' first gradient calls in each backward: made once, not per forward.
         self._before_own_backward = functools.partial(self.before_backward, chunks)
 
@@ -127,19 +129,27 @@ class Unit:
         self.state = UnitState.AFTER_FORWARD
         chunks = self.chunks
         outs = tensors_of(outputs)
-        returned = self._params.returned(outs)
+        graph = torch.is_grad_enabled()
+        returned: set[int] = set()
+        chunk_of = self._params.chunk_of
+        for t in outs:  # returned() only when one of them is a parameter (rare): this runs for every unit
+            if id(t) in chunk_of:
+                returned = self._params.returned(outs)
+                break
         if returned:  # a module returned one of its parameters: its caller reads it after this hook
-            if torch.is_grad_enabled():
+            if graph:
                 host.expose(returned)
             chunks = tuple(c for c in chunks if c.index not in returned)
         triggers, ran_by_chunk, me = self._triggers, self._ran, self.module_id
         for chunk in chunks:
-            ran = ran_by_chunk.setdefault(chunk.index, set())
+            ran = ran_by_chunk.get(chunk.index)
+            if ran is None:
+                ran = ran_by_chunk[chunk.index] = set()
             ran.add(me)
             if ran >= triggers[chunk.index]:
                 ran_by_chunk[chunk.index] = set()
-                host.residency.release_after_forward([chunk], for_backward=torch.is_grad_enabled())
-        if torch.is_grad_enabled():
+                host.residency.release_after_forward([chunk], for_backward=graph)
+        if graph:
             # Not on leaves (a module that returns one of its parameters): a hook on a leaf stays for good,
             # one more every step.
             tensors = [t for t in outs if t.requires_grad and t.grad_fn is not None]
@@ -147,11 +157,20 @@ class Unit:
                 on_first_gradient(tensors, self._before_own_backward if chunks is self.chunks
                                   else functools.partial(self.before_backward, chunks))
 
-    @traced(PRE_BACKWARD, chunks="chunks")
-    @engine_work
     def before_backward(self, chunks: tuple[Chunk, ...], *_: Any) -> None:
         """The first gradient reached its outputs: gather ``chunks`` again for its backward (its own, less those of
         parameters its module returned, which the backward's start gathers)."""
+        # a unit whose chunks are ready in a running backward (see [Note: a unit whose chunks are ready]) has nothing
+        # to do but change its state: no wrappers, no range (this runs for every unit in every backward)
+        if self._host.state is TrainingState.BACKWARD and not self._keeps_grads and \
+                (not chunks or (not self._watched and self._params.holds(chunks))):
+            self.state = UnitState.BACKWARD
+            return
+        self._gather_for_backward(chunks)
+
+    @traced(PRE_BACKWARD, chunks="chunks")
+    @engine_work
+    def _gather_for_backward(self, chunks: tuple[Chunk, ...]) -> None:
         host = self._host
         if host.state is not TrainingState.BACKWARD:
             host.enter_backward()
