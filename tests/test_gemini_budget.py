@@ -7,6 +7,8 @@
 - A step past its trace (a bigger batch after the warm-up) re-plans: cached shards go back to the host, the plan
   is made again from the larger figures, and training goes on with the same values as plain PyTorch; a bigger
   step that no budget-sized plan can hold is refused before it steps, naming the budget it needs.
+- With its defaults (``margin_ratio=1.0``), a model whose states fit the budget keeps them all on the device after the
+  warm-up: every chunk steps there and nothing crosses the link again (issue 48 item 3, the CPU part).
 """
 
 import pytest
@@ -116,10 +118,22 @@ def test_a_step_past_its_trace_replans_instead_of_failing():
 
 
 def test_a_step_past_its_trace_that_the_budget_cannot_hold_is_refused_before_it_steps():
-    error, unchanged, report = _train([8, 32], _config(300 * 1024, watch=True))
+    # margin_ratio 0: the headroom goes to the cache (not to chunks stepping on the device), which the over step empties
+    error, unchanged, report = _train([8, 32], _config(300 * 1024, watch=True, margin_ratio=0.0))
     assert isinstance(error, DeviceBudgetError) and error.measured, error
     assert "step 1 needed at its peak, past the warm-up's trace" in str(error)
     assert error.needed > report["budget"]["device"] and f"({error.needed} bytes)" in str(error)
     assert unchanged and report["replans"] == 1
     # once over, the step's cached shards went back to the host to give the activations their room
     assert report["replanned"][0]["evicted"] > 0 and report["evictions"] >= report["replanned"][0]["evicted"]
+
+
+def test_with_the_defaults_a_model_that_fits_keeps_its_states_on_the_device_after_the_warm_up():
+    """Three steps and five: the same moves and bytes across the link, so steps 3 and 4 moved nothing."""
+    short, long = (_train([8] * n, _config(8 * 2**20)) for n in (3, 5))
+    assert_parity(_train([8] * 5), long, label="gemini's defaults, a model that fits")
+    chunks = len(long.placement["pinned"])
+    assert chunks > 1 and long.placement["pinned"] == list(range(chunks)), long.placement["pinned"]  # every chunk
+    assert long.placement["used"]["host"] == 0, long.placement["used"]  # no state left on the host
+    assert long.placement["moves"] == short.placement["moves"], (short.placement["moves"], long.placement["moves"])
+    assert long.placement["bytes_moved"] == short.placement["bytes_moved"]

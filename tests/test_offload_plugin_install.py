@@ -83,10 +83,11 @@ def test_lru_policy_installs_and_trains_from_a_fresh_venv(tmp_path: Path, fresh_
     _run([*fresh_venv.pip, *(str(ROOT / d) for d in DISTRIBUTIONS)], env=env, cwd=tmp_path, timeout=300)
 
     # (a) torchrun on 2 gloo ranks, the policy selected by name through its entry point; and zero-offload's
-    # own gemini, which `pip install zero-core zero-strategy-chunk zero-offload` must make work on its own
+    # own gemini (margin_ratio 0: every chunk steps on the host, so its shards move), which
+    # `pip install zero-core zero-strategy-chunk zero-offload` must make work on its own
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    for placement, options in (("lru", {"device_chunks": 1}), ("gemini", {"device_budget_mb": 1})):
+    for placement, options in (("lru", {"device_chunks": 1}), ("gemini", {"device_budget_mb": 1, "margin_ratio": 0.0})):
         proc = _run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
                      placement, json.dumps(options)], env=env, cwd=tmp_path, timeout=240)
         print(proc.stdout)

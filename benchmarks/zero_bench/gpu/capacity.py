@@ -180,6 +180,8 @@ def _zero_builder(*, disk: bool) -> Callable[[GPTConfig, Env], Trainer]:
             host_budget_mb=host / 2**20,
             disk_dir=env.disk_dir if disk else None,
             disk_budget_mb=env.disk_budget / 2**20 if disk else None,
+            # the disk row measures streaming from disk: every chunk steps on the host, none in the device's headroom
+            **({"margin_ratio": 0.0} if disk else {}),
         )
         config = ZeroConfig(strategy="chunk", stage=3, precision=Precision(compute="bf16"),
                             chunk=ChunkPolicy(search_interval=env.shape["d_model"]),
@@ -212,12 +214,14 @@ SYSTEMS = (
            16, _build_fsdp2),
     # gemini's host tier is bounded by its own host_budget_mb
     System("zero-gemini", "zero: `ZeroConfig(strategy='chunk', stage=3, Precision(compute='bf16'), placement='gemini')`, "
-           "`GeminiConfig` with the budgets above and defaults otherwise (margin_ratio=0: optimizer states step on the host), "
+           "`GeminiConfig` with the budgets above and defaults otherwise (margin_ratio=1: chunks that fit the headroom step on "
+           "the device, the others on the host), "
            "fused AdamW",
            0, _zero_builder(disk=False), own_budget=True),
     System("zero-gemini-disk", "as zero-gemini, with the disk tier (`disk_dir`) and a host budget of "
-           f"{DISK_HOST_BYTES_PER_PARAM} bytes per parameter plus {DISK_HOST_SLACK >> 30} GiB (2 MiB in a dry run): "
-           "past it, optimizer states (and master shards) go to disk", 0, _zero_builder(disk=True), own_budget=True),
+           f"{DISK_HOST_BYTES_PER_PARAM} bytes per parameter plus {DISK_HOST_SLACK >> 30} GiB (2 MiB in a dry run) and "
+           "margin_ratio=0 (every chunk steps on the host): past the host budget, optimizer states (and master shards) "
+           "go to disk", 0, _zero_builder(disk=True), own_budget=True),
 )
 
 

@@ -19,7 +19,8 @@ STEPS = 3
 
 def _config(**options):
     return ZeroConfig(chunk=ChunkPolicy(chunk_size=300), placement="gemini",
-                      placement_options={"device_budget_mb": 1, "overlap_step": True, **options})
+                      placement_options={"device_budget_mb": 1, "overlap_step": True,
+                                                         "margin_ratio": 0.0, **options})  # every chunk steps on the host
 
 
 _RUNS = ("plain", "clip", "clip_torch", "no_sync", "accumulate")
@@ -126,11 +127,12 @@ def test_it_is_refused_with_a_loss_scaler_and_off_by_default():
     built = _build(case)
     config = ZeroConfig(chunk=ChunkPolicy(chunk_size=300), placement="gemini",
                         precision=Precision(compute="bf16", loss_scale=LossScale()),
-                        placement_options={"device_budget_mb": 1, "overlap_step": True})
+                        placement_options={"device_budget_mb": 1, "overlap_step": True, "margin_ratio": 0.0})
     with pytest.raises(ConfigError, match="overlap_step cannot be used with Precision"):
         shard(built, make_optimizer(case, built), config=config)
     built = _build(case)
-    config = ZeroConfig(chunk=ChunkPolicy(chunk_size=300), placement="gemini", placement_options={"device_budget_mb": 1})
+    config = ZeroConfig(chunk=ChunkPolicy(chunk_size=300), placement="gemini",
+                        placement_options={"device_budget_mb": 1, "margin_ratio": 0.0})
     model, _ = shard(built, make_optimizer(case, built), config=config)
     assert model.engine.placement.overlap is None
     model.engine.close()

@@ -128,6 +128,9 @@ class GeminiConfig(TierConfig):
             measured peak) given to optimizer states: the chunks that fit step on the
             device, with their shards and gradients; the others step on the host, and
             past the host budget their states go to disk (Gemini's ``gpu_margin_mem_ratio``).
+            Default 1.0: a model that fits the budget trains as without offload after the
+            warm-up (no host step, nothing across the link); 0.0 (ColossalAI's default) steps
+            every chunk on the host and leaves the room to the cache.
         prefetch: Let the engine all-gather the next group ahead of use when the budget
             has room for one more group at the step's peak (decided once, on every rank alike).
         trace_every_step: Keep the memory tracer on after the warm-up and record the device
@@ -153,7 +156,7 @@ class GeminiConfig(TierConfig):
             and step undoes them (the first time turns it off). Not with a loss scaler.
     """
 
-    margin_ratio: float = 0.0
+    margin_ratio: float = 1.0
     prefetch: bool = True
     trace_every_step: bool = False
     watch: bool | None = None
