@@ -157,7 +157,9 @@ def docs_screenshots(session: nox.Session) -> None:
     """Build the site, open its key pages in headless Chromium with no network beyond localhost, check them
     (diagrams drawn as SVG, nothing fetched off the machine, no sideways scrolling) and save screenshots to
     site-screenshots/. Needs a system Chromium (``apt-get install chromium``); ``-- --pages a/index.html ...``
-    checks other pages (docs/_ext/site_check.py)."""
+    checks other pages (docs/_ext/site_check.py). Without apt, npm's registry has a self-contained build:
+    ``npm install @sparticuz/chromium@143`` then ``node -e "require('@sparticuz/chromium').executablePath()
+    .then(console.log)"`` unpacks it to /tmp/chromium; run ``nox -s docs_screenshots -- --chromium /tmp/chromium``."""
     session.log("installing docs/requirements.txt and playwright (pinned; Chromium is the system's)")
     session.install("-r", "docs/requirements.txt", "playwright==1.65.2")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")

@@ -11,7 +11,8 @@ On each page it checks:
   diagram source is left as visible text;
 - the page does not scroll sideways, at a desktop and at a phone width (wide tables scroll
   inside their own box instead);
-- at the desktop width, no code block (API signatures included) needs a horizontal scroll.
+- at the desktop width (1280 px), no code block (API signatures included) needs a horizontal
+  scroll, and every diagram's labels are drawn at 12 px or more (not scaled down to fit).
 
 It writes PNG screenshots (the top of each page and each diagram, at the desktop width; the
 top of the home page at the phone width) and exits with status 1 listing every failure.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import http.server
+import re
 import shutil
 import sys
 import threading
@@ -44,11 +46,15 @@ DEFAULT_PAGES = (
     "migration/deepspeed/index.html",
     "migration/fsdp2/index.html",
     "migration/colossalai/index.html",
+    "architecture/index.html",
+    "404.html",
 )
-# 1440 px holds about 105 columns of code beside both sidebars (docs/assets/stylesheets/extra.css).
-DESKTOP = {"width": 1440, "height": 900}
+# A laptop's width: both sidebars shown, about 85 columns of code between them (docs/assets/stylesheets/extra.css).
+DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
 MERMAID_TIMEOUT_MS = 20_000
+# Labels smaller than this are hard to read at the default zoom (material's body text is 16 px, its code 13.6).
+MIN_DIAGRAM_TEXT_PX = 12.0
 # Words that open a diagram's source: visible on the page only when mermaid did not run.
 DIAGRAM_KEYWORDS = ("flowchart LR", "flowchart TB", "sequenceDiagram", "stateDiagram-v2")
 
@@ -84,19 +90,41 @@ def find_chromium(explicit: str | None) -> str:
             return found
     sys.exit(
         "site_check: no Chromium found on PATH (tried chromium, chromium-browser, google-chrome); "
-        "install it with `apt-get install -y chromium` (Debian/Ubuntu) or pass --chromium /path/to/chrome"
+        "install it with `apt-get install -y chromium` (Debian/Ubuntu) or pass --chromium /path/to/chrome "
+        "(without apt: `npm install @sparticuz/chromium@143`, whose executablePath() unpacks /tmp/chromium; see noxfile.py)"
     )
 
 
-def shadow_svgs(page: Page) -> list[str]:
-    """The outer HTML of the SVG inside each ``div.mermaid``'s shadow root, in page order.
+@dataclass
+class Diagram:
+    """One drawn Mermaid block: its SVG markup and the width it is drawn at on the page."""
+
+    svg: str
+    drawn_width: float
+
+    def text_px(self) -> float | None:
+        """The node labels' size as a reader sees it: their font size times the drawing's scale.
+
+        Mermaid draws at its own size (the ``viewBox``) and, by default, scales the drawing down
+        to the column; a wide diagram's 16 px labels end up at 8 px. ``None`` without a viewBox.
+        """
+        box = re.search(r'viewBox="[-\d.]+ [-\d.]+ ([\d.]+) [\d.]+"', self.svg)
+        if not box or float(box.group(1)) == 0:
+            return None
+        # the first size in mermaid's stylesheet is the diagram's own (its root element's), the labels' size
+        size = re.search(r"font-size:\s*([\d.]+)px", self.svg)
+        return (float(size.group(1)) if size else 16.0) * self.drawn_width / float(box.group(1))
+
+
+def shadow_svgs(page: Page) -> list[Diagram | None]:
+    """The SVG inside each ``div.mermaid``'s shadow root, in page order, with its drawn width.
 
     Material attaches each diagram as a *closed* shadow root, invisible to page scripts and
     to Playwright's selectors; the DevTools protocol's pierced DOM tree still holds it.
     """
     cdp = page.context.new_cdp_session(page)
     root = cdp.send("DOM.getDocument", {"depth": -1, "pierce": True})["root"]
-    svgs: list[str] = []
+    svgs: list[Diagram | None] = []
 
     def walk(node: dict) -> None:
         attributes = node.get("attributes", [])
@@ -104,7 +132,12 @@ def shadow_svgs(page: Page) -> list[str]:
         if node.get("nodeName") == "DIV" and "mermaid" in classes:
             found = [c for shadow in node.get("shadowRoots", []) for c in shadow.get("children", [])
                      if c.get("nodeName", "").lower() == "svg"]
-            svgs.append(cdp.send("DOM.getOuterHTML", {"nodeId": found[0]["nodeId"]})["outerHTML"] if found else "")
+            if found:
+                node_id = found[0]["nodeId"]
+                quad = cdp.send("DOM.getBoxModel", {"nodeId": node_id})["model"]["content"]
+                svgs.append(Diagram(cdp.send("DOM.getOuterHTML", {"nodeId": node_id})["outerHTML"], quad[2] - quad[0]))
+            else:
+                svgs.append(None)
         for child in node.get("children", []) + node.get("shadowRoots", []):
             walk(child)
 
@@ -153,7 +186,14 @@ def check_diagrams(page: Page, expected: int, out: Path, stem: str, report: Page
     if len(svgs) != expected or not all(svgs):
         report.failures.append(f"{expected} Mermaid block(s) in the HTML, {report.diagrams} rendered as SVG")
     report.failures += [f"diagram {i} is mermaid's syntax-error picture"
-                        for i, svg in enumerate(svgs, 1) if "Syntax error" in svg]
+                        for i, svg in enumerate(svgs, 1) if svg and "Syntax error" in svg.svg]
+    for i, svg in enumerate(svgs, 1):
+        size = svg.text_px() if svg else None
+        if size is not None and size < MIN_DIAGRAM_TEXT_PX:
+            report.failures.append(
+                f"diagram {i}'s labels are drawn at {size:.1f} px at {DESKTOP['width']} px (under {MIN_DIAGRAM_TEXT_PX}): "
+                "it is scaled down to fit the column; make it narrower or start it with "
+                "%%{init: {\"flowchart\": {\"useMaxWidth\": false}}}%% to draw it full size in a scrolling box")
     for i, element in enumerate(page.locator("div.mermaid").all(), 1):
         # The sticky header would cover the top of a diagram scrolled under it.
         element.screenshot(path=out / f"{stem}-diagram-{i}.png", style=".md-header { visibility: hidden; }")
