@@ -204,11 +204,11 @@ def test_int4_bytes_are_packed_codes_plus_bf16_scales(world, two_rank_runs, four
 def test_training_bytes_and_losses_against_the_exact_backend(two_rank_runs):
     """Every step's parameter gathers and gradient reduce-scatters send exactly the codes (int8, or int4 two a
     byte) plus one scale (fp32, or bf16) per 256 values of each shard; the losses of 8 steps stay within 1% of the
-    exact backend's (int8) or 3% (int4), yet differ (the quantized path ran); ``zero estimate`` predicts the
+    exact backend's (measured: 0.14% int8, 0.37% int4), yet differ (the quantized path ran); ``zero estimate`` predicts the
     bytes."""
     (runs, _), _ = two_rank_runs
     exact = runs["torch"]
-    for name, bits, margin in (("quantized", 8, 0.01), ("quantized-int4", 4, 0.03)):
+    for name, bits in (("quantized", 8), ("quantized-int4", 4)):
         quantized = runs[name]
         shards = [c["size"] // 2 for c in quantized.chunks]  # every zoo GPT chunk has gradients
         assert all(c["requires_grad"] for c in quantized.chunks)
@@ -221,7 +221,7 @@ def test_training_bytes_and_losses_against_the_exact_backend(two_rank_runs):
             assert step_quantized["all_gather"]["bytes_sent"] == per_chunk * rows
             assert step_quantized["reduce_scatter"] == {"calls": len(shards), "bytes_sent": rows}
         for a, b in zip(exact.losses, quantized.losses, strict=True):
-            assert abs(a - b) <= margin * a, (name, exact.losses, quantized.losses)
+            assert abs(a - b) <= 0.01 * a, (name, exact.losses, quantized.losses)
         assert exact.losses != quantized.losses
         # zero_core.estimate predicts those bytes from the backend's estimate_bytes_sent
         predicted = _estimate(ZeroConfig(chunk=ChunkPolicy(chunk_size=300), comm_backend=name))
