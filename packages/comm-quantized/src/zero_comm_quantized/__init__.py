@@ -1,4 +1,5 @@
-"""zero-comm-quantized: comm backends for zero that send parameters and gradients as int8 blocks with fp32 scales."""
+"""zero-comm-quantized: comm backends for zero that send parameters and gradients as int8 blocks with fp32 scales
+or int4 blocks with bf16 scales."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from zero_comm_quantized._backend import (
     Quantization,
     QuantizedCommBackend,
     QuantizedGradsCommBackend,
+    QuantizedInt4CommBackend,
+    QuantizedInt4GradsCommBackend,
+    QuantizedInt4ParamsCommBackend,
     QuantizedParamsCommBackend,
 )
 from zero_comm_quantized._version import __version__
@@ -17,6 +21,9 @@ __all__ = [
     "Quantization",
     "QuantizedCommBackend",
     "QuantizedGradsCommBackend",
+    "QuantizedInt4CommBackend",
+    "QuantizedInt4GradsCommBackend",
+    "QuantizedInt4ParamsCommBackend",
     "QuantizedParamsCommBackend",
     "__version__",
     "plugin_for",

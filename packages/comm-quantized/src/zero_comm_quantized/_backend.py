@@ -1,5 +1,6 @@
 """The ``quantized`` comm backends: zero-comm's torch backend, with parameter all-gathers and gradient
-reduce-scatters sent as int8 blocks with fp32 scales.
+reduce-scatters sent as int8 blocks with fp32 scales (``quantized*``) or int4 blocks with bf16 scales
+(``quantized-int4*``).
 
 [Note: what the quantized backends quantize]
 Only the two collectives the runtime marks as lossy-capable (see [Note: collectives that may be lossy] in
@@ -9,13 +10,14 @@ never pass through them: the optimizer steps the fp32 (or the model's dtype) mas
 gradient, and that shard stays exactly what the optimizer wrote; checkpoints, ``full_tensor()``-style inspection,
 HSDP's replica traffic, whole-tensor optimizer exchanges, broadcasts and the copies ``reshard_after_forward=<int>``
 keeps are exact collectives. What is lossy is the copy each rank computes with (its weights, off by at most
-``max|x| / 254`` of their block) and the summed gradient (each rank's contribution off by at most that of its own
-block, summed in fp32 after dequantising). One rank communicates nothing and quantizes nothing; integer tensors go
-exact.
+``max|x| / 254`` of their block in int8, ``max|x| / 14 * (1 + 2**-7)`` in int4) and the summed gradient (each
+rank's contribution off by at most that of its own block, summed in fp32 after dequantising). One rank
+communicates nothing and quantizes nothing; integer tensors go exact.
 
 The all-gather (ZeRO++'s qwZ): each rank quantizes its shard into one uint8 row (see [Note: the int8 wire format]
-in ``zero_comm_quantized._codec``), the rows are all-gathered by the torch backend, and every rank dequantizes
-every row, its own included, so that all ranks compute with the same weights. A gather in place (the input is
+or [Note: the int4 wire format] in ``zero_comm_quantized._codec``), the rows are all-gathered by the torch
+backend, and every rank dequantizes every row, its own included, so that all ranks compute with the same
+weights. A gather in place (the input is
 this rank's row of the output: stages 1 and 2 with the master in the full buffer) leaves the own row as it is,
 because it may be the master itself.
 
@@ -39,30 +41,38 @@ import torch.distributed as dist
 
 from zero_comm import TorchCommBackend
 from zero_comm._torch_backend import check_reduce_scatter_sizes
-from zero_comm_quantized._codec import dequantize_rows, quantize_rows, row_bytes
+from zero_comm_quantized._codec import BITS, dequantize_rows, quantize_rows, row_bytes
 from zero_core import ConfigError
 from zero_core.plugin import BufferPool, CollectiveKind, CommError, Pending
 
 if TYPE_CHECKING:
     from zero_core import ZeroConfig
 
-__all__ = ["Quantization", "QuantizedCommBackend"]
+__all__ = ["Quantization", "QuantizedCommBackend", "QuantizedGradsCommBackend", "QuantizedInt4CommBackend",
+           "QuantizedInt4GradsCommBackend", "QuantizedInt4ParamsCommBackend", "QuantizedParamsCommBackend"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Quantization:
-    """What a quantized backend quantizes, and the block its scales cover.
+    """What a quantized backend quantizes, to how many bits, and the block its scales cover.
 
     Attributes:
-        block_size: Values per fp32 scale (a block never crosses one rank's row). Smaller blocks follow the
-            values more closely and cost ``4 / block_size`` bytes per value more: 256 adds 1.6% to int8's byte.
+        block_size: Values per scale (a block never crosses one rank's row). Smaller blocks follow the values
+            more closely and cost more scale bytes per value: ``4 / block_size`` in int8 (fp32 scales; 256 adds
+            1.6% to int8's byte), ``2 / block_size`` in int4 (bf16 scales; 256 adds 3.1% to int4's half byte).
         params: Quantize the parameters' all-gathers for forward and backward.
         grads: Quantize the gradients' reduce-scatters.
+        params_bits: 8 (int8 codes, fp32 scales) or 4 (int4 codes two a byte, bf16 scales) for the parameters'
+            all-gathers; see [Note: the int4 wire format] in ``zero_comm_quantized._codec`` and, before choosing
+            4, the measurements in ``docs/comm/quantized.md``.
+        grads_bits: 8 or 4, the same for the gradients' reduce-scatters (ZeRO++'s qgZ sends 4).
     """
 
     block_size: int = 256
     params: bool = True
     grads: bool = True
+    params_bits: int = 8
+    grads_bits: int = 8
 
     def __post_init__(self) -> None:
         block = self.block_size
@@ -72,6 +82,11 @@ class Quantization:
         for name in ("params", "grads"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"Quantization.{name} must be True or False, got {getattr(self, name)!r}.")
+        for name in ("params_bits", "grads_bits"):
+            bits = getattr(self, name)
+            if isinstance(bits, bool) or bits not in BITS:
+                raise ConfigError(f"Quantization.{name} must be 8 (int8, the default) or 4 (int4), got {bits!r}; "
+                                  "there is no wire format for other widths.")
         if not (self.params or self.grads):
             raise ConfigError("Quantization(params=False, grads=False) quantizes nothing: use the 'torch' backend.")
 
@@ -94,10 +109,12 @@ class _Dequantizing:
 
 
 class QuantizedCommBackend(TorchCommBackend):
-    """The torch backend with int8 parameter all-gathers and int8 gradient reduce-scatters (per-block fp32 scales).
+    """The torch backend with quantized parameter all-gathers and gradient reduce-scatters (per-block scales).
 
     See [Note: what the quantized backends quantize]. Registered as ``quantized`` (both), ``quantized-params``
-    and ``quantized-grads``, with 256 values per scale; :meth:`variant` makes one with other settings.
+    and ``quantized-grads`` in int8, and ``quantized-int4``, ``quantized-int4-params`` and
+    ``quantized-int4-grads`` in int4, with 256 values per scale; :meth:`variant` makes one with other settings
+    (int8 weights with int4 gradients, as ZeRO++ does, is ``Quantization(grads_bits=4)``).
     """
 
     name = "quantized"
@@ -137,11 +154,12 @@ class QuantizedCommBackend(TorchCommBackend):
         """One quantized row per rank (see [Note: the int8 wire format] in ``zero_comm_quantized._codec``), ring
         bytes: ``(world_size - 1)`` rows leave each rank. Collectives this backend leaves exact count as the torch
         backend's. The dtype is not known here: a floating one is assumed, which zero's chunks are."""
-        quantized = cls.quantization.params if kind is CollectiveKind.ALL_GATHER else cls.quantization.grads
+        q = cls.quantization
+        quantized, bits = (q.params, q.params_bits) if kind is CollectiveKind.ALL_GATHER else (q.grads, q.grads_bits)
         if not quantized or world_size <= 1 or numel_per_rank == 0:
             return super().estimate_bytes_sent(kind, numel_per_rank, element_size=element_size, world_size=world_size,
                                                config=config)
-        return (world_size - 1) * row_bytes(numel_per_rank, cls.quantization.block_size)
+        return (world_size - 1) * row_bytes(numel_per_rank, q.block_size, bits)
 
     def _quantizes(self, tensor: torch.Tensor, enabled: bool) -> bool:
         # decided by the call site's setting, the world and the dtype alone: the same on every rank for one call
@@ -151,13 +169,14 @@ class QuantizedCommBackend(TorchCommBackend):
         if not self._quantizes(input, self.quantization.params):
             return self.all_gather(output, input, async_op=async_op)
         world, m, block = self.world_size, input.numel(), self.quantization.block_size
+        bits = self.quantization.params_bits
         if output.numel() != m * world:
             raise CommError(f"all_gather output has {output.numel()} elements, expected world_size x input = "
                             f"{world} x {m}")
-        width = row_bytes(m, block)
+        width = row_bytes(m, block, bits)
         pool = self._gather_rows  # the one it came from, even if free() replaces it meanwhile
         send = pool.take(width, torch.uint8, input.device, zeroed=False)
-        quantize_rows(input.detach().reshape(1, m), send.view(1, width), block=block)
+        quantize_rows(input.detach().reshape(1, m), send.view(1, width), block=block, bits=bits)
         received = pool.take(width * world, torch.uint8, output.device, zeroed=False)
         rows = output.view(world, m)
         # a gather in place keeps its own row: it may be the master (see the interface's all_gather_params)
@@ -166,7 +185,7 @@ class QuantizedCommBackend(TorchCommBackend):
         inner = self.all_gather(received, send, async_op=True)  # counted as an all-gather of the uint8 rows
 
         def dequantize() -> None:
-            values = dequantize_rows(received.view(world, width), m, block=block)
+            values = dequantize_rows(received.view(world, width), m, block=block, bits=bits)
             with torch.no_grad():
                 if in_place:
                     for r in range(world):
@@ -188,17 +207,18 @@ class QuantizedCommBackend(TorchCommBackend):
             return self.reduce_scatter(output, input, async_op=async_op)
         check_reduce_scatter_sizes(output, input, self.world_size)
         world, m, block = self.world_size, output.numel(), self.quantization.block_size
-        width = row_bytes(m, block)
+        bits = self.quantization.grads_bits
+        width = row_bytes(m, block, bits)
         pool = self._reduce_rows
         send = pool.take(width * world, torch.uint8, input.device, zeroed=False)
-        quantize_rows(input.detach().reshape(world, m), send.view(world, width), block=block)
+        quantize_rows(input.detach().reshape(world, m), send.view(world, width), block=block, bits=bits)
         received = pool.take(width * world, torch.uint8, input.device, zeroed=False)
         # the bytes of a ring reduce-scatter of the quantized payload: (world - 1) rows leave this rank
         timer = self._record(CollectiveKind.REDUCE_SCATTER, width * world, input.device)
         work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
 
         def add_up() -> None:
-            total = dequantize_rows(received.view(world, width), m, block=block).sum(dim=0)  # fp32, in rank order
+            total = dequantize_rows(received.view(world, width), m, block=block, bits=bits).sum(dim=0)  # fp32, in rank order
             with torch.no_grad():
                 output.view(-1).copy_(total)
             pool.give(received)
@@ -225,5 +245,28 @@ class QuantizedGradsCommBackend(QuantizedCommBackend):
     quantization = Quantization(params=False)
 
 
+class QuantizedInt4CommBackend(QuantizedCommBackend):
+    """Int4 parameter all-gathers and int4 gradient reduce-scatters (bf16 scales); see [Note: the int4 wire
+    format] and, for where it costs training quality, ``docs/comm/quantized.md``."""
+
+    name = "quantized-int4"
+    quantization = Quantization(params_bits=4, grads_bits=4)
+
+
+class QuantizedInt4ParamsCommBackend(QuantizedCommBackend):
+    """Int4 parameter all-gathers only; gradients are reduced exactly."""
+
+    name = "quantized-int4-params"
+    quantization = Quantization(grads=False, params_bits=4)
+
+
+class QuantizedInt4GradsCommBackend(QuantizedCommBackend):
+    """Int4 gradient reduce-scatters only (ZeRO++'s qgZ width); parameters are gathered exactly."""
+
+    name = "quantized-int4-grads"
+    quantization = Quantization(params=False, grads_bits=4)
+
+
 BUILT_IN: tuple[type[QuantizedCommBackend], ...] = (QuantizedCommBackend, QuantizedParamsCommBackend,
-                                                    QuantizedGradsCommBackend)
+                                                    QuantizedGradsCommBackend, QuantizedInt4CommBackend,
+                                                    QuantizedInt4ParamsCommBackend, QuantizedInt4GradsCommBackend)

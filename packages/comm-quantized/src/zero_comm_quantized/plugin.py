@@ -1,4 +1,5 @@
-"""zero-comm-quantized's plugin: registers ``quantized``, ``quantized-params`` and ``quantized-grads`` through the
+"""zero-comm-quantized's plugin: registers ``quantized``, ``quantized-params``, ``quantized-grads`` and their int4
+forms ``quantized-int4``, ``quantized-int4-params``, ``quantized-int4-grads`` through the
 ``zero`` entry points."""
 
 from __future__ import annotations

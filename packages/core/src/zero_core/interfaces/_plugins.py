@@ -31,6 +31,9 @@ _INSTALL_HINTS = {
     "quantized": "zero-comm-quantized",
     "quantized-params": "zero-comm-quantized",
     "quantized-grads": "zero-comm-quantized",
+    "quantized-int4": "zero-comm-quantized",
+    "quantized-int4-params": "zero-comm-quantized",
+    "quantized-int4-grads": "zero-comm-quantized",
     "gemini": "zero-offload",
     "static": "zero-offload",
 }
