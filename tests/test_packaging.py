@@ -226,9 +226,10 @@ def test_wheels_install_at_their_floors_and_train(tmp_path: Path, tmp_path_facto
     # a distribution of its own: installed by name beside the others, found through the `zero` entry points
     _run([*pip, "--no-index", "--find-links", str(dist_dir), "zero-comm-quantized"], env=env, cwd=tmp_path, timeout=120)
     found = _run([python, "-c", "from zero_core.plugin import ZeroPlugins; b = ZeroPlugins.load().comm_backends; "
-                  "print(*(b.get(n).__module__ for n in ('quantized', 'quantized-params', 'quantized-grads')))"],
+                  "print(*(b.get(n).__module__ for n in ('quantized', 'quantized-params', 'quantized-grads', "
+                  "'quantized-int4', 'quantized-int4-params', 'quantized-int4-grads')))"],
                  env=env, cwd=tmp_path, timeout=180).stdout.split()
-    assert found == ["zero_comm_quantized._backend"] * 3, found
+    assert found == ["zero_comm_quantized._backend"] * 6, found
     lap("zero-comm-quantized installed from dist/; its backends registered")
 
     help_text = _run([str(bindir / "zero"), "--help"], env=env, cwd=tmp_path, timeout=120).stdout
