@@ -472,7 +472,8 @@ class Engine:
         """The next group of the reducer's order is ready: launch it and every ready one after it."""
         backward = self.backward_pass
         for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
-            if backward is None or not backward.holds_gathered:
+            # a kept chunk (persistent) is never released: no call for it (this runs for every chunk in every backward)
+            if not chunk.persistent and (backward is None or not backward.holds_gathered):
                 self.residency.release([chunk])
             self._module_hooks.chunk_reduced(chunk)
 
