@@ -555,7 +555,8 @@ class Engine:
                     chunk.grads.discard()
                 self.residency.release(self.chunks)
             for chunk in self.chunks:
-                chunk.drop_post_forward_copy()
+                if not chunk.persistent:  # a kept chunk is never sharded, so never holds a post-forward copy
+                    chunk.drop_post_forward_copy()
             self.reducer.end()
             self.backward_pass = None
             self._gathered_for_graph = backward if keep else None
