@@ -113,5 +113,5 @@ def reachable_params(outputs: Sequence[torch.Tensor]) -> set[int]:
 
 # The C++ node that accumulates a leaf's gradient, and the node types met so far that are not reentrant checkpointing
 # (a set that only grows: one entry per kind of operation, see [Note: the reachable-parameters walk]).
-_ACCUMULATE_GRAD: Any = torch._C._functions.AccumulateGrad
+_ACCUMULATE_GRAD: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]  # not in the stubs
 _PLAIN_NODE_TYPES: set[type] = set()
