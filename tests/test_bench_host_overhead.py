@@ -105,3 +105,8 @@ def test_interleaved_host_cpu_script_prints_each_rows_cpu_time_and_python_calls(
     assert ratios.keys() == {"plain", "s3", "s2"} and ratios["plain"] == "1.00", out
     calls = {name: int(n) for name, n in re.findall(r"^(plain|s3|s2) +python calls/step (\d+)$", out, re.M)}
     assert calls.keys() == {"plain", "s3", "s2"} and calls["s3"] > calls["plain"] and calls["s2"] > calls["plain"], out
+    phases = {name: dict(re.findall(r"(zero_grad|forward|backward|step) (\d+)", line)) for name, line in
+              re.findall(r"^(plain|s3|s2) +python calls by phase (.*)$", out, re.M)}
+    assert phases.keys() == calls.keys() and all(len(p) == 4 for p in phases.values()), out
+    # plain PyTorch's backward runs no Python; zero's runs its gradient hooks
+    assert int(phases["plain"]["backward"]) < int(phases["s3"]["backward"]), out

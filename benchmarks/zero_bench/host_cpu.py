@@ -1,7 +1,8 @@
 """Host CPU time and Python calls per step on the bench's mlp-48 model at one rank: plain PyTorch, zero chunk
 stage 3 and stage 2 (one chunk per block), trained side by side with their steps interleaved (plain, s3, s2, plain,
 ...), so load changes hit all three alike. Prints the median process CPU time per step of each, its ratio to plain,
-and the Python function calls of one step (cProfile, load-independent).
+and the Python function calls of one step (cProfile, load-independent), in all and by phase (zero_grad, forward with
+the loss, backward, optimizer step).
 
     python -m zero_bench.host_cpu [STEPS]
 """
@@ -42,6 +43,26 @@ def step(model, opt, tokens):
     return loss.item()
 
 
+def phase_calls(model, opt, tokens) -> dict[str, int]:
+    """The Python function calls of each phase of one step (cProfile's ``total_calls``, a profiler per phase)."""
+    calls: dict[str, int] = {}
+
+    def profiled(name, fn):
+        prof = cProfile.Profile()
+        prof.enable()
+        result = fn()
+        prof.disable()
+        calls[name] = pstats.Stats(prof).total_calls  # type: ignore[attr-defined]
+        return result
+
+    profiled("zero_grad", opt.zero_grad)
+    loss = profiled("forward", lambda: F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB),
+                                                      tokens[:, 1:].reshape(-1)))
+    profiled("backward", loss.backward)
+    profiled("step", opt.step)
+    return calls
+
+
 def main() -> None:
     torch.set_num_threads(1)
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 30
@@ -67,6 +88,8 @@ def main() -> None:
         prof.disable()
         stats = pstats.Stats(prof)
         print(f"{name:6s} python calls/step {stats.total_calls}")  # type: ignore[attr-defined]
+        by_phase = phase_calls(m, o, batches[1])
+        print(f"{name:6s} python calls by phase " + " ".join(f"{k} {v}" for k, v in by_phase.items()))
         if "-v" in sys.argv and name != "plain":
             stats.sort_stats("tottime").print_stats(25)
 

@@ -57,6 +57,7 @@ class ChunkGradients:
         # 2: this rank's mean gradient from the last backward, until handed over: where it landed (a 1-D buffer) and
         # where each slot's piece begins in it, or (``_pieces``) one tensor per slot; see :attr:`reduced`.
         self._landed: tuple[torch.Tensor, list[int]] | None = None
+        self._shard_offsets: list[int] | None = None  # where each slot's piece begins in a shard (read once, in land)
         self._pieces: list[torch.Tensor] | None = None
         # Per slot: did the parameter get a gradient on this rank since the last hand-over (every backward of a
         # no_sync accumulation included)? Set by the reducer when autograd accumulates.
@@ -217,8 +218,11 @@ class ChunkGradients:
             layout.scatter_own(reduced, kept)
             self._landed = (kept, [s.offset + layout.rank * s.piece for s in layout.slots])  # own_pieces(kept)'s
         elif reduced.dim() == 1 and reduced.is_contiguous():
-            # the pieces, one after another as in the shard (shard_pieces, and split by split_sizes, cut the same)
-            self._landed = (reduced, [s.shard_offset for s in layout.slots])
+            # the pieces, one after another as in the shard (shard_pieces, and split by split_sizes, cut the same);
+            # their offsets read once, the layout being fixed once packed
+            if self._shard_offsets is None:
+                self._shard_offsets = [s.shard_offset for s in layout.slots]
+            self._landed = (reduced, self._shard_offsets)
         else:
             self.reduced = list(reduced.split(layout.split_sizes)[: len(layout.slots)])
 
@@ -330,6 +334,9 @@ class ChunkGradients:
         self.got = [False] * len(chunk.slots)
         early, self._early = self._early, [False] * len(chunk.slots)
         if not self.landed:
+            return
+        if all(early):  # every slot was handed over as its reduction landed (the usual case at one rank)
+            self.reduced = None
             return
         try:
             for seg in chunk.segments:

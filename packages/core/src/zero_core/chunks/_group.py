@@ -18,6 +18,7 @@ Without declared groups every chunk is its own group.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from zero_core.base._state import ReduceState
 from zero_core.chunks.chunk import BufferPool, Chunk
@@ -61,7 +62,7 @@ class GatherGroup:
         return all(c.is_gathered for c in self.chunks)
 
     # -- reduce bookkeeping --------------------------------------------------------------------
-    def expect(self, params: set[int]) -> None:
+    def expect(self, params: AbstractSet[int]) -> None:
         """A forward built a graph that can deliver a gradient to these of the group's parameters (ids)."""
         self._expected |= params
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,18 +36,19 @@ class _FirstGradient:
     """Calls ``fn(grads)`` before the first of its nodes runs in each backward (autograd graph task)."""
 
     __slots__ = ("_fn", "_ran")
-    _lock = threading.Lock()  # one for all: a CUDA backward runs nodes on one thread per device
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self._fn = fn
-        self._ran: set[int] = set()
+        # graph task -> the call that claimed it
+        self._ran: dict[int, object] = {}
 
     def __call__(self, grads: Any) -> None:
-        task = torch._C._current_graph_task_id()
-        with self._lock:
-            if task in self._ran:
-                return
-            self._ran.add(task)
+        # A CUDA backward runs nodes on one thread per device: the first call of a task claims it with one atomic
+        # dict operation (setdefault on an int key runs no Python code, so no other thread runs inside it), which
+        # needs no lock (this runs at every unit's outputs in every backward).
+        claim = object()
+        if self._ran.setdefault(torch._C._current_graph_task_id(), claim) is not claim:
+            return
         self._fn(grads)
 
 
@@ -76,24 +76,42 @@ def reachable_params(outputs: Sequence[torch.Tensor]) -> set[int]:
     # Any: the node classes carry their own attributes (AccumulateGrad's variable) that torch's Node type does not declare
     stack: list[Any] = list({t.grad_fn for t in outputs if t.grad_fn is not None})
     seen: set[Any] = set(stack)
-    # Every node is pushed once (marked when pushed, not when popped): this walk runs after every forward, over
-    # a graph of thousands of nodes on a deep model.
+    # [Note: the reachable-parameters walk]
+    # This walk runs after every forward that builds a graph, over every node of it (about 700 on a 48-block model,
+    # a third of them a parameter's AccumulateGrad). Every node is pushed once (marked when pushed, not when popped);
+    # a leaf's AccumulateGrad (which holds its leaf and has no next functions) is taken where it is met, never
+    # pushed, marked or popped; and a node's kind is told by its type, not by its name, except for the one Python
+    # node this walk refuses (reentrant checkpointing), whose type is named once per walk at most per type.
+    accumulate = _ACCUMULATE_GRAD
+    plain = _PLAIN_NODE_TYPES
     while stack:
         fn = stack.pop()
-        name = type(fn).__name__
-        if name == "AccumulateGrad":  # holds its leaf, and has no next functions
+        kind = type(fn)
+        if kind is accumulate:  # an output that is itself a parameter's node: only where the caller passed one
             found.add(id(fn.variable))
             continue
-        if name == "CheckpointFunctionBackward":
-            raise GradientLostError(
-                "the model uses reentrant activation checkpointing, which hides parameters from the autograd "
-                "graph until backward, so their gradients would be lost; use the non-reentrant form: "
-                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or for a HuggingFace model "
-                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False}) "
-                "(activation_checkpointing_enable({\"use_reentrant\": False}) in transformers 5)"
-            )
+        if kind not in plain:
+            if kind.__name__ == "CheckpointFunctionBackward":
+                raise GradientLostError(
+                    "the model uses reentrant activation checkpointing, which hides parameters from the autograd "
+                    "graph until backward, so their gradients would be lost; use the non-reentrant form: "
+                    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or for a HuggingFace model "
+                    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": False}) "
+                    "(activation_checkpointing_enable({\"use_reentrant\": False}) in transformers 5)"
+                )
+            plain.add(kind)
         for next_fn, _ in fn.next_functions:
-            if next_fn is not None and next_fn not in seen:
+            if next_fn is None:
+                continue
+            if type(next_fn) is accumulate:
+                found.add(id(next_fn.variable))
+            elif next_fn not in seen:
                 seen.add(next_fn)
                 stack.append(next_fn)
     return found
+
+
+# The C++ node that accumulates a leaf's gradient, and the node types met so far that are not reentrant checkpointing
+# (a set that only grows: one entry per kind of operation, see [Note: the reachable-parameters walk]).
+_ACCUMULATE_GRAD: Any = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]  # not in the stubs
+_PLAIN_NODE_TYPES: set[type] = set()

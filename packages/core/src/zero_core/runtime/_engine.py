@@ -472,7 +472,8 @@ class Engine:
         """The next group of the reducer's order is ready: launch it and every ready one after it."""
         backward = self.backward_pass
         for chunk in self.reducer.launch_ready(self.bridge.loss_scale):
-            if backward is None or not backward.holds_gathered:
+            # a kept chunk (persistent) is never released: no call for it (this runs for every chunk in every backward)
+            if not chunk.persistent and (backward is None or not backward.holds_gathered):
                 self.residency.release([chunk])
             self._module_hooks.chunk_reduced(chunk)
 
@@ -554,7 +555,8 @@ class Engine:
                     chunk.grads.discard()
                 self.residency.release(self.chunks)
             for chunk in self.chunks:
-                chunk.drop_post_forward_copy()
+                if not chunk.persistent:  # a kept chunk is never sharded, so never holds a post-forward copy
+                    chunk.drop_post_forward_copy()
             self.reducer.end()
             self.backward_pass = None
             self._gathered_for_graph = backward if keep else None

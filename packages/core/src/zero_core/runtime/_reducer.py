@@ -67,6 +67,10 @@ class GradientReducer:
         self._steps = [(g, trainable) for g in reversed(self._groups)
                        if (trainable := tuple(c for c in reversed(g.chunks) if c.requires_grad))]
         self.order = [c for _, trainable in self._steps for c in trainable]
+        # Each group of the order with its trainable parameters' ids, taken with the order: what expect() intersects
+        # with a graph's reachable parameters after every forward, one set operation per group instead of an id()
+        # and a lookup per parameter.
+        self._expectable = [(g, frozenset(id(s.param) for c in trainable for s in c.slots)) for g, trainable in self._steps]
 
     # -- between steps and in forward ------------------------------------------------------------------
     @property
@@ -86,8 +90,8 @@ class GradientReducer:
 
     def expect(self, reachable: set[int]) -> None:
         """A forward built a graph that reaches the parameters (ids) in ``reachable``."""
-        for group, trainable in self._steps:
-            group.expect({id(s.param) for chunk in trainable for s in chunk.slots if id(s.param) in reachable})
+        for group, ids in self._expectable:
+            group.expect(ids & reachable)
 
     def forget_graphs(self) -> None:
         """After a step: graphs built before it cannot be backwarded after it."""
@@ -197,10 +201,14 @@ class GradientReducer:
         """Give each optimizer segment its gradient if its parameter got one on any rank (``apply=False``: only
         join the ranks' agreement on it, for a backward that raised; see [Note: a backward that raises finishes
         its collectives])."""
+        if self._comm.world_size == 1 or not self._agree:  # each chunk's own flags are the answer: nothing to join
+            if apply:
+                for chunk in self.order:
+                    chunk.grads.hand_over(chunk.grads.got)
+            return
         flags = [f for chunk in self.order for f in chunk.grads.got]
-        if self._comm.world_size > 1 and self._agree:
-            agreed = any_rank(self._comm, torch.tensor(flags, dtype=torch.uint8)).tolist()
-            flags = [bool(f) for f in agreed]
+        agreed = any_rank(self._comm, torch.tensor(flags, dtype=torch.uint8)).tolist()
+        flags = [bool(f) for f in agreed]
         if not apply:
             return
         offset = 0

@@ -62,6 +62,7 @@ class Residency:
         self.scheduler = GatherScheduler(self.groups, comm, placement, agree=agree)
         # Groups that keep full buffers, refreshed from the master shards after each step (their trainable members).
         self._refresh_after_step = [g for g in self.groups if any(c.persistent for c in g.chunks)]
+        self._members = {id(g): frozenset(c.index for c in g.chunks) for g in self.groups}
         # Chunks cut over the replicas, whose group shards are refreshed after each step (see [Note: optimizer states
         # across replicas] in zero_core.chunks.chunk).
         self._group_sharded = [c for c in self.chunks if c.group_shard is not None]
@@ -137,10 +138,17 @@ class Residency:
         changed = None if chunks is None else {c.index for c in chunks}
         refresh = self._refresh_after_step if changed is None else \
             [g for g in self._refresh_after_step if any(c.index in changed for c in g.chunks)]
+        mirrors = self._mirrors()
         if refresh_kept and refresh:
             with phase(REFRESH_PARAMETERS):
+                # Only groups with a mirror: a kept buffer that is its master (one rank, shard_is_view) has nothing to
+                # refresh, and one set operation per group says so, not refresh_group's calls per chunk (at one rank
+                # in one dtype: every group, every step).
+                mirrored = {c.index for c in mirrors}
                 # one group at a time: each all-gather's receive buffer is free again before the next one takes it
                 for group in refresh:
+                    if self._members[id(group)].isdisjoint(mirrored):
+                        continue
                     for pending in refresh_group(group, self._comm):
                         if pending is not None:
                             pending.wait()
@@ -152,7 +160,12 @@ class Residency:
         self.free_idle_buffers()
         self._placement.after_step(self.chunks)
         if refresh_kept:
-            self.mark_refreshed([c for g in refresh for c in g.refreshed] + stepped)
+            # only the mirrors (asked again: the placement policy may have moved a shard just now, making its chunk
+            # one): written() reads no other chunk's record (the usual case at one rank: none)
+            mirrors = self._mirrors()
+            if mirrors:
+                marked = {c.index for g in refresh for c in g.refreshed} | {c.index for c in stepped}
+                self.mark_refreshed([c for c in mirrors if c.index in marked])
 
     # -- writes outside the optimizer -------------------------------------------------------------------
     def _mirrors(self) -> list[Chunk]:

@@ -61,8 +61,8 @@ class UnitHost(Protocol):
 class Unit:
     """One module (or compiled block) that gathers its chunks before its forward and releases them after."""
 
-    __slots__ = ("_before_own_backward", "_host", "_keeps_grads", "_params", "_ran", "_triggers", "_watched", "chunks",
-                 "module", "module_id", "state")
+    __slots__ = ("_before_own_backward", "_host", "_keeps_grads", "_params", "_ran", "_released", "_triggers", "_watched",
+                 "chunks", "module", "module_id", "state")
 
     def __init__(self, module: nn.Module, chunks: tuple[Chunk, ...], host: UnitHost,
                  triggers: dict[int, set[int]], ran: dict[int, set[int]]) -> None:
@@ -78,6 +78,10 @@ class Unit:
         # since it was last released (cleared when a root forward begins).
         self._triggers = triggers
         self._ran = ran
+        # Its chunks a forward may release: a kept chunk (``persistent``, fixed when the chunk is built: stages 1 and 2,
+        # stage 3 at one rank) is never released, so its forward needs no bookkeeping of which units ran (this runs
+        # for every unit in every forward; at stage 2 it is every chunk).
+        self._released = tuple(c for c in chunks if not c.persistent)
         # Whether a chunk of it keeps its gradient buffer for the run (stage 1), which its backward prepares.
         self._keeps_grads = any(c.stage == 1 for c in chunks)
         # What its outputs' first gradient calls in each backward: made once, not per forward.
@@ -136,12 +140,14 @@ class Unit:
             if id(t) in chunk_of:
                 returned = self._params.returned(outs)
                 break
+        released = self._released
         if returned:  # a module returned one of its parameters: its caller reads it after this hook
             if graph:
                 host.expose(returned)
             chunks = tuple(c for c in chunks if c.index not in returned)
+            released = tuple(c for c in released if c.index not in returned)
         triggers, ran_by_chunk, me = self._triggers, self._ran, self.module_id
-        for chunk in chunks:
+        for chunk in released:
             ran = ran_by_chunk.get(chunk.index)
             if ran is None:
                 ran = ran_by_chunk[chunk.index] = set()

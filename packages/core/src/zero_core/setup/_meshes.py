@@ -31,6 +31,7 @@ the whole world), in the order meshes first appear in the plan, so creation neve
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +62,7 @@ class ChunkComms:
     outer: CommBackend | None = None
     everyone: CommBackend | None = None
 
-    @property
+    @functools.cached_property  # the plan and its mesh are frozen: read once, not at every chunk's every reduction
     def all_reduce(self) -> bool:
         """Whether the shard group all-reduces (``Reduction.ALL_REDUCE``) instead of reduce-scattering."""
         return self.plan.reduction is Reduction.ALL_REDUCE and self.plan.mesh.shard_ranks > 1
