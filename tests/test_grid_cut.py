@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from zero_core import ChunkPolicy, ZeroConfig, load_checkpoint, save_checkpoint, shard
 from zero_core.testing import full_value, run_distributed
@@ -96,6 +96,17 @@ def _world(path: str) -> dict:
             dcp.save({"model": model.state_dict()}, checkpoint_id=f"{path}/dcp")
         out[strategy] = run
         model.close()
+    if world == 4:  # a grid of an HSDP mesh's shard dimension: (2, 2) -> (2, 1, 2), a replica of each piece
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from zero_core.chunks._grid_mesh import grid_mesh
+
+        grid = grid_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), 2)
+        value = torch.arange(24.0).view(4, 6)
+        local = value.view(1, 4, 2, 3)[0, :, rank % 2].clone()  # all 4 rows, columns of this rank's half
+        made = DTensor.from_local(local, grid, (Replicate(), Shard(0), Shard(1)), run_check=False, shape=value.shape,
+                                  stride=value.stride())
+        out["hsdp_grid"] = (tuple(grid.shape), torch.equal(made.full_tensor(), value))
     if world == 2:  # what 4 ranks saved, resharded onto 2 (a 2 x 2 grid onto a one-dimension cut)
         model, opt = _build()
         load_checkpoint(model, opt, f"{path}/zero")
@@ -135,6 +146,7 @@ def test_a_grid_cut_trains_at_parity_and_round_trips_across_world_sizes(tmp_path
                         assert len(placements) == ndim == 1 and placements[0] != Replicate(), (world, name)
                 if world == 4:  # no grid divides (3, 6) over 4 ranks: dim 0, padded, on the chunk's own mesh
                     assert run["placements"]["out.weight"][:2] == ((Shard(0),), 1)
+    assert all(r["hsdp_grid"] == ((2, 1, 2), True) for r in results[4])
     saved = results[4][0]["chunk"]
     for result in results[2]:
         for name, (value, exp_avg) in result["zero_loaded"].items():
