@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from zero_core import ChunkPolicy, ZeroConfig, ZeroError, shard
-from zero_core.chunks._slots import shard_dim
+from zero_core.chunks._slots import shard_cut
 from zero_core.testing import RunResult, assert_parity, full_value, rank_device, run_distributed
 from zero_core.testing.zoo import get_case
 
@@ -551,15 +551,22 @@ def _describe(model: nn.Module, opt: torch.optim.Optimizer, world: int, rank: in
     """What a script reads off a model; on the sharded one also the DTensor layout, checked against torch.chunk."""
     layout = {}
     for name, p in model.named_parameters() if dist.is_initialized() else ():  # the plain model has no layout
-        # dim 0, or a later one where dim 0 would pad more than 1% (the head's 3 rows: see [Note: shard dimension])
-        dim = shard_dim(p.shape, world)
-        expected = list(torch.empty(p.shape[dim]).chunk(world)) if p.dim() else []
-        rows = expected[rank].numel() if rank < len(expected) else 0
+        # dim 0, or a later one where dim 0 would pad more than 1% (the head's 3 rows: see [Note: shard dimension]),
+        # or a grid of dims 0 and dim2 where no one dimension divides evenly (see [Note: two-dimension cut])
+        dim, dim2, split = shard_cut(p.shape, world)
+        parts = world // split
+        expected = list(torch.empty(p.shape[dim]).chunk(parts)) if p.dim() else []
+        rows = expected[rank // split].numel() if rank // split < len(expected) else 0
+        local = [*p.shape[:dim], rows, *p.shape[dim + 1:]]
+        placements: tuple = (Shard(dim),)
+        if split > 1:
+            local[dim2] //= split
+            placements = (Shard(dim), Shard(dim2))
         layout[name] = {
             "parameter": isinstance(p, nn.Parameter),
             "dtensor": isinstance(p, DTensor),
-            "placements": tuple(p.placements) == (Shard(dim),) if isinstance(p, DTensor) else False,
-            "local_shape": tuple(_local(p).shape) == (*p.shape[:dim], rows, *p.shape[dim + 1:]),
+            "placements": tuple(p.placements) == placements if isinstance(p, DTensor) else False,
+            "local_shape": tuple(_local(p).shape) == tuple(local),
         }
     in_optimizer = {id(p) for group in opt.param_groups for p in group["params"]}
     return {

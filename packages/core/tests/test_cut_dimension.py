@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from zero_core.chunks._chunk_layout import ChunkLayout
-from zero_core.chunks._slots import ChunkSpec, ParamInfo, layout_slots, padded_shard_size, shard_dim
+from zero_core.chunks._slots import ChunkSpec, ParamInfo, layout_slots, padded_shard_size, shard_cut, shard_dim
 
-SHAPES = [(3, 8, 4), (5,), (4, 6), (), (1, 7, 4), (1, 8)]
+# the last two are cut in two dimensions over 4 ranks (a 2 x 2 grid; see [Note: two-dimension cut])
+SHAPES = [(3, 8, 4), (5,), (4, 6), (), (1, 7, 4), (1, 8), (6, 10), (6, 3, 10)]
 
 
 @pytest.mark.parametrize(("shape", "world", "dim"), [
@@ -29,6 +30,22 @@ SHAPES = [(3, 8, 4), (5,), (4, 6), (), (1, 7, 4), (1, 8)]
 ])
 def test_the_cut_dimension_is_dim_0_unless_that_pads_more_than_one_percent(shape, world, dim):
     assert shard_dim(shape, world) == dim
+
+
+@pytest.mark.parametrize(("shape", "world", "cut"), [
+    ((3584, 3584), 1024, (0, 1, 2)),    # Qwen2-7B's attention: 3584 = 7 x 512, a 512 x 2 grid, 7 x 1792 a rank
+    ((18944, 3584), 1024, (0, 1, 2)),   # its MLP: 18944 = 37 x 512
+    ((4544, 4544), 1024, (0, 1, 16)),   # Falcon-7B: 4544 = 71 x 64, a 64 x 16 grid
+    ((6, 3, 10), 4, (0, 2, 2)),         # the second cut skips a dimension it does not divide
+    ((3, 5), 2, (0, 0, 1)),             # no grid divides exactly: dim 0, padded
+    ((512,), 1024, (0, 0, 1)),          # one dimension: padded
+])
+def test_a_matrix_no_dimension_of_which_the_ranks_divide_is_cut_in_two(shape, world, cut):
+    assert shard_cut(shape, world) == cut
+    (slot,), size = layout_slots([("w", nn.Parameter(torch.empty(shape, device="meta")))], world)
+    if cut[2] > 1:  # exact: nothing padded, every rank the same share
+        assert slot.piece * world == slot.numel and size == slot.piece and slot.strided
+        assert slot.local_shape(world - 1).numel() == slot.piece
 
 
 def _values():
@@ -56,7 +73,8 @@ def test_copy_in_and_copy_out_move_each_ranks_torch_chunk_piece(world, outer):
     values = _values()
     spec = _spec(values, world)
     layouts = [ChunkLayout(spec, rank=r, world_size=world, outer=outer) for r in range(world)]
-    assert [s.dim for s in layouts[0].slots] == [1, 0, 0, 0, 2, 1]
+    assert [s.dim for s in layouts[0].slots] == [1, 0, 0, 0, 2, 1, 0, 0]
+    assert [s.split for s in layouts[0].slots] == [1] * 6 + ([2, 2] if world == 4 else [1, 1])
     assert layouts[0].strided and not layouts[0].direct
     full = _full(layouts[0], values)
     rank_major = torch.empty(layouts[0].size)

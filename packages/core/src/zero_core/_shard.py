@@ -207,7 +207,7 @@ def shard(
                       gradient_predivide_factor=config.precision.gradient_predivide_factor, keep_gathered=index in keep,
                       keep_alone=keep_alone,
                       mesh=chunk_comms.device_mesh, replicas=1 if cut else mesh_spec.replicate_ranks, outer=outer,
-                      exact_gathers=chunk_comms.gather.params_exact)
+                      exact_gathers=chunk_comms.gather.params_exact, timeout=timeout)
         chunk.plan, chunk.comms = chunk_plans[index], chunk_comms
         chunk.owned = True
         # made where the policy places it first: see [Note: shards made where they live] in zero_core.chunks.chunk

@@ -142,9 +142,8 @@ def fill_from_source(model_keys: ModelKeys, source: object, chunks: Sequence[Chu
                         continue
                     if slot.strided:  # a block of the parameter (see [Note: shard dimension] in zero_core.chunks._slots)
                         held = chunk.held(i)
-                        start = min(chunk.rank * slot.rows, slot.shape[slot.dim])
-                        block = source.read_block(name, slot.dim, start, slot.local_rows(chunk.rank))  # type: ignore[attr-defined]
-                        held.copy_(block.reshape(-1).to(chunk.master_dtype))
+                        block = source.read_block(name, *slot.block(chunk.rank))  # type: ignore[attr-defined]
+                        held.copy_(slot.from_block(block, chunk.rank).reshape(-1).to(chunk.master_dtype))
                         continue
                     (lo, hi, _), = chunk.runs(i)
                     chunk.fill(i, source.read(name, lo, hi).to(chunk.master_dtype), lo=lo)  # type: ignore[attr-defined]

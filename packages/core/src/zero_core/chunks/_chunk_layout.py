@@ -58,7 +58,7 @@ class ChunkLayout:
 
     def regions(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """``buf`` (parameter-major, ``size`` elements) cut into every rank's piece of each parameter, then the
-        shards' tail padding: ``(world_size, piece)`` views (``(world_size, lead, run)`` for a strided slot)."""
+        shards' tail padding: ``(world_size, piece)`` views (``ParamSlot.columns``' shapes for a strided slot)."""
         out, at = [], 0
         for slot in self.slots:
             out.append(slot.columns(buf[at : at + self.world_size * slot.piece], self.world_size))
@@ -72,7 +72,7 @@ class ChunkLayout:
         views, or ``(lead, run)`` blocks for strided slots."""
         if not self.strided:
             return [buf[s.offset + self.rank * s.piece : s.offset + (self.rank + 1) * s.piece] for s in self.slots]
-        return [region[self.rank] for region in self.regions(buf)[: len(self.slots)]]
+        return [slot.of_rank(region, self.rank) for slot, region in zip(self.slots, self.regions(buf))]
 
     def shard_pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's padded piece inside a shard (``shard_size`` elements)."""
@@ -107,7 +107,11 @@ class ChunkLayout:
             if self.direct:
                 full.view(*lead, self.shard_size).copy_(rank_major)
             elif self.strided:
-                for column, region in zip(rank_major.split(self.split_sizes, dim=-1), self.regions(full)):
+                for slot, column, region in zip(self._grid_slots(), rank_major.split(self.split_sizes, dim=-1),
+                                                self.regions(full)):
+                    if slot is not None:  # the ranks as a grid (see [Note: two-dimension cut] in zero_core.chunks._slots)
+                        region.copy_(column.reshape(region.shape))  # a gather-order view is copied once more here
+                        continue
                     region.view(*lead, *region.shape[1:]).copy_(column.view(*lead, *region.shape[1:]))
             else:
                 if not rank_major.is_contiguous() and dense(rank_major):
@@ -117,6 +121,10 @@ class ChunkLayout:
                     # Strided inputs that are not dense (a group's block) take torch's exact composite path.
                     rank_major = rank_major.contiguous()
                 torch.split_with_sizes_copy(rank_major, self.split_sizes, dim=-1, out=self._copy_targets(full, lead))
+
+    def _grid_slots(self) -> list[ParamSlot | None]:
+        """Each column of :attr:`split_sizes`: its slot if cut in two dimensions, else ``None`` (the tail too)."""
+        return [s if s.split > 1 else None for s in self.slots] + [None] * (len(self.split_sizes) - len(self.slots))
 
     def _copy_targets(self, full: torch.Tensor, lead: tuple[int, ...]) -> list[torch.Tensor]:
         if full is not self._full:
@@ -136,7 +144,11 @@ class ChunkLayout:
                 lead = (self.outer, self.world_size // self.outer) if gather_order else (self.world_size,)
                 target = out.view(lead[-1], lead[0], self.shard_size).transpose(0, 1) if len(lead) == 2 else \
                     out.view(self.world_size, self.shard_size)
-                for column, region in zip(target.split(self.split_sizes, dim=-1), self.regions(flat)):
+                for slot, column, region in zip(self._grid_slots(), target.split(self.split_sizes, dim=-1),
+                                                self.regions(flat)):
+                    if slot is not None:  # the ranks as a grid (see [Note: two-dimension cut] in zero_core.chunks._slots)
+                        column.copy_(region.reshape(*lead, slot.piece).view(column.shape))
+                        continue
                     column.view(*lead, *region.shape[1:]).copy_(region.view(*lead, *region.shape[1:]))
                 return
             if not gather_order or self.outer == 1:

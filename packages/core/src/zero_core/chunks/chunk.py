@@ -13,7 +13,9 @@ and ``torch.distributed.checkpoint`` understand. A zero-dimensional parameter is
 replicated: every rank holds it whole (a one-element piece) and its gradient is summed.
 A parameter that dim 0 would pad by more than 1% (fused MoE experts) is cut the same way
 along a later dimension instead, ``Shard(d)``: see [Note: shard dimension] in
-``zero_core.chunks._slots``; "rows" below are then entries of that dimension.
+``zero_core.chunks._slots``; "rows" below are then entries of that dimension. A matrix no
+single dimension of which the ranks divide is cut in two, a grid of equal pieces (``(Shard(0),
+Shard(d))`` on a 2-D mesh over the same ranks): see [Note: two-dimension cut] there.
 
 The full buffer is parameter-major: parameter ``i`` occupies ``N`` pieces, rank 0's
 first, so it is contiguous and has its original shape. An all-gather leaves the
@@ -115,6 +117,7 @@ from zero_core.base.errors import OwnershipError, PlanError, ZeroError
 from zero_core.chunks._buffers import BufferPool
 from zero_core.chunks._chunk_grads import ChunkGradients
 from zero_core.chunks._chunk_layout import ChunkLayout, dtensor, repoint
+from zero_core.chunks._grid_mesh import grid_mesh
 from zero_core.chunks._ownership import in_policy_call
 from zero_core.chunks._slots import (
     ChunkSpec,
@@ -144,6 +147,7 @@ class Chunk:
         reduce_dtype: torch.dtype | None = None, gradient_predivide_factor: float = 1.0, keep_gathered: bool = False,
         keep_alone: bool = True,
         mesh: Any = None, replicas: int = 1, outer: int = 1, exact_gathers: bool = True,
+        timeout: Any = None,
     ) -> None:
         if spec.size % world_size:
             raise PlanError(f"chunk size {spec.size} is not a multiple of the world size {world_size}")
@@ -183,6 +187,16 @@ class Chunk:
         self.stage = stage
         # The device mesh of the sharded parameters' DTensors; None in one process without torch.distributed.
         self.mesh = mesh
+        # A parameter cut in two dimensions is a DTensor on the mesh with its shard dimension unflattened to the
+        # grid (see [Note: two-dimension cut] in zero_core.chunks._slots): made here, on every rank in chunk order.
+        self.grid_meshes: dict[int, Any] = {}
+        if mesh is not None:
+            for slot in self.slots:
+                if slot.split > 1 and slot.split not in self.grid_meshes:
+                    if mesh.size(mesh.ndim - 1) != world_size:
+                        raise PlanError(f"chunk {index} cuts {slot.name} in two dimensions over {world_size} ranks, "
+                                        f"but its mesh's last dimension has {mesh.size(mesh.ndim - 1)}")
+                    self.grid_meshes[slot.split] = grid_mesh(mesh, slot.split, timeout)
         # The optimizer updates the shard in the parameters' own dtype; forward and backward run in ``dtype``.
         self.master_dtype = first.param.dtype
         floating = self.master_dtype.is_floating_point
@@ -252,7 +266,10 @@ class Chunk:
         # dimension (the shard group); any leading dimension replicates
         # (HSDP's (Replicate(), Shard(0)), FSDP2's convention), and a zero-dimensional parameter replicates everywhere
         placements = (Replicate(),) * (self.mesh.ndim - 1) + ((Replicate(),) if slot.replicated else (Shard(slot.dim),))
-        made = DTensor.from_local(local, self.mesh, placements, run_check=False, shape=slot.shape,
+        mesh = self.mesh
+        if slot.split > 1:  # see [Note: two-dimension cut] in zero_core.chunks._slots
+            mesh, placements = self.grid_meshes[slot.split], placements[:-1] + (Shard(0), Shard(slot.dim2))
+        made = DTensor.from_local(local, mesh, placements, run_check=False, shape=slot.shape,
                                   stride=torch.empty(slot.shape, device="meta").stride())
         return dtensor(made._local_tensor, made._spec)
 

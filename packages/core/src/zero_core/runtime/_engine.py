@@ -251,7 +251,7 @@ class Engine:
         self._handles: list[Any] = self._hook_optimizers(reducer)
         self.params.use_sharded()
         # torch's clip over the sharded parameters' meshes begins with a round: see [Note: a round before torch's clip]
-        register_mesh_round({id(c.mesh): c.mesh for c in chunks if c.mesh is not None}.values(),
+        register_mesh_round({id(m): m for c in chunks for m in (c.mesh, *c.grid_meshes.values()) if m is not None}.values(),
                             self.collective_round)
         # A user who never calls close() still gets it before the interpreter tears torch down: process
         # groups and work handles freed that late can abort the exit ("terminate called without an active exception").

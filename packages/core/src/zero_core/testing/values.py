@@ -32,6 +32,18 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     if not sharded:
         return local.cpu().clone()
     mesh_dim, placement = sharded[0]
+    if len(sharded) > 1 and all(isinstance(p, Shard) for _, p in sharded):
+        # a grid of pieces (see [Note: two-dimension cut] in zero_core.chunks._slots): each rank's piece and where
+        # it starts, gathered over the whole mesh (the default group's ranks) and put in place
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
+        found: list[tuple[tuple[int, ...], torch.Tensor] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, (tuple(offset), local.cpu()))
+        whole = torch.zeros(tensor.shape, dtype=local.dtype)
+        for start, piece in (f for f in found if f is not None):
+            whole[tuple(slice(a, a + n) for a, n in zip(start, piece.shape))] = piece
+        return whole
     if len(sharded) > 1 or not isinstance(placement, Shard):
         raise NotImplementedError(f"full_value over gloo on CUDA reads one Shard placement, got {tensor.placements}")
     group = mesh.get_group(mesh_dim)
