@@ -119,7 +119,7 @@ _PERSIST = ("zero shards small parameters inside chunks with their neighbours, w
 _LIVE = "zero releases each chunk as soon as the modules using it have run; there is no cap to set"
 _SAVE_16 = ("a save-time call in zero: model.full_state_dict() or zero_core.save_full_state_dict(...) "
             "gathers the weights")
-_QUANT = ("quantized collectives are a distribution of their own, not converted: pip install zero-comm-quantized and "
+_QUANT = ("quantized collectives are a distribution of their own, not converted: install zero-comm-quantized and "
           "set comm_backend='quantized-params' (int8 weight all-gathers, qwZ), 'quantized-int4-grads' (4-bit "
           "gradient reduce-scatters, qgZ) or 'quantized' (both, int8); precision.reduce='bf16' halves the gradient "
           "traffic without it (docs/comm/quantized.md)")
