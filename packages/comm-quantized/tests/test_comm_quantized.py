@@ -253,3 +253,15 @@ def test_masters_stay_exact(two_rank_runs):
         predicted = _estimate(ZeroConfig(stage=stage, chunk=ChunkPolicy(chunk_size=300), comm_backend="quantized"))
         held = {kind: result.model_state_bytes[kind] for kind in predicted.per_rank[0]}
         assert held == predicted.per_rank[0], (stage, held, predicted.per_rank[0])
+
+
+def test_a_parameter_count_is_estimated_with_the_backend_s_bytes():
+    """`zero estimate --params N --comm NAME` (a count, not a model): the backend decides the bytes sent, as with a
+    model; fp32 values cost 1.015625 bytes in int8 and 0.5078125 in int4, scales included (4 bytes each)."""
+    from zero_core import ZeroConfig, estimate
+
+    exact, int8, int4 = (estimate(7 * 2**30, world_size=64, config=ZeroConfig(comm_backend=name)).bytes_sent
+                         for name in (None, "quantized", "quantized-int4"))
+    for kind in ("all_gather", "reduce_scatter"):
+        assert int8[kind] / exact[kind] == pytest.approx(1.015625 / 4, rel=1e-9), (kind, int8, exact)
+        assert int4[kind] / exact[kind] == pytest.approx(0.5078125 / 4, rel=1e-9), (kind, int4, exact)

@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     from zero_core.interfaces._plugins import ZeroPlugins
 
     plugins = ZeroPlugins.load()
-    # a count never consults the strategy or comm backend, but a misspelt name must not pass unnoticed
+    # a misspelt name must not pass unnoticed (estimate looks the backend up too: it decides the bytes sent)
     strategy = plugins.strategies.get(config.strategy)
     plugins.comm_backends.get(config.comm_backend or strategy.comm)
     e = estimate(model, world_size=args.world_size, mesh_shape=args.mesh, config=config,

@@ -245,7 +245,9 @@ def estimate(
                           kept=not released, outer=outer)]
         groups: list[list[int]] | None = None
         psi = model
-        comm_cls = None
+        # the backend decides the bytes a gather or reduction sends (a quantized one sends fewer); the calls of a
+        # count stay one per chunk of the single chunk a count is laid out as, whatever the backend's buckets
+        comm_cls = plugins.comm_backends.get(config.comm_backend or plugins.strategies.get(config.strategy).comm)
     elif isinstance(model, nn.Module):
         if config.chunk.param_order == "first_use":
             raise ConfigError("estimate lays parameters out in registration order; ChunkPolicy(param_order='first_use') "
@@ -268,7 +270,8 @@ def estimate(
     tiers_by_shard = _tiers(placed, by_shard)
     per_rank = tuple(dict(by_shard[rank % layout_world]) for rank in range(world))
     tiers = None if tiers_by_shard is None else tuple(dict(tiers_by_shard[rank % layout_world]) for rank in range(world))
-    sent, calls = _traffic(chunks, compute_bytes, groups, shards, replicas, config, reduce_bytes, comm_cls)
+    sent, calls = _traffic(chunks, compute_bytes, groups, shards, replicas, config, reduce_bytes, comm_cls,
+                           backend_calls=isinstance(model, nn.Module))
     if comm_cls is not None and not comm_cls.params_exact_at(shards):
         # lossy parameter gathers: kept chunks hold their master shard apart (see CommBackend.params_exact)
         by_shard = [_rank_bytes(chunks, compute_bytes, rank, layout_world, config.stage, optimizer_bytes_per_element,
@@ -446,7 +449,7 @@ def _by_group(sent: dict[str, int], across: int) -> dict[str, int]:
 
 def _traffic(chunks: Sequence[_Layout], compute_bytes: Sequence[int], groups: Sequence[Sequence[int]] | None, world: int,
              replicas: int, config: ZeroConfig, reduce_bytes: int, comm_cls: Any, *,
-             exact: bool = True) -> tuple[dict[str, int], dict[str, int] | None]:
+             exact: bool = True, backend_calls: bool = True) -> tuple[dict[str, int], dict[str, int] | None]:
     """Bytes and calls per step: gathers and reduce-scatters over a shard group of ``world`` ranks, then
     (``replicas > 1``) one all-reduce per reduced chunk of its shard over the replicas."""
     outer = chunks[0].outer if chunks else 1
@@ -486,7 +489,7 @@ def _traffic(chunks: Sequence[_Layout], compute_bytes: Sequence[int], groups: Se
         for chunk in reduced:
             numel = chunk.size // world if exact else Fraction(chunk.size, world)
             sent["reduce_scatter"] += data(CollectiveKind.REDUCE_SCATTER, numel, reduce_bytes, world)
-        if comm_cls is not None:
+        if comm_cls is not None and backend_calls:
             calls["reduce_scatter"] = comm_cls.estimate_reduce_scatter_calls(
                 [c.size // world for c in reduced], element_size=reduce_bytes, world_size=world, config=config)
         else:
