@@ -137,3 +137,20 @@ def test_with_the_defaults_a_model_that_fits_keeps_its_states_on_the_device_afte
     assert long.placement["used"]["host"] == 0, long.placement["used"]  # no state left on the host
     assert long.placement["moves"] == short.placement["moves"], (short.placement["moves"], long.placement["moves"])
     assert long.placement["bytes_moved"] == short.placement["bytes_moved"]
+
+
+def test_a_model_closed_before_its_warm_up_step_leaves_no_trace_running():
+    """The CPU tracer is a dispatch mode on the process's stack from the warm-up's forward to its step: closing the
+    model in between (training stopped after a forward and backward) takes it off, so later work runs untraced."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    before = list(_get_current_dispatch_mode_stack())  # what earlier work of this process left, if anything
+    case = get_case("gpt")
+    torch.manual_seed(0)
+    built = case.build()
+    model, _ = shard(built, make_optimizer(case, built), config=_config(8 * 2**20))
+    inputs, targets = case.batch(0, 8)
+    case.loss(model(inputs), targets).backward()
+    assert len(_get_current_dispatch_mode_stack()) == len(before) + 1, "the warm-up's trace did not start"
+    model.close()
+    assert _get_current_dispatch_mode_stack() == before, _get_current_dispatch_mode_stack()

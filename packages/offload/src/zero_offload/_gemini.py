@@ -382,7 +382,11 @@ class GeminiPolicy(TieredPolicy):
             self.non_model.append(self.tracer.sample(self.device_bytes()))
             if not self.options.trace_every_step:
                 self.tracer.stop()
-            self._plan()
+            try:
+                self._plan()
+            except BaseException:  # refused at planning: no step follows to end the trace
+                self.tracer.stop()
+                raise
         elif self.in_step and self.watching:
             self._observe(self.tracer.sample(self.device_bytes(), synchronize=False))
             if not self.options.trace_every_step:
@@ -530,7 +534,13 @@ class GeminiPolicy(TieredPolicy):
         return True
 
     def close(self) -> None:
-        """Also put back the forwards wrapped for activation offload."""
+        """Also put back the forwards wrapped for activation offload, and end a trace still open.
+
+        On CPU the tracer is a dispatch mode on the process's mode stack from the warm-up's forward to its
+        ``optimizer.step()``; a model closed in between (a forward that raised, training stopped before its first
+        step) would leave every later operator of the process going through it.
+        """
+        self.tracer.stop()
         if self.activations is not None:
             self.activations.remove()
             self.activations = None
