@@ -7,6 +7,7 @@ the buckets, the memory bound and that the next steps did not change.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Any
 
@@ -40,6 +41,7 @@ def _sync_weights(model: torch.nn.Module, step: int) -> None:
     sizes, names, kept_after_handout = [], [], []
     previous: list[weakref.ref] = []
     counter = LiveBytes()
+    gc.collect()
     with counter:
         buckets = model.stream_full_parameters(bucket_mb=BUCKET / 2**20, rank=0)
         for bucket in buckets:
@@ -50,6 +52,10 @@ def _sync_weights(model: torch.nn.Module, step: int) -> None:
                 _load(plain, bucket)
             previous = [weakref.ref(value) for _, value in bucket]
             del bucket
+            # the peak is what the generator keeps alive, not garbage the cycle collector has yet to reach, whose
+            # timing depends on what this process (a forkserver's child) allocated before: a CI run once counted a
+            # 72-byte bias twice
+            gc.collect()
     chunk_bytes = max(c.size * c.master_dtype.itemsize for c in model.engine.chunks)
     param_bytes = max(v.numel() * v.element_size() for v in expected.values())
     # one parameter's column of the gathered shards, padding included, converted before it is trimmed
