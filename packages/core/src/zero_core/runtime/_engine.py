@@ -266,8 +266,9 @@ class Engine:
         for optimizer in self.optimizers:
             clears = self.bridge.chunks_cleared_by(optimizer, self.chunks)
             hook = ZeroGradHook(optimizer, settle=settle, discard=functools.partial(self._discard_for_zero_grad, chunks=clears))
-            handles += [optimizer.register_step_pre_hook(self._before_step),
-                        optimizer.register_step_post_hook(self._after_step), hook]
+            pre, post = optimizer.register_step_pre_hook(self._before_step), optimizer.register_step_post_hook(self._after_step)
+            self.bridge.hooked(optimizer, pre_hook=pre.id, post_hook=post.id)
+            handles += [pre, post, hook]
         self.zero_grad_hook = handles[2] if len(self.optimizers) == 1 else \
             ZeroGradHook(None, settle=settle, discard=self._discard_for_zero_grad)
         return handles
@@ -284,6 +285,7 @@ class Engine:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.bridge.remove()
         self.reducer.close()
         self.placement.close()
         for comm in self._comms:
@@ -651,6 +653,7 @@ class Engine:
                              explain=self._gradient_state.explain)
         self.bridge.begin(optimizer)
         self.placement.before_step(self.chunks)
+        self.bridge.step_locally(args, kwargs)
 
     @traced(POST_STEP)
     @engine_work

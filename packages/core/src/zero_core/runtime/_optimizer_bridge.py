@@ -24,6 +24,7 @@ from zero_core.base.errors import ZeroError
 from zero_core.chunks.chunk import Chunk, to_local
 from zero_core.comm._agreement import any_rank
 from zero_core.comm.backend import CommBackend
+from zero_core.runtime._local_step import LocalStep
 from zero_core.runtime._reducer import GradientReducer
 from zero_core.runtime._scaler import LossScaler
 from zero_core.runtime._whole_step import WholeTensorSteps
@@ -102,6 +103,10 @@ class OptimizerBridge:
         self.step_open = False
         # Param groups whose foreach=None this step turned into True (see [Note: foreach over sharded parameters]).
         self._foreach_set: list[dict[str, Any]] = []
+        # Each optimizer's swap to local tensors (see [Note: the step on local tensors]), once the engine hooked it;
+        # the one open in this step.
+        self._local_steps: dict[int, LocalStep] = {}
+        self._local: LocalStep | None = None
 
     @property
     def loss_scale(self) -> float:
@@ -122,6 +127,22 @@ class OptimizerBridge:
             return None
         others = {c.index for i, mine in enumerate(self.chunks_of) if self.optimizers[i] is not optimizer for c in mine}
         return [c for c in chunks if c.index not in others]
+
+    def hooked(self, optimizer: torch.optim.Optimizer, *, pre_hook: int, post_hook: int) -> None:
+        """The engine registered its step hooks on ``optimizer`` with these ids (the window the local step needs)."""
+        self._local_steps[id(optimizer)] = LocalStep(optimizer, pre_hook=pre_hook, post_hook=post_hook)
+
+    def remove(self) -> None:
+        """The engine closes: the optimizers' step wrappers go."""
+        for local in self._local_steps.values():
+            local.remove()
+
+    def step_locally(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Last in the step's pre-hook, after the placement policy's early steps: the step's body runs on the
+        parameters' local tensors where it may (see [Note: the step on local tensors])."""
+        local = self._local_steps.get(id(self.optimizer))
+        if self.whole is None and local is not None and local.begin(args, kwargs):
+            self._local = local
 
     def backward_began(self) -> None:
         """A backward began: the next step checks its gradients for an overflow again."""
@@ -217,6 +238,9 @@ class OptimizerBridge:
         """Close the step, whether it returned or raised: gradients set aside for early steps come back."""
         self.step_open = False
         self.in_substep = False
+        if self._local is not None:  # first: the groups and states the rest of the close reads are the DTensors
+            self._local.end()
+            self._local = None
         if self.whole is not None:
             self.whole.abort()
         for param, grad in self._stepped:

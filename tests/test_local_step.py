@@ -1,0 +1,195 @@
+"""The optimizer's step on the sharded parameters' local tensors (see [Note: the step on local tensors] in
+``zero_core.runtime._local_step``): bitwise the DTensor step for every element-wise torch optimizer, DTensors
+wherever the user looks (hooks, states, after a step that raised), and the fallbacks that keep it so."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from _small_loop import full_params, train_step
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from zero_core import ZeroConfig, shard
+from zero_core.runtime import _local_step
+from zero_core.testing import RunResult, assert_parity, run_distributed
+
+OPTIMIZERS = {
+    "adamw-amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
+    "adam-wd": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1),
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "sgd-plain": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2),
+    "rmsprop-centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps),
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=1),
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+}
+SCALARS = _local_step.SCALAR_STATES
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # a 0-d parameter among them: its states are 0-d too, and must still be told from the 0-d ``step``
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3, bias=False))
+    model.register_parameter("temperature", nn.Parameter(torch.tensor(1.0)))
+    return model
+
+
+class _Counted:
+    """Counts the steps that ran on local tensors (``LocalStep.begin`` answering True); ``off`` turns them off."""
+
+    def __init__(self) -> None:
+        self.local = 0
+        self.off = False
+        self._begin = _local_step.LocalStep.begin
+
+    def __enter__(self) -> _Counted:
+        counted = self
+
+        def begin(step, args, kwargs):
+            if counted.off:
+                return False
+            began = counted._begin(step, args, kwargs)
+            counted.local += began
+            return began
+
+        _local_step.LocalStep.begin = begin
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local_step.LocalStep.begin = self._begin
+
+
+def _states(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, dict[str, object]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, dict[str, object]] = {}
+    for p, state in opt.state.items():
+        out[names[id(p)]] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+                             if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    return out
+
+
+def _train(name: str, *, local: bool, steps: int = 3):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = _model()
+    model, opt = shard(model, OPTIMIZERS[name](model.parameters()), config=ZeroConfig(stage=3))
+    with _Counted() as counted:
+        counted.off = not local
+        losses = [train_step(model, opt, s, features=6, world=world, rank=rank) for s in range(steps)]
+    # the states as the DTensor step makes them: DTensors of their parameter's sharding, the scalars plain
+    for p, state in opt.state.items():
+        assert isinstance(p, DTensor), f"{name}: the state is keyed by a local tensor"
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if key in SCALARS:
+                assert not isinstance(value, DTensor), f"{name}: {key} became a DTensor"
+            else:
+                assert isinstance(value, DTensor) and value._spec.placements == p._spec.placements, \
+                    f"{name}: state {key} is {type(value).__name__}"
+    assert all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
+    model.close()
+    return losses, full_params(model), _states(opt, model), counted.local
+
+
+def _every_optimizer() -> tuple[dict[str, bool], RunResult]:
+    same = {}
+    for name in OPTIMIZERS:
+        losses, params, states, stepped_locally = _train(name, local=True)
+        assert stepped_locally == 3, f"{name}: {stepped_locally} of 3 steps ran on local tensors"
+        if name == "rprop":  # DTensor cannot step it (no sharding rule for its masked writes): against one process
+            rprop = RunResult(losses, params)
+            continue
+        ref_losses, ref_params, ref_states, _ = _train(name, local=False)
+        same[name] = losses == ref_losses and all(torch.equal(params[k], ref_params[k]) for k in params) and \
+            states.keys() == ref_states.keys() and all(
+                states[p].keys() == ref_states[p].keys() and all(
+                    torch.equal(v, ref_states[p][k]) if isinstance(v, torch.Tensor) else v == ref_states[p][k]
+                    for k, v in states[p].items())
+                for p in states)
+    return same, rprop
+
+
+def _rprop_in_one_process() -> RunResult:
+    model = _model()
+    opt = OPTIMIZERS["rprop"](model.parameters())
+    return RunResult([train_step(model, opt, s, features=6, world=1, rank=0) for s in range(3)], full_params(model))
+
+
+def test_every_elementwise_torch_optimizer_steps_locally_and_bitwise_as_on_dtensors():
+    reference = _rprop_in_one_process()
+    for rank, (same, rprop) in enumerate(run_distributed(_every_optimizer, 2, timeout=240)):
+        assert all(same.values()), f"rank {rank}: differ from the DTensor step: {[k for k, v in same.items() if not v]}"
+        assert_parity(reference, rprop, label=f"rank {rank}, Rprop:")
+
+
+def _what_the_user_sees() -> dict[str, object]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    seen: dict[str, object] = {}
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def look(what: str):
+        def hook(o: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+            seen.setdefault(what, [type(p) for g in o.param_groups for p in g["params"]])
+        return hook
+
+    early = opt.register_step_post_hook(look("post-hook before shard()"))  # runs before zero's post-hook
+    model, opt = shard(model, opt, config=ZeroConfig(stage=3))
+    with _Counted() as counted:
+        train_step(model, opt, 0, features=6, world=world, rank=rank)
+        seen["with a post-hook registered before shard(): local steps"] = counted.local
+        early.remove()
+        late = opt.register_step_pre_hook(look("pre-hook after shard()"))  # runs after zero's pre-hook
+        train_step(model, opt, 1, features=6, world=world, rank=rank)
+        seen["with a pre-hook registered after shard(): local steps"] = counted.local
+        late.remove()
+        # an LR scheduler made after shard() wraps zero's step wrapper: it still sees the step called
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_step(model, opt, 2, features=6, world=world, rank=rank)
+            scheduler.step()
+        seen["scheduler warnings"] = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+        seen["lr after the scheduler's step"] = opt.param_groups[0]["lr"]
+        seen["local steps with no hook in the window"] = counted.local
+        # a body that raises: the caller gets the exception with the DTensors back in place
+        state_keys = set(map(id, opt.state))
+        loss = model(torch.randn(4, 6)).sum()
+        loss.backward()
+        lr = opt.param_groups[0]["lr"]
+        opt.param_groups[0]["lr"] = "not a number"
+        try:
+            opt.step()
+        except Exception as e:  # noqa: BLE001 - torch's own error for the bad lr, whatever its class
+            seen["raised"] = type(e).__name__
+        seen["after the raise: params"] = sorted({type(p).__name__ for g in opt.param_groups for p in g["params"]})
+        seen["after the raise: state keys unchanged"] = set(map(id, opt.state)) == state_keys
+        opt.param_groups[0]["lr"] = lr
+        opt.step()  # the same gradients step once, as they would have
+        opt.zero_grad()
+        seen["local steps in all"] = counted.local
+    model.close()
+    seen["step wrapper removed by close()"] = "step" not in opt.__dict__ or hasattr(opt.step, "_wrapped_by_lr_sched")
+    return seen
+
+
+def test_hooks_schedulers_and_a_raising_step_see_dtensors():
+    for seen in run_distributed(_what_the_user_sees, 2, timeout=120):
+        assert seen["post-hook before shard()"] == [DTensor] * 4
+        assert seen["pre-hook after shard()"] == [DTensor] * 4
+        # either hook sits inside the swap's window: those steps ran on the DTensors
+        assert seen["with a post-hook registered before shard(): local steps"] == 0
+        assert seen["with a pre-hook registered after shard(): local steps"] == 0
+        assert seen["local steps with no hook in the window"] == 1
+        assert seen["scheduler warnings"] == [] and seen["lr after the scheduler's step"] == 5e-3
+        assert seen["raised"] and seen["after the raise: params"] == ["DTensor"]
+        assert seen["after the raise: state keys unchanged"]
+        assert seen["local steps in all"] == 3
+        assert seen["step wrapper removed by close()"]
