@@ -72,7 +72,6 @@ def test_codec_bounds_each_block_and_keeps_non_finite_blocks_non_finite(bits, le
         assert torch.equal(dequantize_rows(packed, steps.numel(), block=256, bits=4)[0], steps)
 
 
-
 def _int4_reference(x, block=256):
     """int4's values written out plainly: per block ``scale = max|x| / 7`` raised to the next bf16 (unless a bf16
     already), ``round(x / scale)`` clipped to 7 levels a side, times the scale; 0 for a zero block, NaN for a
