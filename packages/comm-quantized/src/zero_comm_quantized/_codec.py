@@ -43,9 +43,9 @@ or fewer. Against two codes a byte, a row is never larger but at ``m`` = 12 to 2
 Packing and unpacking are whole-tensor operations a digit column at a time (11 of them; no loop over values or
 groups), exact in floating point because every number is a whole number below its format's mantissa (``v < 2**43``
 in fp64; to unpack, each ``v`` is cut into thirds below ``15**4 < 2**16`` whose digits come out in fp32, every
-quotient floored from ``x + 1/2``, half a step from any rounding), so CPU and CUDA agree to the bit (no matmul,
-where TF32 could enter, and no floor of a quotient that a reciprocal could round down); a group's 8 bytes are those of
-its int64, least significant first, on either byte order. The codes and scales are those the earlier layout sent
+quotient floored from ``x + 1/2``, half a step from any rounding), so the bytes hang on no device's rounding (no
+matmul, where TF32 could enter, and no floor of a quotient that a reciprocal could round down; run on CPU only so
+far); a group's 8 bytes are those of its int64, least significant first, on either byte order. The codes and scales are those the earlier layout sent
 (nibbles ``code + 8``, two a byte, until December 2026): only the bytes differ, so training is unchanged.
 """
 
