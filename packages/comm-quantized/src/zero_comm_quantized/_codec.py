@@ -206,12 +206,12 @@ def _unpack_base15(packed: torch.Tensor, m: int) -> torch.Tensor:
     value.sub_(middle * 15**4)
     codes = torch.empty((rows, groups, _GROUP), dtype=torch.float32, device=packed.device)
     for part, columns in zip((value, middle, top), _THIRDS, strict=True):
-        rest = part.to(torch.float32)
+        number = part.to(torch.float32)
         for j in columns[:-1]:
-            quotient = torch.floor(rest.add(0.5).mul_(1 / 15))
-            torch.add(rest, quotient, alpha=-15, out=codes[..., j])
-            rest = quotient
-        codes[..., columns[-1]] = rest  # below 15: the last digit
+            quotient = torch.floor(number.add(0.5).mul_(1 / 15))
+            torch.add(number, quotient, alpha=-15, out=codes[..., j])
+            number = quotient
+        codes[..., columns[-1]] = number  # below 15: the last digit
     return codes.view(rows, groups * _GROUP)[:, :m].sub_(7.0)
 
 
