@@ -59,10 +59,11 @@ class Quantization:
     Attributes:
         block_size: Values per scale (a block never crosses one rank's row). Smaller blocks follow the values
             more closely and cost more scale bytes per value: ``4 / block_size`` in int8 (fp32 scales; 256 adds
-            1.6% to int8's byte), ``2 / block_size`` in int4 (bf16 scales; 256 adds 3.1% to int4's half byte).
+            1.6% to int8's byte), ``2 / block_size`` in int4 (bf16 scales; 256 adds 1.6% to int4's 43/88 of a byte,
+            and int4 stays within a quarter of bf16's bytes only with blocks of 177 or more).
         params: Quantize the parameters' all-gathers for forward and backward.
         grads: Quantize the gradients' reduce-scatters.
-        params_bits: 8 (int8 codes, fp32 scales) or 4 (int4 codes two a byte, bf16 scales) for the parameters'
+        params_bits: 8 (int8 codes, fp32 scales) or 4 (int4 codes, 11 in 43 bits, bf16 scales) for the parameters'
             all-gathers; see [Note: the int4 wire format] in ``zero_comm_quantized._codec`` and, before choosing
             4, the measurements in ``docs/comm/quantized.md``.
         grads_bits: 8 or 4, the same for the gradients' reduce-scatters (ZeRO++'s qgZ sends 4).
@@ -151,7 +152,8 @@ class QuantizedCommBackend(TorchCommBackend):
     @classmethod
     def estimate_bytes_sent(cls, kind: CollectiveKind, numel_per_rank: int, *, element_size: int, world_size: int,
                             config: ZeroConfig) -> int:
-        """One quantized row per rank (see [Note: the int8 wire format] in ``zero_comm_quantized._codec``), ring
+        """One quantized row per rank (see [Note: the int8 wire format] and [Note: the int4 wire format] in
+        ``zero_comm_quantized._codec``: ``row_bytes`` counts it), ring
         bytes: ``(world_size - 1)`` rows leave each rank. Collectives this backend leaves exact count as the torch
         backend's. The dtype is not known here: a floating one is assumed, which zero's chunks are."""
         q = cls.quantization
