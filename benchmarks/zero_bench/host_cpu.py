@@ -4,7 +4,10 @@ stage 3 and stage 2 (one chunk per block), trained side by side with their steps
 and the Python function calls of one step (cProfile, load-independent), in all and by phase (zero_grad, forward with
 the loss, backward, optimizer step).
 
-    python -m zero_bench.host_cpu [STEPS]
+    python -m zero_bench.host_cpu [STEPS] [--process-group] [-v]
+
+``--process-group`` first makes a one-rank gloo process group, as ``torchrun`` and the bench's workers do: zero's
+sharded parameters are then DTensors (plain PyTorch's stay tensors), which is how users train.
 """
 
 from __future__ import annotations
@@ -65,7 +68,15 @@ def phase_calls(model, opt, tokens) -> dict[str, int]:
 
 def main() -> None:
     torch.set_num_threads(1)
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    numbers = [a for a in sys.argv[1:] if a.isdigit()]
+    steps = int(numbers[0]) if numbers else 30
+    if "--process-group" in sys.argv:
+        import os
+        import tempfile
+
+        import torch.distributed as dist
+        rendezvous = os.path.join(tempfile.mkdtemp(prefix="host-cpu-"), "rendezvous")
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
     rows = {"plain": build(None), "s3": build(3), "s2": build(2)}
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(steps + 5)]
@@ -92,6 +103,11 @@ def main() -> None:
         print(f"{name:6s} python calls by phase " + " ".join(f"{k} {v}" for k, v in by_phase.items()))
         if "-v" in sys.argv and name != "plain":
             stats.sort_stats("tottime").print_stats(25)
+    for m, _ in rows.values():
+        if hasattr(m, "close"):
+            m.close()
+    if "--process-group" in sys.argv:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
