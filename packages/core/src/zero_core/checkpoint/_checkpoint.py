@@ -564,10 +564,12 @@ def read_sharded(
         for chunk in engine.chunks:
             for i, slot in enumerate(chunk.slots):
                 name = model_keys.param_source(slot.param, reader_meta, aliases)
-                runs = chunk.runs(i)
-                if not runs or name is None:
+                if name is None:
                     continue
+                # a rank without rows of the parameter reads none, but its optimizer states are loaded all the same
+                # (empty, with the saved step counts), as a step would have made them
                 reads.append((chunk, i, name))
+                runs = chunk.runs(i)
                 for lo, hi, _ in runs:
                     pieces = [(r, a, b) for r, a, b, _ in saved_runs.runs(name) if a < hi and b > lo]
                     if sum(min(b, hi) - max(a, lo) for _, a, b in pieces) != hi - lo:
