@@ -13,6 +13,8 @@ see, state dicts and ``full_tensor()``, and checkpoints resharded from 4 ranks t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -113,13 +115,19 @@ def _world(path: str) -> dict:
         out["zero_loaded"] = {n: (full_value(p), full_value(opt.state[p]["exp_avg"]))
                               for n, p in model.named_parameters()}
         model.close()
-        model, _ = _build("tensor", 2)
-        state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=f"{path}/dcp")
-        model.load_state_dict(state["model"])
-        out["dcp_loaded"] = {n: full_value(p) for n, p in model.named_parameters()}
-        model.close()
+        out["dcp_loaded"] = dcp_loaded(f"{path}/dcp", lambda: _build("tensor", 2))
     return out
+
+
+def dcp_loaded(path: str, build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]]) -> dict[str, torch.Tensor]:
+    """The parameters of the DCP checkpoint at ``path`` loaded into the model ``build()`` shards on these ranks."""
+    model, _ = build()
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    loaded = {n: full_value(p) for n, p in model.named_parameters()}
+    model.close()
+    return loaded
 
 
 def test_a_grid_cut_trains_at_parity_and_round_trips_across_world_sizes(tmp_path):

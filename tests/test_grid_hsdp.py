@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from test_grid_cut import GRID, GridNet
+from test_grid_cut import GRID, GridNet, dcp_loaded
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -121,12 +121,7 @@ def _four(path: str) -> dict:
                       "trained": _train(model, opt, range(STEPS, STEPS + MORE), rank, 4)}
         out[label]["params"] = {n: full_value(p) for n, p in params.items()}
         model.close()
-    model, _ = _build("tensor", 2)
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=f"{path}/dcp")
-    model.load_state_dict(state["model"])
-    out["dcp"] = {n: full_value(p) for n, p in model.named_parameters()}
-    model.close()
+    out["dcp"] = dcp_loaded(f"{path}/dcp", lambda: _build("tensor", 2))
     return out
 
 
