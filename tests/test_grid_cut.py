@@ -50,20 +50,29 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int) -> list[float]:
-    losses, n = [], 12 // world
-    for step in range(STEPS):
-        x, y = _batch(step)
+def train_clipped(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int, world: int,
+                  batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[float], list[float]]:
+    """Each rank on its own slice of every step's ``batch(step)``, clipped by torch's own ``clip_grad_norm_`` (a stack
+    of norms over the grid meshes too): the mean loss over the ranks (the whole batch's loss) and the norm, by step."""
+    losses, norms = [], []
+    for step in steps:
+        x, y = batch(step)
+        n = len(x) // world
         loss = F.cross_entropy(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # torch's own: a stack of norms of two meshes
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
         opt.step()
         opt.zero_grad()
         value = loss.detach().clone()
         if world > 1:
             dist.all_reduce(value)
         losses.append(value.item() / world)
-    return losses
+    return losses, norms
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int) -> list[float]:
+    return train_clipped(model, opt, range(STEPS), rank, world, _batch)[0]
 
 
 def _build(strategy: str = "chunk", stage: int = 3) -> tuple[nn.Module, torch.optim.Optimizer]:

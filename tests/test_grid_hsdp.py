@@ -19,10 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
-from test_grid_cut import GRID, GridNet, dcp_loaded
+from test_grid_cut import GRID, GridNet, dcp_loaded, train_clipped
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from zero_core import ChunkPolicy, ZeroConfig, load_checkpoint, save_checkpoint, shard
 from zero_core.testing import full_value, run_distributed
@@ -52,21 +51,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int = 0,
            world: int = 1) -> tuple[list[float], list[float]]:
-    """Each rank on its own slice of every batch: the mean loss over the ranks (the whole batch's loss), the norm."""
-    losses, norms, n = [], [], BATCH // world
-    for step in steps:
-        x, y = _batch(step)
-        loss = F.cross_entropy(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # torch's own, over the grid meshes too
-        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
-        opt.step()
-        opt.zero_grad()
-        value = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(value)
-        losses.append(value.item() / world)
-    return losses, norms
+    return train_clipped(model, opt, steps, rank, world, _batch)
 
 
 def _build(strategy: str = "chunk", stage: int = 3, across: bool = False, mesh_shape: tuple[int, int] | None = None):
