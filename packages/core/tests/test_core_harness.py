@@ -46,10 +46,11 @@ def test_a_failing_rank_fails_the_run_fast_with_its_traceback():
 
 def test_a_hanging_rank_is_killed_at_the_timeout():
     start = time.monotonic()
-    # 15 s, not less: both ranks must finish init_process_group before the deadline, or the report is rank 0's
-    # failed rendezvous with the killed peer instead of the timeout (seen on 2 loaded cores)
-    with pytest.raises(DistributedTestError, match="did not finish within 15s"):
-        run_distributed(_rank0_hangs, 2, timeout=15)
+    # 25 s, not less: both ranks must finish init_process_group before the deadline, or the report is rank 0's
+    # failed rendezvous with the killed peer instead of the timeout (seen on 2 loaded cores at 15 s, in the GPU
+    # command's dry run while the suite ran beside it)
+    with pytest.raises(DistributedTestError, match="did not finish within 25s"):
+        run_distributed(_rank0_hangs, 2, timeout=25)
     assert time.monotonic() - start < 60
 
 
