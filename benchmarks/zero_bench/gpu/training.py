@@ -8,6 +8,7 @@ import gc
 import math
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,10 +71,13 @@ def torch_autocast(model: torch.nn.Module, device: torch.device):
     return plain_step(model, opt, autocast=device.type), dict, opt.state.clear
 
 
-def torch_bf16_recipe(model: torch.nn.Module, device: torch.device):
+def torch_bf16_recipe(model: torch.nn.Module, device: torch.device, *, compile_blocks: bool = False):
     """zero's recipe by hand: fp32 master parameters step; a bf16 copy runs forward and backward."""
     master = model.to(device)
     compute = copy.deepcopy(master).to(torch.bfloat16)
+    if compile_blocks:
+        for block in compute.blocks:
+            block.compile(backend=compile_backend(device))
     mp, cp = list(master.parameters()), list(compute.parameters())
     opt = make_optimizer(mp)
 
@@ -95,6 +99,17 @@ def torch_bf16_recipe(model: torch.nn.Module, device: torch.device):
     return step, dict, close
 
 
+def compile_backend(device: torch.device) -> str:
+    """Inductor on a GPU; on the CPU (the dry run) ``aot_eager``, which checks the plumbing without a C++ build."""
+    return "inductor" if device.type == "cuda" else "aot_eager"
+
+
+def torch_bf16_recipe_compiled(model: torch.nn.Module, device: torch.device):
+    """The hand-written recipe with each block of the bf16 compute copy compiled (``block.compile()``)."""
+    step, info, close = torch_bf16_recipe(model, device, compile_blocks=True)
+    return step, info, close
+
+
 def fsdp2(model: torch.nn.Module, device: torch.device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -109,7 +124,8 @@ def fsdp2(model: torch.nn.Module, device: torch.device):
     return plain_step(model, opt), dict, opt.state.clear
 
 
-def zero(strategy: str, stage: int, placement: str = "device", options: dict | None = None):
+def zero(strategy: str, stage: int, placement: str = "device", options: dict | None = None, *,
+         compile_blocks: bool = False):
     def build(model: torch.nn.Module, device: torch.device):
         from zero_core import ChunkPolicy, Precision, ZeroConfig, shard
 
@@ -122,6 +138,9 @@ def zero(strategy: str, stage: int, placement: str = "device", options: dict | N
                             chunk=ChunkPolicy(search_interval=model.cfg.d_model), placement=placement,
                             placement_options=placement_options)
         zmodel, zopt = shard(model, make_optimizer(model.parameters()), config=config)
+        if compile_blocks:  # after shard(): each compiled block is one unit of gather (see [Note: torch.compile])
+            for block in model.blocks:
+                block.compile(backend=compile_backend(device))
 
         def step(tokens: torch.Tensor) -> torch.Tensor:
             loss = lm_loss(zmodel(tokens), tokens)
@@ -159,6 +178,11 @@ def systems(dry_run: bool) -> list[System]:
         System("zero-tensor-s3", zero("tensor", 3), "ZeroConfig(strategy='tensor', stage=3, Precision(compute='bf16'))"),
         System("zero-chunk-s3-gemini", zero("chunk", 3, "gemini", gemini),
                "chunk, stage 3, placement='gemini' with GeminiConfig() defaults"),
+        # last: compiling takes the longest, and a section past its deadline drops the rows it has not reached
+        System("torch-bf16-recipe-compiled", torch_bf16_recipe_compiled,
+               "the hand-written recipe, each block of the bf16 copy compiled (block.compile())"),
+        System("zero-chunk-s3-compiled", zero("chunk", 3, compile_blocks=True),
+               "zero-chunk-s3, each block compiled after shard() (block.compile())"),
     ]
 
 
@@ -248,7 +272,69 @@ def render(results: dict[str, dict[str, Any]], sh: Shape, params: int, device: t
     lines += table(["system"] + [f"step {i}" for i in range(steps)],
                    [[n] + [f"{x:.5f}" for x in r["losses"]] for n, r in results.items() if "losses" in r])
     lines += ["\nSystems:\n"] + [f"- **{n}**: {r['note']}" for n, r in results.items()]
+    lines += ["\nTargets (issue 47 item 6):\n"] + [f"- {line}" for line in judge(results)]
     return lines
+
+
+# issue 47 item 6: (row, "recipe" or "fsdp2", at most this many times that row's step); compiled: tokens/s at least
+STEP_TARGETS = (("zero-chunk-s2", "torch-bf16-recipe", 1.05), ("zero-chunk-s2", "fsdp2", 0.80),
+                ("zero-chunk-s3", "torch-bf16-recipe", 1.10), ("zero-chunk-s3", "fsdp2", 0.80),
+                ("zero-tensor-s3", "torch-bf16-recipe", 1.20))
+COMPILED_TARGET = ("zero-chunk-s3-compiled", "torch-bf16-recipe-compiled", 0.95)
+
+
+def judge(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Each target of issue 47 item 6, met or not, from the rows' median steps (a row that failed: not measured)."""
+    def median(name: str) -> float | None:
+        return results.get(name, {}).get("step_ms_median")
+
+    out = []
+    for row, against, most in STEP_TARGETS:
+        a, b = median(row), median(against)
+        if a is None or b is None:
+            out.append(f"{row} at most {most}x {against}'s step: not measured")
+        else:
+            out.append(f"{row} at most {most}x {against}'s step: {a / b:.2f}x, {'met' if a / b <= most else 'not met'}")
+    row, against, least = COMPILED_TARGET
+    a, b = median(row), median(against)
+    if a is None or b is None:
+        out.append(f"{row} at least {least}x {against}'s tokens/s: not measured")
+    else:
+        out.append(f"{row} at least {least}x {against}'s tokens/s: {b / a:.2f}x, {'met' if b / a >= least else 'not met'}")
+    return out
+
+
+def sync_check(system: System, base: torch.nn.Module, batches: list[torch.Tensor], sh: Shape,
+               device: torch.device) -> dict[str, Any]:
+    """One step of ``system`` after its warm-up under ``torch.cuda.set_sync_debug_mode("error")`` (issue 47 item 3: no
+    host-device synchronisation inside a training step, zero's own agreements and checks included): "ok", or the
+    first synchronising call and the innermost frames of the library that made it."""
+    if device.type != "cuda":
+        return {"status": "not run: torch's sync debug mode watches CUDA only"}
+    model = copy.deepcopy(base)
+    close = None
+    try:
+        step, _, close = system.build(model, device)
+        for tokens in batches[: sh.warmup + 1]:  # the first steps may plan (Gemini) and allocate
+            float(step(tokens.to(device)))
+        tokens = batches[-1].to(device)
+        sync(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        sync(device)
+        return {"status": "ok"}
+    except RuntimeError as err:
+        frames = [f"{f.filename.split('/src/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(err.__traceback__)
+                  if "zero_" in f.filename]
+        return {"status": "synchronised", "error": str(err).splitlines()[0][:300], "frames": frames[-6:]}
+    finally:
+        if close is not None:
+            close()
+        del model
+        free_device(device)
 
 
 def run_training(report: Report, device: torch.device, dry_run: bool, deadline_s: float, **shape_options: Any) -> None:
@@ -268,3 +354,14 @@ def run_training(report: Report, device: torch.device, dry_run: bool, deadline_s
             results[system.name] = {"name": system.name, "note": system.note, "error": f"{type(err).__name__}: {err}"}
         report.results["sections"]["training"] = {"params": params, "systems": results}
         report.block("training", render(results, sh, params, device))
+    checks = {}
+    for system in systems(dry_run):
+        if system.name in ("zero-chunk-s2", "zero-chunk-s3") and report.elapsed() <= deadline_s:
+            report.log(f"   sync check {system.name}")
+            checks[system.name] = sync_check(system, base, batches, sh, device)
+    report.results["sections"]["training"]["sync check"] = checks
+    lines = ["\nA step under `torch.cuda.set_sync_debug_mode(\"error\")` (after the warm-up):\n"]
+    for name, check in checks.items():
+        detail = f": {check['error']} at {' <- '.join(reversed(check['frames']))}" if "error" in check else ""
+        lines.append(f"- {name}: {check['status']}{detail}")
+    report.block("training", render(results, sh, params, device) + lines)
