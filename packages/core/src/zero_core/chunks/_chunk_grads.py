@@ -23,13 +23,14 @@ packed, and is the only writer of the gradient state.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zero_core.base._accounting import engine_work
-from zero_core.chunks._chunk_layout import dtensor
 from zero_core.chunks._slots import to_local
 
 __all__ = ["ChunkGradients"]
@@ -51,8 +52,11 @@ class ChunkGradients:
         self._ptrs: list[int] = []
         # Each slot's geometry, read from the layout once (it is fixed once the chunk is packed): see [Note: one view
         # op per gradient].
-        self._local_geometry: list[tuple[torch.Size, tuple[int, ...]]] = []
-        self._full_geometry: list[tuple[torch.Size, tuple[int, ...], int]] = []
+        self._local_geometry: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        self._full_geometry: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        # Each slot's DTensor wrapper arguments for its reduced gradient (its sharded parameter's spec, with the
+        # spec's global shape and strides as tuples), read once per spec: see [Note: one view op per gradient].
+        self._wrap_args: list[tuple[Any, tuple[int, ...], tuple[int, ...]] | None] = [None] * len(chunk.slots)
         self.kept: torch.Tensor | None = None
         # 2: this rank's mean gradient from the last backward, until handed over: where it landed (a 1-D buffer) and
         # where each slot's piece begins in it, or (``_pieces``) one tensor per slot; see :attr:`reduced`.
@@ -101,11 +105,15 @@ class ChunkGradients:
         ``view`` (two ops, about 2 us), from each slot's shape, strides and offset read once: a backward makes
         two such views per parameter (its ``.grad`` into this buffer, its reduced piece for the sharded
         ``.grad``), about 400 on a 48-block model. Both buffers are 1-D and contiguous, so the view is the
-        same tensor the slice and ``view`` made."""
+        same tensor the slice and ``view`` made. Shapes are kept as plain tuples: torch parses a ``torch.Size``
+        argument more slowly than a tuple (about 0.3 us an ``as_strided``, the same for a DTensor wrapper's
+        shape), and the hand-over makes each sharded ``.grad``'s DTensor wrapper from arguments read once per
+        slot instead of from its spec's properties and the view's dtype and device each time."""
         self._flat = flat
         geometry = self._full_geometry
         if not geometry:
-            geometry = self._full_geometry = [(s.shape, _contiguous_stride(s.shape), s.offset) for s in self._chunk.slots]
+            geometry = self._full_geometry = [(tuple(s.shape), _contiguous_stride(s.shape), s.offset)
+                                              for s in self._chunk.slots]
         at = flat.storage_offset()
         views = [flat.as_strided(shape, stride, at + offset) for shape, stride, offset in geometry]
         base, size = flat.data_ptr(), flat.element_size()  # a view's address is its offset's, one call per chunk
@@ -146,8 +154,9 @@ class ChunkGradients:
         # ``torch.no_grad()`` block (about five Python calls each, two per chunk a backward); a gradient with a
         # graph of its own (``create_graph=True``) lands without it, as it did under no_grad.
         for s, view in zip(slots, self._set_flat(self._take())):
-            if s.param.grad is not None:
-                view.copy_(s.param.grad.detach())
+            grad = s.param.grad
+            if grad is not None:
+                view.copy_(grad.detach() if grad.requires_grad else grad)  # detached only where it has a graph
                 s.param.grad = view
             elif s.param.requires_grad:
                 s.param.grad = view
@@ -250,7 +259,7 @@ class ChunkGradients:
             base, offsets = landed
             return base.as_strided(shape, stride, base.storage_offset() + offsets[i])
         assert self._pieces is not None
-        return self._pieces[i][: shape.numel()].view(shape)
+        return self._pieces[i][: math.prod(shape)].view(shape)
 
     @property
     def landed(self) -> bool:
@@ -294,25 +303,44 @@ class ChunkGradients:
                     seg.param.grad = chunk.wrap(i, self._local_piece(i))
                     early[i] = True
             return
-        # _local_piece and Chunk.wrap (of a segment), inlined: this runs for every parameter in every backward
+        # _local_piece and Chunk.wrap (of a segment, as dtensor() makes it), inlined: this runs for every parameter
+        # in every backward (see [Note: one view op per gradient])
         base, offsets = landed
-        at, geometry, mesh = base.storage_offset(), self._geometry(), chunk.mesh
+        at, geometry = base.storage_offset(), self._geometry()
+        if chunk.mesh is None:
+            for seg in chunk.segments:
+                i = seg.slot
+                param = seg.param
+                if got[i] and param.grad is None and param.requires_grad:
+                    shape, stride = geometry[i]
+                    param.grad = base.as_strided(shape, stride, at + offsets[i])
+                    early[i] = True
+            return
+        make, dtype, device, layout, wrap_args = (torch.Tensor._make_wrapper_subclass, base.dtype, base.device,
+                                                  base.layout, self._wrap_args)
         for seg in chunk.segments:
             i = seg.slot
             param = seg.param
             if got[i] and param.grad is None and param.requires_grad:
                 shape, stride = geometry[i]
-                local = base.as_strided(shape, stride, at + offsets[i])
-                param.grad = local if mesh is None else dtensor(local, param._spec)
+                spec = param._spec
+                args = wrap_args[i]
+                if args is None or args[0] is not spec:
+                    args = wrap_args[i] = (spec, tuple(spec.shape), tuple(spec.stride))
+                grad = make(DTensor, args[1], strides=args[2], storage_offset=0, dtype=dtype, device=device,
+                            layout=layout, requires_grad=False)
+                grad._spec = spec
+                grad._local_tensor = base.as_strided(shape, stride, at + offsets[i])
+                param.grad = grad
                 early[i] = True
 
-    def _geometry(self) -> list[tuple[torch.Size, tuple[int, ...]]]:
+    def _geometry(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """Each slot's local shape on this rank and its contiguous strides (read once: the layout is fixed once
-        packed)."""
+        packed), as tuples (see [Note: one view op per gradient])."""
         if not self._local_geometry:
             layout = self._chunk.layout
             shapes = [s.local_shape(layout.rank) for s in layout.slots]
-            self._local_geometry = [(shape, _contiguous_stride(shape)) for shape in shapes]
+            self._local_geometry = [(tuple(shape), _contiguous_stride(shape)) for shape in shapes]
         return self._local_geometry
 
     def move_reduced(self, device: torch.device) -> None:
