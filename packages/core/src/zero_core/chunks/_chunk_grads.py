@@ -57,6 +57,11 @@ class ChunkGradients:
         # Each slot's DTensor wrapper arguments for its reduced gradient (its sharded parameter's spec, with the
         # spec's global shape and strides as tuples), read once per spec: see [Note: one view op per gradient].
         self._wrap_args: list[tuple[Any, tuple[int, ...], tuple[int, ...]] | None] = [None] * len(chunk.slots)
+        # At one rank: the buffer a reduction took and each slot's view of it that was its unsharded parameter's
+        # ``.grad`` (None where autograd put the gradient elsewhere), from take_for_reduction to the hand-over, and
+        # whether those views are the reduced pieces too (asked once); see [Note: one view op per gradient].
+        self._views: tuple[torch.Tensor, list[torch.Tensor | None]] | None = None
+        self._views_are_pieces: bool | None = None
         self.kept: torch.Tensor | None = None
         # 2: this rank's mean gradient from the last backward, until handed over: where it landed (a 1-D buffer) and
         # where each slot's piece begins in it, or (``_pieces``) one tensor per slot; see :attr:`reduced`.
@@ -108,7 +113,12 @@ class ChunkGradients:
         same tensor the slice and ``view`` made. Shapes are kept as plain tuples: torch parses a ``torch.Size``
         argument more slowly than a tuple (about 0.3 us an ``as_strided``, the same for a DTensor wrapper's
         shape), and the hand-over makes each sharded ``.grad``'s DTensor wrapper from arguments read once per
-        slot instead of from its spec's properties and the view's dtype and device each time."""
+        slot instead of from its spec's properties and the view's dtype and device each time.
+
+        At one rank the reduction lands in this very buffer (``reduce_gradients`` sends it and it becomes the
+        gradient), where each slot's reduced piece has its full view's shape, strides and offset: the hand-over
+        then reuses the views autograd accumulated into (held from ``take_for_reduction``, once no ``.grad``
+        points at them) instead of making each slot's view a second time."""
         self._flat = flat
         geometry = self._full_geometry
         if not geometry:
@@ -164,7 +174,7 @@ class ChunkGradients:
     def discard(self) -> None:
         """Drop every gradient not yet handed to the optimizer: the running backward's, a ``no_sync()`` window's,
         a reduction's result. The sharded parameters' gradients stay as they are."""
-        flat, self._flat, self._ptrs = self._flat, None, []
+        flat, self._flat, self._ptrs, self._views = self._flat, None, [], None
         if flat is not None and flat is not self.kept:
             self._chunk.pool.give(flat)
         for slot in self._chunk.slots:
@@ -205,12 +215,17 @@ class ChunkGradients:
         if flat is None:
             flat = self._take()
             ptrs = [-1] * len(chunk.slots)  # nothing points into a fresh buffer
-        for slot, ptr in zip(chunk.slots, ptrs):  # see [Note: copies without no_grad]
+        # at one rank, the views autograd accumulated into, for the hand-over (see [Note: one view op per gradient])
+        views: list[torch.Tensor | None] | None = [None] * len(ptrs) if chunk.world_size == 1 else None
+        for i, (slot, ptr) in enumerate(zip(chunk.slots, ptrs)):  # see [Note: copies without no_grad]
             grad = slot.param.grad
             if grad is not None:
                 if grad.data_ptr() != ptr:
                     flat[slot.offset : slot.offset + slot.numel].copy_(grad.detach().reshape(-1))
+                elif views is not None:
+                    views[i] = grad
                 slot.param.grad = None
+        self._views = (flat, views) if views is not None else None
         if chunk.layout.has_replicated:
             for slot, region in zip(chunk.slots, chunk.layout.regions(flat)):
                 if slot.replicated:
@@ -307,13 +322,16 @@ class ChunkGradients:
         # in every backward (see [Note: one view op per gradient])
         base, offsets = landed
         at, geometry = base.storage_offset(), self._geometry()
+        views = self._held_views(base, offsets)
         if chunk.mesh is None:
             for seg in chunk.segments:
                 i = seg.slot
                 param = seg.param
                 if got[i] and param.grad is None and param.requires_grad:
                     shape, stride = geometry[i]
-                    param.grad = base.as_strided(shape, stride, at + offsets[i])
+                    view = views[i] if views is not None else None
+                    param.grad = view if view is not None and view.stride() == stride else \
+                        base.as_strided(shape, stride, at + offsets[i])
                     early[i] = True
             return
         make, dtype, device, layout, wrap_args = (torch.Tensor._make_wrapper_subclass, base.dtype, base.device,
@@ -330,9 +348,23 @@ class ChunkGradients:
                 grad = make(DTensor, args[1], strides=args[2], storage_offset=0, dtype=dtype, device=device,
                             layout=layout, requires_grad=False)
                 grad._spec = spec
-                grad._local_tensor = base.as_strided(shape, stride, at + offsets[i])
+                view = views[i] if views is not None else None
+                grad._local_tensor = view if view is not None and view.stride() == stride else \
+                    base.as_strided(shape, stride, at + offsets[i])
                 param.grad = grad
                 early[i] = True
+
+    def _held_views(self, base: torch.Tensor, offsets: list[int]) -> list[torch.Tensor | None] | None:
+        """The views held from ``take_for_reduction`` (taken: they are used once) if the reduction landed in their
+        buffer and each slot's piece there is its full view (one rank: the same shape, strides and offset)."""
+        held, self._views = self._views, None
+        if held is None or held[0] is not base:
+            return None
+        if self._views_are_pieces is None:  # the layout is fixed once packed: asked once
+            full = self._full_geometry
+            self._views_are_pieces = bool(full) and [(shape, stride) for shape, stride, _ in full] == \
+                self._geometry() and [offset for _, _, offset in full] == list(offsets)
+        return held[1] if self._views_are_pieces else None
 
     def _geometry(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """Each slot's local shape on this rank and its contiguous strides (read once: the layout is fixed once
@@ -361,6 +393,7 @@ class ChunkGradients:
         chunk = self._chunk
         self.got = [False] * len(chunk.slots)
         early, self._early = self._early, [False] * len(chunk.slots)
+        self._views = None
         if not self.landed:
             return
         if all(early):  # every slot was handed over as its reduction landed (the usual case at one rank)
