@@ -360,10 +360,10 @@ class ChunkGradients:
         held, self._views = self._views, None
         if held is None or held[0] is not base:
             return None
-        if self._views_are_pieces is None:  # the layout is fixed once packed: asked once
-            full = self._full_geometry
-            self._views_are_pieces = bool(full) and [(shape, stride) for shape, stride, _ in full] == \
-                self._geometry() and [offset for _, _, offset in full] == list(offsets)
+        full = self._full_geometry
+        if self._views_are_pieces is None and full:  # the layout is fixed once packed: asked once (with the views')
+            self._views_are_pieces = [(shape, stride) for shape, stride, _ in full] == self._geometry() and \
+                [offset for _, _, offset in full] == list(offsets)
         return held[1] if self._views_are_pieces else None
 
     def _geometry(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
