@@ -60,6 +60,8 @@ def to_host(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, *,
             streams: Streams = NO_STREAMS) -> torch.Tensor:
     """``tensor`` on ``device`` in ``dtype``; from CUDA to the host, converted there first and copied into
     pinned memory, synchronously (the host reads it next). See [Note: copies between host and device]."""
+    if tensor.dtype is dtype and tensor.device == device:  # what ``to`` returns too, without its dispatch (per chunk)
+        return tensor
     if tensor.device.type == "cuda" and device.type == "cpu":
         out = torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
         copy_on_copy_stream(out, tensor.to(dtype), streams)  # without streams: a synchronous copy, as before

@@ -96,7 +96,7 @@ def advise_huge_pages(buf: torch.Tensor) -> torch.Tensor:
     the kernel does not take the advice, and unless ``shard()`` fixed malloc's mmap threshold (with
     ``ZeroConfig(release_host_memory=False)`` malloc and its pages are left as they are)."""
     nbytes = buf.numel() * buf.element_size()
-    if not _mapped_alone or buf.device.type != "cpu" or nbytes < MMAP_THRESHOLD_BYTES:
+    if not _mapped_alone or nbytes < MMAP_THRESHOLD_BYTES or buf.device.type != "cpu":  # size first: the device is an object made per ask
         return buf
     madvise = _madvise()
     if madvise is None:

@@ -52,6 +52,10 @@ class BufferPool:
             free = self._free.get((size, dtype, device))
             buf, event = free.pop() if free else (None, None)
             self.lent += size * dtype.itemsize
+        if streams is NO_STREAMS:  # nothing to order (the host): none of the stream calls below, one per chunk each
+            if buf is None:
+                buf = advise_huge_pages(torch.empty(size, dtype=dtype, device=device))
+            return buf.zero_() if zeroed else buf
         if stream is None:
             stream = streams.compute
         if buf is None:

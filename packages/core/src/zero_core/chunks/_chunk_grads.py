@@ -23,13 +23,14 @@ packed, and is the only writer of the gradient state.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zero_core.base._accounting import engine_work
-from zero_core.chunks._chunk_layout import dtensor
 from zero_core.chunks._slots import to_local
 
 __all__ = ["ChunkGradients"]
@@ -51,8 +52,16 @@ class ChunkGradients:
         self._ptrs: list[int] = []
         # Each slot's geometry, read from the layout once (it is fixed once the chunk is packed): see [Note: one view
         # op per gradient].
-        self._local_geometry: list[tuple[torch.Size, tuple[int, ...]]] = []
-        self._full_geometry: list[tuple[torch.Size, tuple[int, ...], int]] = []
+        self._local_geometry: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        self._full_geometry: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        # Each slot's DTensor wrapper arguments for its reduced gradient (its sharded parameter's spec, with the
+        # spec's global shape and strides as tuples), read once per spec: see [Note: one view op per gradient].
+        self._wrap_args: list[tuple[Any, tuple[int, ...], tuple[int, ...]] | None] = [None] * len(chunk.slots)
+        # At one rank: the buffer a reduction took and each slot's view of it that was its unsharded parameter's
+        # ``.grad`` (None where autograd put the gradient elsewhere), from take_for_reduction to the hand-over, and
+        # whether those views are the reduced pieces too (asked once); see [Note: one view op per gradient].
+        self._views: tuple[torch.Tensor, list[torch.Tensor | None]] | None = None
+        self._views_are_pieces: bool | None = None
         self.kept: torch.Tensor | None = None
         # 2: this rank's mean gradient from the last backward, until handed over: where it landed (a 1-D buffer) and
         # where each slot's piece begins in it, or (``_pieces``) one tensor per slot; see :attr:`reduced`.
@@ -101,11 +110,20 @@ class ChunkGradients:
         ``view`` (two ops, about 2 us), from each slot's shape, strides and offset read once: a backward makes
         two such views per parameter (its ``.grad`` into this buffer, its reduced piece for the sharded
         ``.grad``), about 400 on a 48-block model. Both buffers are 1-D and contiguous, so the view is the
-        same tensor the slice and ``view`` made."""
+        same tensor the slice and ``view`` made. Shapes are kept as plain tuples: torch parses a ``torch.Size``
+        argument more slowly than a tuple (about 0.3 us an ``as_strided``, the same for a DTensor wrapper's
+        shape), and the hand-over makes each sharded ``.grad``'s DTensor wrapper from arguments read once per
+        slot instead of from its spec's properties and the view's dtype and device each time.
+
+        At one rank the reduction lands in this very buffer (``reduce_gradients`` sends it and it becomes the
+        gradient), where each slot's reduced piece has its full view's shape, strides and offset: the hand-over
+        then reuses the views autograd accumulated into (held from ``take_for_reduction``, once no ``.grad``
+        points at them) instead of making each slot's view a second time."""
         self._flat = flat
         geometry = self._full_geometry
         if not geometry:
-            geometry = self._full_geometry = [(s.shape, _contiguous_stride(s.shape), s.offset) for s in self._chunk.slots]
+            geometry = self._full_geometry = [(tuple(s.shape), _contiguous_stride(s.shape), s.offset)
+                                              for s in self._chunk.slots]
         at = flat.storage_offset()
         views = [flat.as_strided(shape, stride, at + offset) for shape, stride, offset in geometry]
         base, size = flat.data_ptr(), flat.element_size()  # a view's address is its offset's, one call per chunk
@@ -146,8 +164,9 @@ class ChunkGradients:
         # ``torch.no_grad()`` block (about five Python calls each, two per chunk a backward); a gradient with a
         # graph of its own (``create_graph=True``) lands without it, as it did under no_grad.
         for s, view in zip(slots, self._set_flat(self._take())):
-            if s.param.grad is not None:
-                view.copy_(s.param.grad.detach())
+            grad = s.param.grad
+            if grad is not None:
+                view.copy_(grad.detach() if grad.requires_grad else grad)  # detached only where it has a graph
                 s.param.grad = view
             elif s.param.requires_grad:
                 s.param.grad = view
@@ -155,7 +174,7 @@ class ChunkGradients:
     def discard(self) -> None:
         """Drop every gradient not yet handed to the optimizer: the running backward's, a ``no_sync()`` window's,
         a reduction's result. The sharded parameters' gradients stay as they are."""
-        flat, self._flat, self._ptrs = self._flat, None, []
+        flat, self._flat, self._ptrs, self._views = self._flat, None, [], None
         if flat is not None and flat is not self.kept:
             self._chunk.pool.give(flat)
         for slot in self._chunk.slots:
@@ -196,12 +215,17 @@ class ChunkGradients:
         if flat is None:
             flat = self._take()
             ptrs = [-1] * len(chunk.slots)  # nothing points into a fresh buffer
-        for slot, ptr in zip(chunk.slots, ptrs):  # see [Note: copies without no_grad]
+        # at one rank, the views autograd accumulated into, for the hand-over (see [Note: one view op per gradient])
+        views: list[torch.Tensor | None] | None = [None] * len(ptrs) if chunk.world_size == 1 else None
+        for i, (slot, ptr) in enumerate(zip(chunk.slots, ptrs)):  # see [Note: copies without no_grad]
             grad = slot.param.grad
             if grad is not None:
                 if grad.data_ptr() != ptr:
                     flat[slot.offset : slot.offset + slot.numel].copy_(grad.detach().reshape(-1))
+                elif views is not None:
+                    views[i] = grad
                 slot.param.grad = None
+        self._views = (flat, views) if views is not None else None
         if chunk.layout.has_replicated:
             for slot, region in zip(chunk.slots, chunk.layout.regions(flat)):
                 if slot.replicated:
@@ -250,7 +274,7 @@ class ChunkGradients:
             base, offsets = landed
             return base.as_strided(shape, stride, base.storage_offset() + offsets[i])
         assert self._pieces is not None
-        return self._pieces[i][: shape.numel()].view(shape)
+        return self._pieces[i][: math.prod(shape)].view(shape)
 
     @property
     def landed(self) -> bool:
@@ -294,25 +318,61 @@ class ChunkGradients:
                     seg.param.grad = chunk.wrap(i, self._local_piece(i))
                     early[i] = True
             return
-        # _local_piece and Chunk.wrap (of a segment), inlined: this runs for every parameter in every backward
+        # _local_piece and Chunk.wrap (of a segment, as dtensor() makes it), inlined: this runs for every parameter
+        # in every backward (see [Note: one view op per gradient])
         base, offsets = landed
-        at, geometry, mesh = base.storage_offset(), self._geometry(), chunk.mesh
+        at, geometry = base.storage_offset(), self._geometry()
+        views = self._held_views(base, offsets)
+        if chunk.mesh is None:
+            for seg in chunk.segments:
+                i = seg.slot
+                param = seg.param
+                if got[i] and param.grad is None and param.requires_grad:
+                    shape, stride = geometry[i]
+                    view = views[i] if views is not None else None
+                    param.grad = view if view is not None and view.stride() == stride else \
+                        base.as_strided(shape, stride, at + offsets[i])
+                    early[i] = True
+            return
+        make, dtype, device, layout, wrap_args = (torch.Tensor._make_wrapper_subclass, base.dtype, base.device,
+                                                  base.layout, self._wrap_args)
         for seg in chunk.segments:
             i = seg.slot
             param = seg.param
             if got[i] and param.grad is None and param.requires_grad:
                 shape, stride = geometry[i]
-                local = base.as_strided(shape, stride, at + offsets[i])
-                param.grad = local if mesh is None else dtensor(local, param._spec)
+                spec = param._spec
+                args = wrap_args[i]
+                if args is None or args[0] is not spec:
+                    args = wrap_args[i] = (spec, tuple(spec.shape), tuple(spec.stride))
+                grad = make(DTensor, args[1], strides=args[2], storage_offset=0, dtype=dtype, device=device,
+                            layout=layout, requires_grad=False)
+                grad._spec = spec
+                view = views[i] if views is not None else None
+                grad._local_tensor = view if view is not None and view.stride() == stride else \
+                    base.as_strided(shape, stride, at + offsets[i])
+                param.grad = grad
                 early[i] = True
 
-    def _geometry(self) -> list[tuple[torch.Size, tuple[int, ...]]]:
+    def _held_views(self, base: torch.Tensor, offsets: list[int]) -> list[torch.Tensor | None] | None:
+        """The views held from ``take_for_reduction`` (taken: they are used once) if the reduction landed in their
+        buffer and each slot's piece there is its full view (one rank: the same shape, strides and offset)."""
+        held, self._views = self._views, None
+        if held is None or held[0] is not base:
+            return None
+        full = self._full_geometry
+        if self._views_are_pieces is None and full:  # the layout is fixed once packed: asked once (with the views')
+            self._views_are_pieces = [(shape, stride) for shape, stride, _ in full] == self._geometry() and \
+                [offset for _, _, offset in full] == list(offsets)
+        return held[1] if self._views_are_pieces else None
+
+    def _geometry(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """Each slot's local shape on this rank and its contiguous strides (read once: the layout is fixed once
-        packed)."""
+        packed), as tuples (see [Note: one view op per gradient])."""
         if not self._local_geometry:
             layout = self._chunk.layout
             shapes = [s.local_shape(layout.rank) for s in layout.slots]
-            self._local_geometry = [(shape, _contiguous_stride(shape)) for shape in shapes]
+            self._local_geometry = [(tuple(shape), _contiguous_stride(shape)) for shape in shapes]
         return self._local_geometry
 
     def move_reduced(self, device: torch.device) -> None:
@@ -333,6 +393,7 @@ class ChunkGradients:
         chunk = self._chunk
         self.got = [False] * len(chunk.slots)
         early, self._early = self._early, [False] * len(chunk.slots)
+        self._views = None
         if not self.landed:
             return
         if all(early):  # every slot was handed over as its reduction landed (the usual case at one rank)

@@ -74,6 +74,10 @@ class LocalStep:
         self._groups: list[list[Any]] | None = None
         self._pairs: list[tuple[DTensor, torch.Tensor]] = []
         self._shadow: dict[torch.Tensor, dict[str, Any]] = {}
+        # id of each swapped local -> its parameter and the parameter's real state dict when the body began (None:
+        # it had none), so that end() finds them without hashing a tensor (torch's ``Tensor.__hash__`` is a Python
+        # call, twice per parameter per step otherwise)
+        self._of_local: dict[int, tuple[DTensor, dict[str, Any] | None]] = {}
 
         self._installed: Any = None
         if self._eligible:
@@ -113,14 +117,17 @@ class LocalStep:
         if any(g.get("differentiable") for g in groups):
             return False
         state = opt.state
+        # the real state's dicts by their parameter's id: one pass that hashes no tensor (see ``_of_local``)
+        state_of = {id(key): value for key, value in state.items()}
         shadow: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         pairs: list[tuple[DTensor, torch.Tensor]] = []
+        of_local: dict[int, tuple[DTensor, dict[str, Any] | None]] = {}
         lists: list[list[Any]] = []
         for group in groups:
             swapped = []
             for p in group["params"]:
                 if not isinstance(p, DTensor):
-                    found = state.get(p)
+                    found = state_of.get(id(p))
                     if found is not None:
                         shadow[p] = found  # the same dict: what the body writes lands in the real state
                     swapped.append(p)
@@ -133,13 +140,14 @@ class LocalStep:
                 local = p._local_tensor
                 if grad is not None:
                     local.grad = grad._local_tensor
-                found = state.get(p)
+                found = state_of.get(id(p))
                 if found:
                     shadow[local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in found.items()}
                 pairs.append((p, local))
+                of_local[id(local)] = (p, found)
                 swapped.append(local)
             lists.append(swapped)
-        self._state, self._pairs, self._shadow = state, pairs, shadow
+        self._state, self._pairs, self._shadow, self._of_local = state, pairs, shadow, of_local
         self._groups = [group["params"] for group in groups]
         for group, swapped in zip(groups, lists):
             group["params"] = swapped
@@ -150,19 +158,20 @@ class LocalStep:
         """Put the DTensors back (the body returned or raised), keeping every state the body wrote."""
         if self._groups is None:
             return
-        opt, state, shadow, pairs = self.optimizer, self._state, self._shadow, self._pairs
+        opt, state, shadow, pairs, of_local = self.optimizer, self._state, self._shadow, self._pairs, self._of_local
         for group, params in zip(opt.param_groups, self._groups):
             group["params"] = params
         opt.state = state
-        self._groups, self._state, self._pairs, self._shadow = None, None, [], {}
-        of_local = {id(local): p for p, local in pairs}
+        self._groups, self._state, self._pairs, self._shadow, self._of_local = None, None, [], {}, {}
         for key, found in shadow.items():
-            p = of_local.get(id(key))
-            if p is None:  # not a DTensor: the body wrote its dict itself (a first step made it)
+            swapped = of_local.get(id(key))
+            if swapped is None:  # not a DTensor: the body wrote its dict itself (a first step made it)
                 if state.get(key) is not found:
                     state[key] = found
                 continue
-            real = state[p]
+            p, real = swapped
+            if real is None:  # its first step: the real state's (defaultdict) entry is made now
+                real = state[p]
             for name, value in found.items():
                 old = real.get(name)
                 if old is value or (isinstance(old, DTensor) and old._local_tensor is value):

@@ -56,6 +56,7 @@ class GradientReducer:
         # reverse; recomputed when a step's first forward begins, since parameters may be (un)frozen between steps.
         self._steps: list[tuple[GatherGroup, tuple[Chunk, ...]]] = []
         self.order: list[Chunk] = []  # the trainable chunks, in the order they are reduced
+        self._expectable: list[tuple[GatherGroup, frozenset[int]]] = []  # see _take_order
         self._take_order()
         self._next = 0  # the next group of the order to reduce in the running backward
         # Chunks launched in the running backward whose reductions complete on the waiter thread, in launch order,
@@ -64,8 +65,11 @@ class GradientReducer:
         self.in_flight: collections.deque[Chunk] = collections.deque()
 
     def _take_order(self) -> None:
-        self._steps = [(g, trainable) for g in reversed(self._groups)
-                       if (trainable := tuple(c for c in reversed(g.chunks) if c.requires_grad))]
+        steps = [(g, trainable) for g in reversed(self._groups)
+                 if (trainable := tuple(c for c in reversed(g.chunks) if c.requires_grad))]
+        if steps == self._steps:  # nothing (un)frozen since: the sets below are the same (this runs every step)
+            return
+        self._steps = steps
         self.order = [c for _, trainable in self._steps for c in trainable]
         # Each group of the order with its trainable parameters' ids, taken with the order: what expect() intersects
         # with a graph's reachable parameters after every forward, one set operation per group instead of an id()
