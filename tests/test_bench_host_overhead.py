@@ -115,3 +115,16 @@ def test_interleaved_host_cpu_script_prints_each_rows_cpu_time_and_python_calls(
     assert phases.keys() == calls.keys() and all(len(p) == 4 for p in phases.values()), out
     # plain PyTorch's backward runs no Python; zero's runs its gradient hooks
     assert int(phases["plain"]["backward"]) < int(phases["s3"]["backward"]), out
+
+
+def test_grad_groups_trains_the_plain_model_with_one_gradient_signal_per_group_and_backward():
+    """``python -m zero_bench.grad_groups``: the per-group model (parameters as views of one flat leaf per group,
+    an autograd function per group) trains as plain PyTorch does, and hears of gradients once per group and
+    backward (mlp-48: the embedding, 48 blocks and the head)."""
+    from zero_bench import grad_groups
+
+    result = grad_groups.run(3, warmup=1)
+    assert result["groups"] == 50 and result["signals"] == 3 * 50, result
+    plain, grouped = result["losses"]["plain"], result["losses"]["per-group"]
+    assert plain == pytest.approx(grouped, rel=1e-5) and plain[0] > plain[-1], result["losses"]
+    assert set(result["seconds"]) == {"plain", "per-group"} and all(s > 0 for s in result["seconds"].values())

@@ -242,3 +242,50 @@ def test_each_unit_and_backward_pass_records_its_moment_of_the_step():
         assert seen["after the penalty's backward"] == ("idle", None, None, ["idle"], sharded, every)
         assert seen["capture"] == ("backward", "capture", False, ["backward"], gathered)  # released at its end
         assert seen["after capture"] == ("idle", None, None, ["idle"], sharded)
+
+
+def test_kept_units_have_no_forward_hook_and_move_with_the_pass():
+    """A unit whose chunks are all kept (stage 2) gets no forward hook and no hook at its outputs, only its
+    pre-hook: its state follows the pass (see [Note: kept units] in ``zero_core.runtime._unit``), it trains as one
+    process does, and calling one of its modules outside the wrapped model's forward is refused at the call."""
+    import pytest
+
+    from zero_core.base.errors import ZeroError
+
+    reference = _model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    sharded = _model()
+    model, opt = shard(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1),
+                       config=ZeroConfig(stage=2, chunk=ChunkPolicy(chunk_size=3 * LAYER)))
+    units = model.engine._module_hooks.units
+    assert len(units) == 6 and all(u.kept for u in units)
+    for layer in sharded:
+        assert len(layer._forward_pre_hooks) == 1 and not layer._forward_hooks
+    states = lambda: [u.state.value for u in units]  # noqa: E731
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        seen = []
+        # the gradient at the fourth layer's output: the backward began, no chunk is reduced yet
+        handle = sharded[3].register_forward_hook(
+            lambda m, a, out: out.register_hook(lambda g: seen.append(states())) and None)
+        loss = F.mse_loss(model(x), y)
+        handle.remove()
+        assert states() == ["after_forward"] * 6
+        loss.register_hook(lambda g: seen.append(states()))  # before the backward reaches the model
+        loss.backward()
+        assert seen == [["after_forward"] * 6, ["backward"] * 6] and states() == ["idle"] * 6
+        opt.step()
+        ref_loss = F.mse_loss(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        model(x)
+    assert states() == ["idle"] * 6  # a forward without a graph leaves them as it found them
+    with pytest.raises(ZeroError, match="ran outside the wrapped model's forward"):
+        sharded[0](x)
+    for p, q in zip(model.full_state_dict().values(), reference.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    model.close()

@@ -58,7 +58,9 @@ class UnitState(enum.Enum):
     FORWARD = "forward"
     #: Its forward returned inside a forward that builds a graph: its backward may come.
     AFTER_FORWARD = "after_forward"
-    #: The backward reached its outputs: its chunks were gathered again for its backward.
+    #: The backward reached its outputs: its chunks were gathered again for its backward. A kept unit, which has
+    #: nothing to gather (see [Note: kept units] in ``zero_core.runtime._unit``), is moved here, and to AFTER_FORWARD,
+    #: with all the others when the backward begins (the wrapped model's forward returns).
     BACKWARD = "backward"
     #: Every chunk of it was launched for reduction in this backward (its gradients are all in, or the backward
     #: ended): no gradient of its parameters can come any more, and each ``.grad`` that can be is set as its

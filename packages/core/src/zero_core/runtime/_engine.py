@@ -332,6 +332,7 @@ class Engine:
             self.residency.scheduler.drain()
             tensors = [t for t in tensors_of(outputs) if t.requires_grad and t.grad_fn is not None]
             graph = torch.is_grad_enabled() and bool(tensors) and bool(self.reducer.order)
+            self._module_hooks.forward_returned()
             self.residency.release_after_forward(self.chunks, for_backward=graph)
             if not graph:
                 self.residency.drop_leftovers()
@@ -439,6 +440,7 @@ class Engine:
         # The modules keep the sharded parameters in backward (autograd reads the unsharded ones it saved), so a
         # backward that raises leaves them as they are between steps; only a recomputation swaps (Unit.before_forward).
         self._set_state(TrainingState.BACKWARD)
+        self._module_hooks.backward_began()
         self.bridge.backward_began()
         self.reducer.begin(forwards=forwards)
         self.residency.scheduler.begin_pass(reverse=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from zero_core.base._state import UnitState
 from zero_core.chunks.chunk import Chunk
 from zero_core.runtime._unit import Unit, UnitHost
 
@@ -77,6 +78,8 @@ class ModuleHooks:
         # Per chunk index, the units that ran in the current forward since it was last released (the units hold it).
         self._ran: dict[int, set[int]] = {}
         self.units: tuple[Unit, ...] = ()
+        # The units without a forward hook (see [Note: kept units] in zero_core.runtime._unit), moved here instead.
+        self._kept: tuple[Unit, ...] = ()
         # Per chunk index, the units that gather it (told when it is launched for reduction).
         self._units_of: dict[int, tuple[Unit, ...]] = {}
         self._handles: list[Any] = []
@@ -105,8 +108,10 @@ class ModuleHooks:
             unit = Unit(module, ordered, self._host, self.triggers, self._ran)
             built.append(unit)
             self._handles.append(module.register_forward_pre_hook(untraced(unit.before_forward)))
-            self._handles.append(module.register_forward_hook(untraced(unit.after_forward)))
+            if not unit.kept:  # see [Note: kept units] in zero_core.runtime._unit
+                self._handles.append(module.register_forward_hook(untraced(unit.after_forward)))
         self.units = tuple(built)
+        self._kept = tuple(u for u in built if u.kept)
         units_of: dict[int, list[Unit]] = {}
         for unit in built:
             for chunk in unit.chunks:
@@ -116,6 +121,21 @@ class ModuleHooks:
     def begin_forward(self) -> None:
         """The wrapped model's forward begins: no unit has run in it yet."""
         self._ran.clear()
+
+    def forward_returned(self) -> None:
+        """The wrapped model's forward returned: each kept unit that ran in it is AFTER_FORWARD, as its forward hook
+        would have made it (see [Note: kept units] in ``zero_core.runtime._unit``)."""
+        forward, after = UnitState.FORWARD, UnitState.AFTER_FORWARD
+        for unit in self._kept:  # attribute reads only: this runs at every forward
+            if unit.state is forward:
+                unit.state = after
+
+    def backward_began(self) -> None:
+        """A backward began: each kept unit whose forward returned is BACKWARD (see [Note: kept units])."""
+        after, backward = UnitState.AFTER_FORWARD, UnitState.BACKWARD
+        for unit in self._kept:
+            if unit.state is after:
+                unit.state = backward
 
     def units_idle(self) -> None:
         """The step's forward and backward are over (or undone): every unit is IDLE again."""
@@ -157,6 +177,7 @@ class ModuleHooks:
         self._handles.clear()
         self._compiled = ()
         self.units = ()
+        self._kept = ()
         self._units_of = {}
 
     def _compiled_modules(self) -> tuple[nn.Module, ...]:
