@@ -266,14 +266,17 @@ def test_kept_units_have_no_forward_hook_and_move_with_the_pass():
         x, y = _batch(step)
         opt.zero_grad()
         ref_opt.zero_grad()
-        seen = []
+        seen: list[list[str]] = []
+
+        def record(_grad, seen=seen):
+            seen.append(states())
+
         # the gradient at the fourth layer's output: the backward began, no chunk is reduced yet
-        handle = sharded[3].register_forward_hook(
-            lambda m, a, out: out.register_hook(lambda g: seen.append(states())) and None)
+        handle = sharded[3].register_forward_hook(lambda m, a, out: out.register_hook(record) and None)
         loss = F.mse_loss(model(x), y)
         handle.remove()
         assert states() == ["after_forward"] * 6
-        loss.register_hook(lambda g: seen.append(states()))  # before the backward reaches the model
+        loss.register_hook(record)  # before the backward reaches the model
         loss.backward()
         assert seen == [["after_forward"] * 6, ["backward"] * 6] and states() == ["idle"] * 6
         opt.step()
