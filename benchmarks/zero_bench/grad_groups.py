@@ -1,22 +1,29 @@
-"""What gradients through one autograd function per gather group would cost the host: the floor of issue 47's
-remaining design change, measured on the host-overhead section's ``mlp-48`` model at one rank, without zero.
+"""What hearing of gradients once per gather group would cost the host: two designs for issue 47's remaining
+change, measured on the host-overhead section's ``mlp-48`` model at one rank, without zero.
 
 Zero learns that a parameter's gradient arrived from a post-accumulate-grad hook per parameter (195 Python calls a
 backward here), then copies each chunk's first gradient into its buffer and makes a view per parameter. FSDP2 and
-SimpleFSDP hear once per unit instead. This module trains two models side by side, steps interleaved:
+SimpleFSDP hear once per unit instead. This module trains three models side by side, steps interleaved:
 
 - ``plain``: ``ThinMLP`` as PyTorch trains it;
-- ``per-group``: the same model whose parameters, per gather group (the embedding, each block, the head, as the
-  chunk search groups them), are views of one flat leaf, made in the group's forward pre-hook by an autograd
-  function (where zero would all-gather; the identity at one rank) followed by one ``torch.split``. Autograd then
-  sums each group's gradients into one flat gradient (the split's backward is one ``cat``), and the function's
-  backward is the one Python call per group and backward where zero would reduce-scatter and hand the gradient
-  over. The optimizer steps the flat leaves.
+- ``views``: SimpleFSDP's way. Each gather group's parameters (the embedding, each block, the head, as the chunk
+  search groups them) are views of one flat leaf, made in the group's forward pre-hook by an autograd function
+  (where zero would all-gather; the identity at one rank) and one ``torch.split``. Autograd sums the group's
+  gradients into one flat gradient (the split's backward is one ``cat``), and the function's backward is the one
+  Python call per group and backward, where zero would reduce-scatter and hand the gradient over. The optimizer
+  steps the flat leaves.
+- ``inputs``: FSDP2's way. The parameters stay the model's own leaves (their gradients accumulate as in plain
+  PyTorch); the group's forward pre-hook passes its inputs through an autograd function whose backward, which
+  autograd runs after the group's parameters' gradients are accumulated, is the one Python call per group. A group
+  whose inputs need no gradient (the embedding reads token ids) gets none: FSDP2 reaches it from the callback at
+  the end of backward.
 
     python -m zero_bench.grad_groups [STEPS]
 
-Prints the median process CPU time per step of each and the ratio, and whether the losses agree (to 1e-5: the
-flat optimizer's foreach sums in another order). It is a measurement of the mechanism, not a trainer: no sharding,
+Prints the median process CPU time of each row's zero_grad, forward and backward per step (what the mechanism
+changes; the optimizer step is left out, since ``views`` steps 50 flat tensors where the others, and zero, step
+195), the ratio to plain's, each row's gradient signals per backward, and whether its losses agree with plain's
+(to 1e-5: the flat optimizer sums in another order). A measurement of the mechanisms, not a trainer: no sharding,
 no DTensors, no zero.
 """
 
@@ -33,14 +40,17 @@ from torch import nn
 
 from zero_bench.mlp import ThinMLP
 
+__all__ = ["KINDS", "build", "run"]
+
 VOCAB, WIDTH, LAYERS, BATCH, SEQ = 64, 32, 48, 4, 16
+KINDS = ("plain", "views", "inputs")
 
 
 class _Gathered(torch.autograd.Function):
-    """The group's full flat parameters from its flat leaf; its backward is the group's one gradient signal."""
+    """``views``: the group's full flat parameters from its flat leaf; its backward is the group's one signal."""
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, group: _Group) -> torch.Tensor:
+    def forward(ctx: Any, flat: torch.Tensor, group: _ViewGroup) -> torch.Tensor:
         ctx.group = group
         return flat.view_as(flat)  # zero: the all-gathered buffer
 
@@ -50,8 +60,8 @@ class _Gathered(torch.autograd.Function):
         return grad, None
 
 
-class _Group:
-    """One gather group's parameters as views of one flat leaf, registered in its modules before each forward."""
+class _ViewGroup:
+    """``views``: one gather group's parameters as views of one flat leaf, registered before each forward."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.entries = [(m, name, p.shape) for m in modules for name, p in m._parameters.items() if p is not None]
@@ -66,44 +76,80 @@ class _Group:
             m._parameters[name] = piece.view(shape)
 
 
-def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer, list[_Group]]:
-    """``plain`` or ``per-group``: the model, its AdamW, and its groups (none for plain)."""
+class _AfterBackward(torch.autograd.Function):
+    """``inputs``: the identity on a group's inputs; its backward runs once the group's gradients are accumulated."""
+
+    @staticmethod
+    def forward(ctx: Any, group: _InputGroup, *inputs: torch.Tensor) -> Any:
+        ctx.group = group
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.group.signals += 1  # zero: the group's gradients are all in: reduce-scatter and hand them over
+        return (None, *grads)
+
+
+class _InputGroup:
+    """``inputs``: one gather group whose inputs carry its after-backward signal."""
+
+    def __init__(self) -> None:
+        self.signals = 0
+
+    def before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> Any:
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return None  # token ids: no signal here (FSDP2: the end-of-backward callback)
+        out = _AfterBackward.apply(self, *args)
+        return out if isinstance(out, tuple) else (out,)
+
+
+def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer, list[Any]]:
+    """One of :data:`KINDS`: the model, its AdamW, and its groups (none for plain)."""
     torch.manual_seed(0)
     model = ThinMLP(vocab=VOCAB, width=WIDTH, layers=LAYERS)
+    owners: list[nn.Module] = [model.embed, *model.blocks, model.head]
     if kind == "plain":
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3), []
-    owners: list[nn.Module] = [model.embed, *model.blocks, model.head]
-    groups = [_Group(list(owner.modules())) for owner in owners]
-    for group, owner in zip(groups, owners):
+    if kind == "views":
+        views = [_ViewGroup(list(owner.modules())) for owner in owners]
+        for group, owner in zip(views, owners):
+            owner.register_forward_pre_hook(group.before_forward)
+        return model, torch.optim.AdamW([g.flat for g in views], lr=1e-3), views
+    inputs = [_InputGroup() for _ in owners]
+    for group, owner in zip(inputs, owners):
         owner.register_forward_pre_hook(group.before_forward)
-    return model, torch.optim.AdamW([g.flat for g in groups], lr=1e-3), groups
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), inputs
 
 
-def step(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
+def step(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> tuple[float, float]:
+    """One training step: its loss, and the CPU seconds of its zero_grad, forward and backward."""
+    begin = time.process_time()
     opt.zero_grad()
     loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     loss.backward()
+    passes = time.process_time() - begin
     opt.step()
-    return loss.item()
+    return loss.item(), passes
 
 
 def run(steps: int, warmup: int = 10) -> dict[str, Any]:
-    """Both rows trained ``steps`` steps, interleaved; their median CPU seconds per step after ``warmup``."""
+    """Every row trained ``steps`` steps, interleaved: the median CPU seconds of its zero_grad, forward and backward
+    per step after ``warmup``, its losses, and its groups' gradient signals in all."""
     torch.set_num_threads(1)
-    rows = {kind: build(kind) for kind in ("plain", "per-group")}
+    rows = {kind: build(kind) for kind in KINDS}
     generator = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {kind: [] for kind in rows}
     losses: dict[str, list[float]] = {kind: [] for kind in rows}
     for i in range(steps):
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
         for kind, (model, opt, _) in rows.items():
-            begin = time.process_time()
-            losses[kind].append(step(model, opt, tokens))
+            loss, passes = step(model, opt, tokens)
+            losses[kind].append(loss)
             if i >= warmup:
-                times[kind].append(time.process_time() - begin)
-    groups = rows["per-group"][2]
+                times[kind].append(passes)
     return {"seconds": {kind: statistics.median(t) if t else 0.0 for kind, t in times.items()},
-            "losses": losses, "groups": len(groups), "signals": sum(g.signals for g in groups)}
+            "losses": losses, "groups": {kind: len(groups) for kind, (_, _, groups) in rows.items()},
+            "signals": {kind: sum(g.signals for g in groups) for kind, (_, _, groups) in rows.items()}}
 
 
 def main() -> None:
@@ -112,10 +158,10 @@ def main() -> None:
     result = run(steps)
     plain = result["seconds"]["plain"]
     for kind, seconds in result["seconds"].items():
-        print(f"{kind:10s} cpu/step {seconds * 1e3:7.2f} ms  {seconds / plain:.2f}x plain")
-    agree = all(abs(a - b) <= 1e-5 * max(1.0, abs(a)) for a, b in zip(*result["losses"].values()))
-    print(f"per-group  {result['groups']} groups, {result['signals'] / steps:.0f} gradient signals per backward; "
-          f"losses agree with plain to 1e-5: {agree}")
+        agree = all(abs(a - b) <= 1e-5 * max(1.0, abs(a)) for a, b in zip(result["losses"]["plain"],
+                                                                           result["losses"][kind]))
+        print(f"{kind:7s} zero_grad+forward+backward cpu/step {seconds * 1e3:7.2f} ms  {seconds / plain:.2f}x plain  "
+              f"signals/backward {result['signals'][kind] / steps:.0f}  losses agree with plain: {agree}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Host CPU time and Python calls per step on the bench's mlp-48 model at one rank: plain PyTorch, zero chunk
 stage 3 and stage 2 (one chunk per block), trained side by side with their steps interleaved (plain, s3, s2, plain,
 ...), so load changes hit all three alike. Prints the median process CPU time per step of each, its ratio to plain,
-and the Python function calls of one step (cProfile, load-independent), in all and by phase (zero_grad, forward with
-the loss, backward, optimizer step).
+the same for the step's zero_grad, forward and backward alone (``zero_bench.grad_groups`` measures those of other
+designs), and the Python function calls of one step (cProfile, load-independent), in all and by phase (zero_grad,
+forward with the loss, backward, optimizer step).
 
     python -m zero_bench.host_cpu [STEPS] [--process-group] [-v]
 
@@ -84,14 +85,24 @@ def main() -> None:
         for b in batches[:5]:
             step(m, o, b)
     cpu: dict[str, list[float]] = {k: [] for k in rows}
+    # zero_grad, forward with the loss, backward (what zero_bench.grad_groups compares), then the whole step
+    passes: dict[str, list[float]] = {k: [] for k in rows}
     for b in batches[5:]:
         for name, (m, o) in rows.items():
             t = time.process_time()
-            step(m, o, b)
+            o.zero_grad()
+            loss = F.cross_entropy(m(b[:, :-1]).reshape(-1, VOCAB), b[:, 1:].reshape(-1))
+            loss.backward()
+            passes[name].append(time.process_time() - t)
+            o.step()
+            loss.item()
             cpu[name].append(time.process_time() - t)
     med = {k: statistics.median(v) for k, v in cpu.items()}
     for k, v in med.items():
         print(f"{k:6s} cpu/step {v * 1e3:7.2f} ms  {v / med['plain']:.2f}x plain")
+    med_passes = {k: statistics.median(v) for k, v in passes.items()}
+    for k, v in med_passes.items():
+        print(f"{k:6s} zero_grad+forward+backward cpu/step {v * 1e3:7.2f} ms  {v / med_passes['plain']:.2f}x plain")
     for name, (m, o) in rows.items():
         prof = cProfile.Profile()
         prof.enable()
