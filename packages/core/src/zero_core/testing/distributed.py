@@ -38,6 +38,7 @@ to match; unset, a test process may use every core.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -128,6 +129,9 @@ def _rank_main(
     fn: Callable[..., Any], rank: int, world_size: int, init_file: str, backend: str | None, device: str,
     timeout: float, threads: int, env: dict[str, str], results: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 ) -> None:
+    # A rank killed by a signal (a C++ abort, a segfault) reports nothing through the queue: its Python stack at least
+    # goes to stderr (the forkserver's, which the ranks inherit).
+    faulthandler.enable()
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), ZERO_TEST_DEVICE=device)
     if device == "cpu":
@@ -213,7 +217,8 @@ def run_distributed(
                 except queue.Empty:
                     for rank, p in enumerate(procs):
                         if rank not in done and rank not in failed and p.exitcode is not None and results.empty():
-                            failed[rank] = f"rank {rank} exited with code {p.exitcode} without reporting a result"
+                            failed[rank] = (f"rank {rank} exited with code {p.exitcode} without reporting a result (a negative "
+                                                "code is the signal that killed it; its Python stack went to stderr)")
                     if failed:
                         deadline = min(deadline, time.monotonic() + grace)
                     continue
