@@ -118,16 +118,18 @@ def test_interleaved_host_cpu_script_prints_each_rows_cpu_time_and_python_calls(
 
 
 def test_grad_groups_trains_the_plain_model_hearing_of_gradients_once_per_group_and_backward():
-    """``python -m zero_bench.grad_groups``: both per-group designs (parameters as views of one flat leaf per group;
-    the model's own parameters with a signal on each group's inputs) train as plain PyTorch does and hear of
-    gradients once per group and backward (mlp-48: the embedding, 48 blocks and the head; the embedding reads token
+    """``python -m zero_bench.grad_groups``: zero's signal (a hook per parameter, counted per group; alone and with
+    zero's gradient buffers) and both per-group designs (parameters as views of one flat leaf per group; the model's
+    own parameters with a signal on each group's inputs) train as plain PyTorch does and hear of gradients once per
+    group and backward (mlp-48: the embedding, 48 blocks and the head; the embedding reads token
     ids, so the inputs design has no signal there)."""
     from zero_bench import grad_groups
 
     result = grad_groups.run(3, warmup=1)
-    assert result["groups"] == {"plain": 0, "views": 50, "inputs": 50}, result
-    assert result["signals"] == {"plain": 0, "views": 3 * 50, "inputs": 3 * 49}, result
+    assert result["groups"] == {"plain": 0, "hooks": 50, "buffers": 50, "views": 50, "inputs": 50}, result
+    assert result["signals"] == {"plain": 0, "hooks": 3 * 50, "buffers": 3 * 50, "views": 3 * 50,
+                                 "inputs": 3 * 49}, result
     plain = result["losses"]["plain"]
-    for kind in ("views", "inputs"):
+    for kind in ("hooks", "buffers", "views", "inputs"):
         assert result["losses"][kind] == pytest.approx(plain, rel=1e-5), (kind, result["losses"])
     assert plain[0] > plain[-1] and all(s > 0 for s in result["seconds"].values()), result

@@ -24,10 +24,10 @@ step inside an open ``no_sync()`` window is generated on purpose and must raise.
 
 A sequence is a list of action names drawn up front from a seed, identical on every rank
 and in the failure message, so a failing seed replays exactly. ``nox -s soak``
-(``ZERO_SOAK=1``) runs more seeds and longer sequences: the suite runs 1 seed x 5
-configurations x 90 actions (5 to 8 divergent ones per sequence, each kind at least once, and
-the two endings over the configurations), the soak 6 seeds x 5 configurations x 400 actions
-(about 20 divergent ones per sequence).
+(``ZERO_SOAK=1``) runs more seeds and longer sequences: the suite runs 1 seed x 7
+configurations x 90 actions (in the five multi-rank ones 5 to 8 divergent ones per sequence, each kind at least
+once, and the two endings over the configurations; the two one-rank ones have neither), the soak 6 seeds x 7
+configurations x 400 actions (about 20 divergent ones per multi-rank sequence).
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ DIVERGE_EVERY = 12  # a divergent action not drawn yet is forced in about this o
 ENDINGS = ("one_rank_skip", "diverge:skip_step")
 
 
-def generate(seed: int, n: int, ending: str = "one_rank_skip") -> list[str]:
-    """A random action sequence that a correct training loop could run (see the module docstring)."""
+def generate(seed: int, n: int, ending: str | None = "one_rank_skip") -> list[str]:
+    """A random action sequence that a correct training loop could run (see the module docstring). ``ending``
+    None: one rank alone (no divergent action, no ending that leaves the others)."""
     rng = random.Random(seed)
     actions: list[str] = []
     grads = False  # the optimizer's gradients are set (a backward outside no_sync since the last zero_grad)
@@ -104,7 +105,8 @@ def generate(seed: int, n: int, ending: str = "one_rank_skip") -> list[str]:
             choices += ["clip", "second_optimizer_step"]
         if not grads and not window:
             choices += ["freeze", "unfreeze", "save", "load", "snapshot_state_dict", "restore_state_dict"]
-        eligible = [a for a, need in DIVERGENT.items() if not window and (grads or need == "idle")]
+        eligible = [a for a, need in DIVERGENT.items() if not window and (grads or need == "idle")] \
+            if ending is not None else []
         if rng.random() < 0.3:  # about one action in 20 diverges: the others keep most of the sequence
             choices += eligible
         missing = [a for a in eligible if a not in actions]
@@ -138,7 +140,8 @@ def generate(seed: int, n: int, ending: str = "one_rank_skip") -> list[str]:
     # the ranks are out of step, see drive). In long (soak) sequences a pass replays its gather sequence by then: the
     # rank that left the forward finishes its all-gathers first (see [Note: a forward that raises finishes its
     # gathers]).
-    actions[-1] = ending
+    if ending is not None:
+        actions[-1] = ending
     return actions
 
 
@@ -358,18 +361,20 @@ def drive(actions: list[str], *, stage: int, strategy: str, directory: str, acro
     return len(actions)
 
 
-CONFIGS = [pytest.param(stage, strategy, False, id=f"{strategy}-stage{stage}")
+CONFIGS = [pytest.param(stage, strategy, False, WORLD, id=f"{strategy}-stage{stage}")
            for strategy, stage in [("chunk", 1), ("chunk", 2), ("chunk", 3), ("tensor", 3)]]
-CONFIGS.append(pytest.param(3, "chunk", True, id="chunk-stage3-2x2-optimizer-across-replicas"))
+CONFIGS.append(pytest.param(3, "chunk", True, 4, id="chunk-stage3-2x2-optimizer-across-replicas"))
+# one rank, where gradients are handed over as autograd made them (see [Note: gradients handed over as autograd made
+# them] in zero_core.chunks._chunk_grads): no divergent action, no ending that leaves the others
+CONFIGS += [pytest.param(stage, "chunk", False, 1, id=f"chunk-stage{stage}-one-rank") for stage in (2, 3)]
 
 
-@pytest.mark.parametrize(("stage", "strategy", "across_replicas"), CONFIGS)
+@pytest.mark.parametrize(("stage", "strategy", "across_replicas", "world"), CONFIGS)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_random_user_actions_match_plain_pytorch(stage, strategy, across_replicas, seed, tmp_path):
+def test_random_user_actions_match_plain_pytorch(stage, strategy, across_replicas, world, seed, tmp_path):
     # the ending alternates over configurations and seeds, so each kind runs in the suite's single seed
-    ending = ENDINGS[(seed + stage + (strategy == "tensor") + across_replicas) % len(ENDINGS)]
+    ending = ENDINGS[(seed + stage + (strategy == "tensor") + across_replicas) % len(ENDINGS)] if world > 1 else None
     actions = generate(seed, ACTIONS_PER_RUN, ending)
-    world = 4 if across_replicas else WORLD
     applied = run_distributed(drive, world, actions, stage=stage, strategy=strategy, directory=str(tmp_path),
                               across_replicas=across_replicas, timeout=600 if SOAK else 120)
     assert applied == [len(actions)] * world

@@ -1,11 +1,18 @@
-"""What hearing of gradients once per gather group would cost the host: two designs for issue 47's remaining
-change, measured on the host-overhead section's ``mlp-48`` model at one rank, without zero.
+"""What hearing of gradients costs the host: zero's way (a hook per parameter) and two ways of hearing once per
+gather group, measured on the host-overhead section's ``mlp-48`` model at one rank, without zero.
 
 Zero learns that a parameter's gradient arrived from a post-accumulate-grad hook per parameter (195 Python calls a
 backward here), then copies each chunk's first gradient into its buffer and makes a view per parameter. FSDP2 and
-SimpleFSDP hear once per unit instead. This module trains three models side by side, steps interleaved:
+SimpleFSDP hear once per unit instead. This module trains five models side by side, steps interleaved:
 
 - ``plain``: ``ThinMLP`` as PyTorch trains it;
+- ``hooks``: zero's signal alone. Each parameter has a post-accumulate-grad hook that counts its group's gradients
+  (a dict lookup and a counter); the group's last gradient is its one signal per backward, where zero launches the
+  group's reduction.
+- ``buffers``: ``hooks`` plus zero's gradient buffers: a group's first gradient takes a zeroed flat buffer, copies
+  itself into its view of it and points every other parameter's ``.grad`` at its view (autograd then accumulates
+  in place); the views are the gradients the optimizer reads, as at one rank in zero. What zero adds on top of this
+  row is its own bookkeeping (states, checks, the reduction's plumbing, the hand-over).
 - ``views``: SimpleFSDP's way. Each gather group's parameters (the embedding, each block, the head, as the chunk
   search groups them) are views of one flat leaf, made in the group's forward pre-hook by an autograd function
   (where zero would all-gather; the identity at one rank) and one ``torch.split``. Autograd sums the group's
@@ -43,7 +50,7 @@ from zero_bench.mlp import ThinMLP
 __all__ = ["KINDS", "build", "run"]
 
 VOCAB, WIDTH, LAYERS, BATCH, SEQ = 64, 32, 48, 4, 16
-KINDS = ("plain", "views", "inputs")
+KINDS = ("plain", "hooks", "buffers", "views", "inputs")
 
 
 class _Gathered(torch.autograd.Function):
@@ -103,6 +110,41 @@ class _InputGroup:
         return out if isinstance(out, tuple) else (out,)
 
 
+class _HookGroup:
+    """``hooks`` and ``buffers``: one gather group whose parameters each tell it when their gradient is accumulated."""
+
+    def __init__(self, params: list[nn.Parameter], *, buffers: bool) -> None:
+        self.params = params
+        self.signals = 0
+        self._arrived = 0
+        # buffers: each parameter's (shape, strides, offset) in the group's flat buffer, and the running backward's
+        self._geometry = []
+        offset = 0
+        for p in params:
+            self._geometry.append((tuple(p.shape), p.stride(), offset))
+            offset += p.numel()
+        self._size = offset
+        self._flat: torch.Tensor | None = None
+        self._buffers = buffers
+
+    def accumulated(self, index: int) -> None:
+        if self._buffers and self._flat is None:
+            self._take_in(index)
+        self._arrived += 1
+        if self._arrived == len(self.params):
+            self._arrived = 0
+            self._flat = None  # zero: reduce the buffer; at one rank its views stay the gradients
+            self.signals += 1
+
+    def _take_in(self, index: int) -> None:
+        flat = self._flat = torch.zeros(self._size)
+        for i, (p, (shape, stride, offset)) in enumerate(zip(self.params, self._geometry)):
+            view = flat.as_strided(shape, stride, offset)
+            if i == index:
+                view.copy_(p.grad)
+            p.grad = view
+
+
 def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer, list[Any]]:
     """One of :data:`KINDS`: the model, its AdamW, and its groups (none for plain)."""
     torch.manual_seed(0)
@@ -110,6 +152,13 @@ def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer, list[Any]]:
     owners: list[nn.Module] = [model.embed, *model.blocks, model.head]
     if kind == "plain":
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3), []
+    if kind in ("hooks", "buffers"):
+        hooked = [_HookGroup([p for m in owner.modules() for p in m._parameters.values() if p is not None],
+                             buffers=kind == "buffers") for owner in owners]
+        for group in hooked:
+            for i, p in enumerate(group.params):
+                p.register_post_accumulate_grad_hook(lambda _, group=group, i=i: group.accumulated(i))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3), hooked
     if kind == "views":
         views = [_ViewGroup(list(owner.modules())) for owner in owners]
         for group, owner in zip(views, owners):

@@ -4,7 +4,9 @@
 A gradient lives in exactly one of three places at a time, all owned by :class:`ChunkGradients`:
 
 1. the *full-size buffer* of the running backward (``.grad`` of every unsharded parameter is a
-   view of it, so autograd accumulates in place; stage 1 keeps one for the whole run);
+   view of it, so autograd accumulates in place; stage 1 keeps one for the whole run); at one rank, where the
+   reduction is the identity, autograd's own gradient on the unsharded parameter instead, moved from there to
+   place 3 as it is (see [Note: gradients handed over as autograd made them]);
 2. the *reduced pieces*: this rank's mean, one piece per parameter, from the reduction's
    completion until the engine hands them over;
 3. the sharded parameter's ``.grad``: what the optimizer reads, added to across backwards
@@ -78,6 +80,12 @@ class ChunkGradients:
         # for since the last hand-over or discard.
         self.hands_early = False
         self._early = [False] * len(chunk.slots)
+        # Whether the chunk may hand autograd's own gradients to its sharded parameters (set by the engine from its
+        # placement policy; the chunk's own conditions are added when first asked), and whether the running backward
+        # does (set when it begins): see [Note: gradients handed over as autograd made them].
+        self.may_hand_directly = False
+        self._directly_ok: bool | None = None
+        self.direct = False
 
     @property
     def unreduced(self) -> bool:
@@ -143,7 +151,94 @@ class ChunkGradients:
             grad = self._chunk.slots[index].param.grad
             if grad is None or grad.data_ptr() == self._ptrs[index]:  # autograd added in place: nothing to do
                 return
+        elif self.direct:  # autograd's gradient stays where it is until the launch hands it over
+            return
         self._take_in(index)
+
+    def begin_backward(self, *, sync: bool) -> None:
+        """A backward begins (``sync``: outside ``no_sync()``): decide whether it hands gradients over as autograd
+        made them. See [Note: gradients handed over as autograd made them]."""
+        ok = self._directly_ok
+        if ok is None:
+            chunk = self._chunk
+            # autograd gives each unsharded parameter a gradient of its dtype, device, shape and (dense) strides:
+            # these make it one of its sharded parameter's too, and are fixed once the chunk is packed
+            ok = self._directly_ok = (
+                chunk.world_size == 1 and chunk.replicas == 1 and chunk.outer == 1 and chunk.stage != 1
+                and (chunk.comms is None or chunk.comms.replicate is None)
+                and chunk.dtype == chunk.master_dtype == chunk.reduce_dtype
+                and len(chunk.segments) == len(chunk.slots)
+                and all(seg.slot == i for i, seg in enumerate(chunk.segments))
+                and all(shape == tuple(s.shape) and (not s.param.is_contiguous() or
+                                                     stride == _contiguous_stride(s.param.shape))
+                        for (shape, stride), s in zip(self._geometry(), chunk.slots)))
+        self.direct = sync and ok and self.may_hand_directly and self._flat is None
+
+    def hand_over_directly(self) -> bool:
+        """The running backward's reduction at one rank, where it is the identity: each gradient autograd made
+        becomes its sharded parameter's ``.grad`` as it is. False, with nothing changed, where that would not be
+        exact; the caller then reduces as usual.
+
+        [Note: gradients handed over as autograd made them]
+        At one rank, with nothing to sum over replicas, no loss scale, and the compute, reduce and master dtypes all
+        one, a chunk's reduction is the identity: the buffer ``take_for_reduction`` fills and the views the
+        hand-over cuts from it are copies of what autograd made. So a backward that begins outside ``no_sync()``
+        with no buffer taken (``begin_backward``) takes none: autograd keeps each unsharded parameter's gradient
+        where it made it (as in plain PyTorch), and the launch moves it to the sharded parameter's ``.grad``
+        (wrapped as a DTensor under a process group). It does so only where every gradient of the chunk is a
+        detached dense tensor (autograd gives it its parameter's dtype, device, shape and strides, which at one rank
+        are the sharded parameter's: checked once per chunk) on the master shard's device, and that ``.grad`` is
+        None (the conditions of [Note: gradients handed over as they land]); otherwise the gradients are copied into a buffer
+        and reduced as before (``take_for_reduction`` takes one when none was). The engine allows it only under a
+        placement policy that neither moves shards after backward nor watches computes: a policy that traces the
+        step's memory counts tensors autograd made as activations, and would count these gradients too.
+        A ``no_sync()`` backward takes its buffer as before, since its gradients wait there for a later backward."""
+        chunk = self._chunk
+        device = chunk.shard_device
+        if self.target_device is not None or self._flat is not None or device != chunk.device:
+            return False
+        got, slots, strided = self.got, chunk.slots, torch.strided
+        for seg in chunk.segments:
+            i = seg.slot
+            grad = slots[i].param.grad
+            if grad is None:
+                if got[i]:  # it arrived and was set to None since: the reduction hands over zeros there
+                    return False
+                continue
+            if (not got[i] or grad.requires_grad or grad.layout is not strided or seg.param.grad is not None
+                    or not seg.param.requires_grad):
+                return False
+        early = self._early
+        if chunk.mesh is None:
+            for seg in chunk.segments:
+                i = seg.slot
+                slot = slots[i]
+                grad = slot.param.grad
+                if grad is not None:
+                    seg.param.grad = grad
+                    slot.param.grad = None
+                    early[i] = True
+            return True
+        # Chunk.wrap of a segment, inlined as in hand_over_landed (see [Note: one view op per gradient]): this runs
+        # for every parameter in every backward
+        make, layout, wrap_args = torch.Tensor._make_wrapper_subclass, torch.strided, self._wrap_args
+        for seg in chunk.segments:
+            i = seg.slot
+            slot = slots[i]
+            grad = slot.param.grad
+            if grad is not None:
+                spec = seg.param._spec
+                args = wrap_args[i]
+                if args is None or args[0] is not spec:
+                    args = wrap_args[i] = (spec, tuple(spec.shape), tuple(spec.stride))
+                wrapped = make(DTensor, args[1], strides=args[2], storage_offset=0, dtype=grad.dtype, device=device,
+                               layout=layout, requires_grad=False)
+                wrapped._spec = spec
+                wrapped._local_tensor = grad
+                slot.param.grad = None
+                seg.param.grad = wrapped
+                early[i] = True
+        return True
 
     @engine_work  # the buffer it may take is model data; the fast path above allocates nothing
     def _take_in(self, index: int) -> None:

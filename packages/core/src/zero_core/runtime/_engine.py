@@ -206,8 +206,10 @@ class Engine:
         # every unit's.
         self.computes_watched = placement.watches_computes
         # See [Note: gradients handed over as they land] in zero_core.chunks._chunk_grads.
+        # See [Note: gradients handed over as autograd made them] there.
         for chunk in chunks:
             chunk.grads.hands_early = not placement.moves_after_backward
+            chunk.grads.may_hand_directly = chunk.grads.hands_early and not placement.watches_computes
         self.config = config
         # The plugin manager's hook relay (pluggy): "hooks" alone in this module are torch's module, autograd
         # and optimizer hooks.
@@ -457,7 +459,8 @@ class Engine:
         """A gradient arrived: autograd accumulated ``param``'s (an unsharded parameter's) gradient.
 
         Not engine work as a whole: this runs for every parameter in every backward, and most gradients only
-        tick the reducer's bookkeeping (autograd added them in place into the chunk's buffer); what allocates
+        tick the reducer's bookkeeping (autograd added them in place into the chunk's buffer, or at one rank left
+        them where it made them: see [Note: gradients handed over as autograd made them]); what allocates
         (the chunk's buffer on its first gradient, ``ChunkGradients.adopt``; the reductions; the hand-over) is."""
         if self.state is not TrainingState.BACKWARD:  # once per backward, not per parameter (nothing to do after)
             self._begin_backward()

@@ -108,6 +108,9 @@ class GradientReducer:
         for group in self._groups:
             # a backward with no forward since the last one runs through a kept graph: it reaches what that one did
             group.begin_backward(kept_graph=not forwards)
+        sync = self.sync
+        for chunk in self._chunks:
+            chunk.grads.begin_backward(sync=sync)
         self._next = 0
 
     def accumulates(self) -> bool:
@@ -177,6 +180,9 @@ class GradientReducer:
     def _launch(self, chunk: Chunk, loss_scale: float) -> None:
         # engine work: only the engine's gradient hook and the end of backward launch, both marked as such
         with phase(REDUCE_SCATTER, chunk):
+            # at one rank, where the reduction is the identity (see [Note: gradients handed over as autograd made them])
+            if chunk.grads.direct and loss_scale == 1.0 and chunk.grads.hand_over_directly():
+                return
             reduction = reduce_gradients(chunk, self._comm, loss_scale=loss_scale)
             if self._local:
                 reduction.complete()
