@@ -172,7 +172,9 @@ class ChunkGradients:
                 and all(shape == tuple(s.shape) and (not s.param.is_contiguous() or
                                                      stride == _contiguous_stride(s.param.shape))
                         for (shape, stride), s in zip(self._geometry(), chunk.slots)))
-        self.direct = sync and ok and self.may_hand_directly and self._flat is None
+        # the master shard where autograd's gradients are (a shard offloaded to the host takes them through the buffer)
+        self.direct = (sync and ok and self.may_hand_directly and self._flat is None and self.target_device is None
+                       and self._chunk.shard_device == self._chunk.device)
 
     def hand_over_directly(self) -> bool:
         """The running backward's reduction at one rank, where it is the identity: each gradient autograd made
@@ -182,14 +184,14 @@ class ChunkGradients:
         [Note: gradients handed over as autograd made them]
         At one rank, with nothing to sum over replicas, no loss scale, and the compute, reduce and master dtypes all
         one, a chunk's reduction is the identity: the buffer ``take_for_reduction`` fills and the views the
-        hand-over cuts from it are copies of what autograd made. So a backward that begins outside ``no_sync()``
-        with no buffer taken (``begin_backward``) takes none: autograd keeps each unsharded parameter's gradient
-        where it made it (as in plain PyTorch), and the launch moves it to the sharded parameter's ``.grad``
-        (wrapped as a DTensor under a process group). It does so only where every gradient of the chunk is a
-        detached dense tensor (autograd gives it its parameter's dtype, device, shape and strides, which at one rank
-        are the sharded parameter's: checked once per chunk) on the master shard's device, and that ``.grad`` is
-        None (the conditions of [Note: gradients handed over as they land]); otherwise the gradients are copied into a buffer
-        and reduced as before (``take_for_reduction`` takes one when none was). The engine allows it only under a
+        hand-over cuts from it are copies of what autograd made. So a backward that begins outside ``no_sync()``,
+        with no buffer taken and the master shard on the compute device (``begin_backward``), takes none: autograd
+        keeps each unsharded parameter's gradient where it made it (as in plain PyTorch), and the launch moves it to
+        the sharded parameter's ``.grad`` (wrapped as a DTensor under a process group). It does so only where every
+        gradient of the chunk is a detached dense tensor (autograd gives it its parameter's dtype, device, shape and
+        strides, which at one rank are the sharded parameter's: checked once per chunk) and that ``.grad`` is None
+        (the conditions of [Note: gradients handed over as they land]); otherwise the gradients are copied into a
+        buffer and reduced as before (``take_for_reduction`` takes one when none was). The engine allows it only under a
         placement policy that neither moves shards after backward nor watches computes: a policy that traces the
         step's memory counts tensors autograd made as activations, and would count these gradients too.
         A ``no_sync()`` backward takes its buffer as before, since its gradients wait there for a later backward."""
