@@ -129,6 +129,43 @@ def test_every_elementwise_torch_optimizer_steps_locally_and_bitwise_as_on_dtens
         assert_parity(reference, rprop, label=f"rank {rank}, Rprop:")
 
 
+def _edited(local: bool):
+    """AdamW at two ranks whose states the user edits between steps: one replaced, one parameter's dropped, one
+    changed in place, then every state loaded back from an earlier state_dict."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = _model()
+    model, opt = shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=ZeroConfig(stage=3))
+    params = list(model.parameters())[1:]  # the first, the 0-d temperature, gets no gradient: it has no state
+    with _Counted() as counted:
+        counted.off = not local
+        losses = [train_step(model, opt, s, features=6, world=world, rank=rank) for s in range(2)]
+        saved = opt.state_dict()
+        opt.state[params[0]]["exp_avg"] = torch.ones_like(opt.state[params[0]]["exp_avg"])
+        del opt.state[params[1]]
+        opt.state[params[2]]["exp_avg_sq"].mul_(4.0)
+        losses += [train_step(model, opt, s, features=6, world=world, rank=rank) for s in range(2, 4)]
+        opt.load_state_dict(saved)
+        losses += [train_step(model, opt, s, features=6, world=world, rank=rank) for s in range(4, 6)]
+    model.close()
+    return losses, full_params(model), _states(opt, model), counted.local
+
+
+def _edited_both_ways() -> tuple[bool, int]:
+    losses, params, states, stepped_locally = _edited(local=True)
+    ref_losses, ref_params, ref_states, _ = _edited(local=False)
+    same = losses == ref_losses and all(torch.equal(params[k], ref_params[k]) for k in params) and all(
+        torch.equal(v, ref_states[p][k]) if isinstance(v, torch.Tensor) else v == ref_states[p][k]
+        for p in states for k, v in states[p].items()) and states.keys() == ref_states.keys()
+    return same, stepped_locally
+
+
+def test_states_edited_between_steps_are_what_the_next_local_step_reads():
+    """See [Note: shadow states kept across steps] in ``zero_core.runtime._local_step``."""
+    for rank, (same, stepped_locally) in enumerate(run_distributed(_edited_both_ways, 2, timeout=120)):
+        assert stepped_locally == 6, f"rank {rank}: {stepped_locally} of 6 steps ran on local tensors"
+        assert same, f"rank {rank}: the local steps differ from the DTensor steps after the states were edited"
+
+
 def _what_the_user_sees() -> dict[str, object]:
     world, rank = dist.get_world_size(), dist.get_rank()
     seen: dict[str, object] = {}

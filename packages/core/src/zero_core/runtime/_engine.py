@@ -314,6 +314,8 @@ class Engine:
             )
         if self.state is TrainingState.IDLE:
             self.reducer.reorder()  # parameters may have been (un)frozen since the last step
+        for chunk in self.chunks:  # see [Note: gradient wrappers lent again] in zero_core.chunks._chunk_grads
+            chunk.grads.release_idle()
         self._module_hooks.regroup_if_compiled()  # a block compiled after shard() becomes one unit
         # see [Note: writes outside the optimizer] in zero_core.runtime._residency
         written = self.residency.written()

@@ -35,6 +35,7 @@ before: slower, the same result.
 
 from __future__ import annotations
 
+import operator
 import types
 from collections import defaultdict
 from typing import Any
@@ -77,7 +78,11 @@ class LocalStep:
         # id of each swapped local -> its parameter and the parameter's real state dict when the body began (None:
         # it had none), so that end() finds them without hashing a tensor (torch's ``Tensor.__hash__`` is a Python
         # call, twice per parameter per step otherwise)
-        self._of_local: dict[int, tuple[DTensor, dict[str, Any] | None]] = {}
+        self._of_local: dict[int, tuple[DTensor, dict[str, Any] | None, tuple[Any, ...] | None]] = {}
+        # id of a DTensor parameter -> its real state dict, that dict's keys and values, and the shadow dict made
+        # from them: see [Note: shadow states kept across steps]
+        self._shadows: dict[int, tuple[dict[str, Any], tuple[str, ...], tuple[Any, ...], dict[str, Any],
+                                       tuple[Any, ...]]] = {}
 
         self._installed: Any = None
         if self._eligible:
@@ -117,11 +122,12 @@ class LocalStep:
         if any(g.get("differentiable") for g in groups):
             return False
         state = opt.state
+        shadows, is_ = self._shadows, operator.is_
         # the real state's dicts by their parameter's id: one pass that hashes no tensor (see ``_of_local``)
         state_of = {id(key): value for key, value in state.items()}
         shadow: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         pairs: list[tuple[DTensor, torch.Tensor]] = []
-        of_local: dict[int, tuple[DTensor, dict[str, Any] | None]] = {}
+        of_local: dict[int, tuple[DTensor, dict[str, Any] | None, tuple[Any, ...] | None]] = {}
         lists: list[list[Any]] = []
         for group in groups:
             swapped = []
@@ -142,9 +148,25 @@ class LocalStep:
                     local.grad = grad._local_tensor
                 found = state_of.get(id(p))
                 if found:
-                    shadow[local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in found.items()}
+                    # [Note: shadow states kept across steps]
+                    # An element-wise step updates its states in place, so after the first step each parameter's
+                    # real state dict holds the same tensors step after step, and its shadow would be rebuilt the
+                    # same (about 1.5 us a parameter). So the shadow is kept with the real dict's keys and values
+                    # it was made from, and used again while those are the same objects: anything that replaced,
+                    # added or dropped a state since (load_state_dict, a user, the body through end()) makes it anew.
+                    # end() skips a shadow whose values are still the ones it was made with, the same way.
+                    kept = shadows.get(id(p))
+                    if kept is None or kept[0] is not found or kept[1] != tuple(found) or \
+                            not all(map(is_, found.values(), kept[2])):
+                        made = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in found.items()}
+                        kept = shadows[id(p)] = (found, tuple(found), tuple(found.values()), made,
+                                                 tuple(made.values()))
+                    shadow[local] = kept[3]
+                    of_local[id(local)] = (p, found, kept[4])
+                else:
+                    shadows.pop(id(p), None)  # its states were dropped: hold none of them
+                    of_local[id(local)] = (p, found, None)
                 pairs.append((p, local))
-                of_local[id(local)] = (p, found)
                 swapped.append(local)
             lists.append(swapped)
         self._state, self._pairs, self._shadow, self._of_local = state, pairs, shadow, of_local
@@ -169,7 +191,9 @@ class LocalStep:
                 if state.get(key) is not found:
                     state[key] = found
                 continue
-            p, real = swapped
+            p, real, made = swapped
+            if made is not None and len(found) == len(made) and all(map(operator.is_, found.values(), made)):
+                continue  # the body replaced no state: the real ones hold what it wrote
             if real is None:  # its first step: the real state's (defaultdict) entry is made now
                 real = state[p]
             for name, value in found.items():

@@ -80,15 +80,16 @@ class ModuleParameters:
         copies of its own)."""
         if self.unsharded:
             return
-        for chunk in self.chunks:
-            for seg in chunk.segments:
-                unsharded = chunk.slots[seg.slot].param
-                if unsharded.requires_grad != seg.param.requires_grad:
-                    unsharded.requires_grad_(seg.param.requires_grad)
-                    self._watch(unsharded)
         real = {c.index for c in self.chunks if c.is_gathered or not stand_ins}  # asked once per chunk, not per name
+        stand_in = self._stand_ins
+        # one pass over the registrations (every slot has one, and a segment per slot once its chunk has sharded
+        # parameters; a tied parameter's requires_grad is synced twice, the same): this runs before every forward
         for m, name, chunk, i in self.registrations:
-            m._parameters[name] = chunk.slots[i].param if chunk.index in real else self._stand_ins[(chunk.index, i)]
+            unsharded, segments = chunk.slots[i].param, chunk.segments
+            if segments and unsharded.requires_grad != segments[i].param.requires_grad:
+                unsharded.requires_grad_(segments[i].param.requires_grad)
+                self._watch(unsharded)
+            m._parameters[name] = unsharded if chunk.index in real else stand_in[(chunk.index, i)]
         self._real = real
         self.unsharded = True
 
