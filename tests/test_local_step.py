@@ -8,6 +8,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from _small_loop import full_params, train_step
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -164,6 +165,113 @@ def test_states_edited_between_steps_are_what_the_next_local_step_reads():
     for rank, (same, stepped_locally) in enumerate(run_distributed(_edited_both_ways, 2, timeout=120)):
         assert stepped_locally == 6, f"rank {rank}: {stepped_locally} of 6 steps ran on local tensors"
         assert same, f"rank {rank}: the local steps differ from the DTensor steps after the states were edited"
+
+
+def _steady(local: bool):
+    """AdamW at two ranks, every parameter with a gradient (so steps copy the last steady swap, see [Note: the steady
+    step]), the user editing between steps what that swap checks: a state replaced, one changed in place, one
+    parameter's dropped, a gradient set to None or replaced by another DTensor before the step, a parameter group
+    added, the states loaded back."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))  # every parameter gets a gradient
+    model, opt = shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=ZeroConfig(stage=2))
+    params = list(model.parameters())
+    step = [0]
+    losses: list[float] = []
+
+    def run(steps: int, edit_grads=None) -> None:
+        for _ in range(steps):
+            g = torch.Generator().manual_seed(step[0])
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+            n = 8 // world
+            loss = F.cross_entropy(model(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
+            loss.backward()
+            if edit_grads is not None:
+                edit_grads()
+            opt.step()
+            opt.zero_grad()
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            losses.append(value.item() / world)
+            step[0] += 1
+
+    copied = [0]
+    fits = _local_step._Plan.fits
+
+    def counting(plan, groups, state):
+        ok = fits(plan, groups, state)
+        copied[0] += ok
+        return ok
+
+    _local_step._Plan.fits = counting
+    try:
+        with _Counted() as counted:
+            counted.off = not local
+            run(4)
+            saved = opt.state_dict()
+            # after each edit, three steps: the first takes the loop, the next ones copy its swap again
+            opt.state[params[0]]["exp_avg"] = torch.ones_like(opt.state[params[0]]["exp_avg"])
+            run(3)
+            opt.state[params[1]]["exp_avg_sq"].mul_(4.0)  # in place: the swap's locals see it
+            run(3)
+            del opt.state[params[2]]
+            run(3)
+
+            def none_and_replaced() -> None:
+                params[3].grad = None
+                params[0].grad = params[0].grad * 2.0  # a DTensor of the same spec, another local tensor
+
+            run(1, none_and_replaced)
+            run(3)
+            run(3, lambda: setattr(params[1], "grad", params[1].grad.clone()))  # another spec object: the loop's
+            run(2)
+            # a body that replaces a state (torch's own keep theirs in place): the step writes the new one back
+            init_group = torch.optim.Adam._init_group
+
+            def replacing(self, group, *args):
+                made = init_group(self, group, *args)
+                first = group["params"][0]
+                self.state[first]["exp_avg"] = self.state[first]["exp_avg"].clone()  # the step updates the old one
+                return made
+
+            torch.optim.Adam._init_group = replacing
+            try:
+                run(1)
+            finally:
+                torch.optim.Adam._init_group = init_group
+            before_load = _states(opt, model)
+            run(3)
+            opt.load_state_dict(saved)
+            run(3)
+            extra = nn.Parameter(torch.ones(3))  # a plain tensor, in a group of its own
+            opt.add_param_group({"params": [extra], "lr": 1e-3})
+            model.register_parameter("extra", extra)  # for full_params; it gets no gradient from the forward
+            run(3)
+    finally:
+        _local_step._Plan.fits = fits
+    model.close()
+    states = {"before the load": before_load, "at the end": _states(opt, model)}
+    return losses, full_params(model), states, counted.local, copied[0]
+
+
+def _steady_both_ways() -> tuple[bool, int, int]:
+    losses, params, states, stepped_locally, copied = _steady(local=True)
+    ref_losses, ref_params, ref_states, _, _ = _steady(local=False)
+    same = losses == ref_losses and all(torch.equal(params[k], ref_params[k]) for k in params) and all(
+        states[when].keys() == ref_states[when].keys() and all(
+            torch.equal(v, ref_states[when][p][k]) if isinstance(v, torch.Tensor) else v == ref_states[when][p][k]
+            for p in states[when] for k, v in states[when][p].items())
+        for when in states)
+    return same, stepped_locally, copied
+
+
+def test_steady_steps_copy_their_swap_and_see_every_edit_between_steps():
+    """See [Note: the steady step] in ``zero_core.runtime._local_step``: bitwise the DTensor step throughout."""
+    for rank, (same, stepped_locally, copied) in enumerate(run_distributed(_steady_both_ways, 2, timeout=120)):
+        assert stepped_locally == 32, f"rank {rank}: {stepped_locally} of 32 steps ran on local tensors"
+        assert copied >= 10, f"rank {rank}: only {copied} steps copied a steady swap"
+        assert same, f"rank {rank}: the local steps differ from the DTensor steps"
 
 
 def _what_the_user_sees() -> dict[str, object]:
