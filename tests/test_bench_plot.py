@@ -41,6 +41,9 @@ def test_merged_repeats_pool_the_timed_steps_and_a_failed_launch_fails_the_row()
     assert merged["step_spread_s"] == [2.0, 5.0]  # quartiles 2.25 and 4.75, widened to each launch's median
     assert merged["tokens_per_s"] == pytest.approx(100.0 * 2.0 / 3.5) and merged["losses_repeat_identical"]
     assert [r["median_step_s"] for r in merged["repeats"]] == [2.0, 5.0]
+    assert "median_cpu_step_s" not in merged  # launches that measured no CPU time (a bench before it did)
+    cpu = merge_repeats([{**one, "cpu_times_s": [8.0, 1.0, 1.0, 2.0]}, {**two, "cpu_times_s": [8.0, 3.0, 4.0, 4.0]}], warmup=1)
+    assert cpu["median_cpu_step_s"] == 2.5  # pooled as the wall times are: the median of 1, 1, 2, 3, 4, 4
     failed = merge_repeats([one, {**two, "median_step_s": None, "status": "failed", "error": "rank 1 exited"}], warmup=1)
     assert failed["status"] == "failed" and failed["error"] == "repeat 2 of 2: rank 1 exited"
 

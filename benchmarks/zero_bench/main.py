@@ -49,7 +49,8 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[1]
 # Run from a zero checkout (an editable install included): the package is benchmarks/zero_bench
 CHECKOUT = PACKAGE_PARENT.parent if PACKAGE_PARENT.name == "benchmarks" and (PACKAGE_PARENT / "bench.py").is_file() else None
 RESULTS = CHECKOUT / "benchmarks" / "results" if CHECKOUT is not None else Path("bench-results")
-SCHEMA_VERSION = 4  # 2: records carry comm_timing_per_step; 3: the memory timeline, in-use and setup peaks; 4: repeats
+SCHEMA_VERSION = 5  # 2: records carry comm_timing_per_step; 3: the memory timeline, in-use and setup peaks; 4: repeats;
+# 5: rank 0's process CPU time per step (cpu_times_s, median_cpu_step_s)
 # Two launches per row: the least that shows whether a row's time holds from one process to the next (rows moved
 # 20-30% between two single-launch runs on a shared machine); the places in the table say where the order holds.
 REPEAT = 2

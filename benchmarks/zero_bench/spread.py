@@ -49,6 +49,12 @@ def merge_repeats(launches: list[dict[str, Any]], *, warmup: int) -> dict[str, A
     record["repeats"] = [{"median_step_s": launch["median_step_s"], "step_times_s": launch["step_times_s"],
                           "peak_memory_mib": launch["peak_memory_mib"]} for launch in launches]
     record["median_step_s"] = median
+    cpu: list[float] = []
+    for launch in launches:
+        cpu_times = launch.get("cpu_times_s") or []
+        cpu += cpu_times[warmup:] or cpu_times
+    if cpu:  # rank 0's process CPU time per step (records of older benches have none)
+        record["median_cpu_step_s"] = statistics.median(cpu)
     record["step_spread_s"] = [min(q1, *medians), max(q3, *medians)]
     record["tokens_per_s"] = launches[0]["tokens_per_s"] * launches[0]["median_step_s"] / median
     record["losses_repeat_identical"] = all(launch.get("losses") == launches[0].get("losses") for launch in launches)

@@ -225,18 +225,20 @@ def run_config(config: dict[str, Any], model: dict[str, Any], *, steps: int, war
             raise RuntimeError(f"another rank failed at setup with {name}: {message}")
         record.update(status="not applicable", error=f"{name}: {message}")
         return record if rank == 0 else None
-    losses, times, step_peaks = [], [], []
+    losses, times, cpu_times, step_peaks = [], [], [], []
     for step in range(steps):
         tokens = data.batch(step, model["batch_size"] * world)[rank * model["batch_size"]:(rank + 1) * model["batch_size"]]
         tokens = tokens.to(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with count_fsdp2(counter) if kind == "fsdp2" else contextlib.nullcontext():
             loss = _one_step(net, optimizer, tokens, kind)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
+        # the process's CPU time (every thread of it): a launch that waited for a core shows it in its wall time only
+        cpu_times.append(time.process_time() - c0)
         step_peaks.append(peak_memory_mib(device))
         counter.end_step()
         reported = loss.detach().float().reshape(1)
@@ -273,6 +275,7 @@ def run_config(config: dict[str, Any], model: dict[str, Any], *, steps: int, war
         return None
     steady = times[warmup:] if len(times) > warmup else times
     median = statistics.median(steady)
+    cpu_steady = cpu_times[warmup:] if len(cpu_times) > warmup else cpu_times
     theory = reference_theory(kind, params, world) if kind != "zero" else {
         "model_state_bytes": predicted.formula["model_state_bytes"], "bytes_sent": predicted.formula["bytes_sent"]}
     record.update({
@@ -280,6 +283,8 @@ def run_config(config: dict[str, Any], model: dict[str, Any], *, steps: int, war
         "losses": losses,
         "step_times_s": times,
         "median_step_s": median,
+        "cpu_times_s": cpu_times,  # rank 0's process CPU time per step
+        "median_cpu_step_s": statistics.median(cpu_steady),
         "tokens_per_s": model["batch_size"] * model["seq_len"] * world / median,
         "peak_memory_mib": [r["peak_memory_mib"] for r in everyone],
         "start_memory_mib": [r["start_memory_mib"] for r in everyone],

@@ -27,21 +27,67 @@ class TestTheDefaultAllToAll(CommBackendConformance):
     backend_class = _WithoutAllToAll
 
 
-def _rank0_result():
-    comm = TorchCommBackend(dist.group.WORLD, timeout=timedelta(seconds=3))
+class _ControlOnAHostTwin(TorchCommBackend):
+    """Control messages over a gloo twin of the group, as over an NCCL-only group (here forced over gloo)."""
+
+    @staticmethod
+    def _needs_host_twin(backend: str) -> bool:
+        return True
+
+
+class TestControlMessagesOnAHostTwin(CommBackendConformance):
+    backend_class = _ControlOnAHostTwin
+
+
+def _control_groups():
+    twin, own = _ControlOnAHostTwin(dist.group.WORLD), TorchCommBackend(dist.group.WORLD)
+    made = twin._control_group  # None until the first control message
+    agreed = (twin.agree_min(3 + dist.get_rank()), twin.agree_any(torch.tensor([dist.get_rank()], dtype=torch.uint8)).tolist(),
+              twin.agree_max(torch.tensor([dist.get_rank()])).tolist(), twin.all_gather_object(dist.get_rank()))
+    control = twin._control()
+    own.agree_min(0)
+    return {"made before": made, "agreed": agreed, "twin": control is not dist.group.WORLD,
+            "one twin": twin._control() is control, "twin ranks": dist.get_process_group_ranks(control),
+            "twin backend": str(dist.get_backend(control)), "own": own._control() is dist.group.WORLD,
+            "devices": (str(twin._control_device), str(own._control_device)),
+            "counted": twin.stats.summary(twin.stats.current)}
+
+
+def test_control_messages_over_an_nccl_only_group_go_over_a_gloo_twin_made_once():
+    """See [Note: control messages on the host]: the twin is made at the first control message, once, over the
+    group's ranks; every control message answers as over the group itself; a group that carries CPU tensors
+    (gloo here) sends them itself."""
+    results = run_distributed(_control_groups, 2, timeout=60)
+    for r in results:
+        assert r["made before"] is None
+        assert r["agreed"] == (3, [1], [1], [0, 1])
+        assert r["twin"] and r["one twin"] and r["own"]
+        assert r["twin ranks"] == [0, 1] and r["twin backend"] == "gloo"
+        assert r["devices"] == ("cpu", "cpu")
+    assert results[0]["counted"] == results[1]["counted"]
+
+
+def _rank0_result(backend_class, call, peer_sleeps_s):
+    """Rank 0's time to a CollectiveTimeoutError from ``call(comm)`` (3 s timeout) and its message, while rank 1
+    sleeps instead of taking part."""
+    comm = backend_class(dist.group.WORLD, timeout=timedelta(seconds=3))
     if dist.get_rank() == 1:
-        time.sleep(6)
+        time.sleep(peer_sleeps_s)
         return None
     start = time.monotonic()
     try:
-        comm.all_gather(torch.empty(8), torch.ones(4))
+        call(comm)
     except CollectiveTimeoutError as err:
         return time.monotonic() - start, str(err)
     return "completed"
 
 
+def _all_gather(comm):
+    comm.all_gather(torch.empty(8), torch.ones(4))
+
+
 def test_timeout_error_names_the_collective_and_rank():
-    results = run_distributed(_rank0_result, 2, timeout=30)
+    results = run_distributed(_rank0_result, 2, TorchCommBackend, _all_gather, 6, timeout=30)
     elapsed, message = results[0]
     assert elapsed < 6
     assert "all_gather of 8 elements on rank 0 of 2" in message and "Another rank" in message
@@ -123,3 +169,14 @@ def test_gloo_collectives_are_exact_and_two_ranks_need_no_send_buffer(world):
         row = 6 * torch.bfloat16.itemsize  # the last dtype run
         assert result["ag bytes"] == (0 if world == 2 else world * row)
         assert result["rs bytes"] == (row if world == 2 else world * row)
+
+
+def _agree(comm):
+    comm.agree_min(1)
+
+
+def test_a_peer_that_never_sends_its_first_control_message_times_out_making_the_twin():
+    results = run_distributed(_rank0_result, 2, _ControlOnAHostTwin, _agree, 8, timeout=60)
+    elapsed, message = results[0]
+    assert elapsed < 8
+    assert "gloo group of ranks [0, 1] for control messages" in message and "Another rank" in message

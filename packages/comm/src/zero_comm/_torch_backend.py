@@ -152,7 +152,49 @@ class TorchCommBackend(CommBackend):
         self._reduce_scatter_by_all_to_all = backend == "gloo"
         self._all_gather_by_all_to_all = backend == "gloo"
         self._receive_buffers = BufferPool()  # thread-safe: buffers come back from the reduction waiter's thread
-        self._control_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        # See [Note: control messages on the host]: the group they go over (made at the first one where it is a
+        # gloo twin of an NCCL-only group) and the device of their tensors.
+        self._host_twin = self._distributed and self._world > 1 and self._needs_host_twin(backend)
+        self._control_group: Any = None if self._host_twin else self.group
+        self._control_device = (torch.device("cuda", torch.cuda.current_device())
+                                if backend == "nccl" and not self._host_twin else torch.device("cpu"))
+
+    # [Note: control messages on the host]
+    # Besides gathers and reductions the runtime sends small control messages: which all-gather comes next at
+    # stage 3 (``agree_min``), its tagged lockstep rounds (``agree_max``), which parameters got gradients
+    # (``agree_any``, once per backward) and setup metadata (``all_gather_object``). Each is read on the host as
+    # soon as it lands. Over an NCCL-only group (``init_process_group("nccl")``) its tensor would be on the GPU,
+    # and reading it back would wait for everything queued on the device before it: a host-device synchronisation
+    # inside the step, several a step at stage 3, each draining the queue the host had run ahead of. So over such
+    # a group they go over a gloo twin of it (the same ranks, made with the first control message, which every
+    # rank of the group sends at the same point; ``use_local_synchronization``: only its members take part),
+    # with CPU tensors: no device synchronisation, and no NCCL call the reductions' stream would queue behind.
+    # A group that carries CPU tensors already (gloo, or ``"cpu:gloo,cuda:nccl"``, what torch makes when
+    # ``init_process_group`` is given no backend) sends them itself. Where gloo is not built in, they stay on
+    # the GPU as before.
+
+    @staticmethod
+    def _needs_host_twin(backend: str) -> bool:
+        """Whether a group of this backend carries no CPU tensors (NCCL alone) and gloo can stand in for it."""
+        return backend == "nccl" and dist.is_gloo_available()
+
+    def _control(self) -> Any:
+        """The group control messages go over (see [Note: control messages on the host])."""
+        group = self._control_group
+        if group is None:
+            ranks = dist.get_process_group_ranks(self.group)
+            try:
+                group = dist.new_group(ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=True)
+            except RuntimeError as err:  # the store's barrier timed out (DistStoreError is one), or gloo failed
+                raise CollectiveTimeoutError(
+                    f"making the gloo group of ranks {ranks} for control messages (see zero_comm._torch_backend) on "
+                    f"rank {self._rank} of {self._world} did not complete within {self.timeout.total_seconds():.0f}s "
+                    f"or failed: {err}. Another rank probably raised an error or died before its first control "
+                    "message; look at the other ranks' output first. If gloo cannot connect between the nodes, set "
+                    "GLOO_SOCKET_IFNAME, or initialise with init_process_group(\"cpu:gloo,cuda:nccl\")."
+                ) from err
+            self._control_group = group
+        return group
 
     def free(self) -> None:
         self._receive_buffers = BufferPool()
@@ -316,7 +358,7 @@ class TorchCommBackend(CommBackend):
             return value
         timer = self._record(CollectiveKind.CONTROL, 8, self._control_device, bytes_as=CollectiveKind.ALL_REDUCE)
         t = torch.tensor([value], dtype=torch.int64, device=self._control_device)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._control(), async_op=True)
         self._complete(work, "agreement on the next all-gather", timer)
         return int(t.item())
 
@@ -326,7 +368,7 @@ class TorchCommBackend(CommBackend):
         values = values.to(self._control_device, dtype=torch.int64, copy=True)
         timer = self._record(CollectiveKind.CONTROL, values.numel() * 8, self._control_device,
                              bytes_as=CollectiveKind.ALL_REDUCE)
-        work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._control(), async_op=True)
         self._complete(work, "a tagged agreement between the ranks (lockstep round or next all-gather)", timer)
         return values.cpu()
 
@@ -335,7 +377,7 @@ class TorchCommBackend(CommBackend):
             return flags
         flags = flags.to(self._control_device, dtype=torch.uint8)
         timer = self._record(CollectiveKind.CONTROL, flags.numel(), self._control_device, bytes_as=CollectiveKind.ALL_REDUCE)
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control(), async_op=True)
         self._complete(work, "agreement on which parameters got gradients", timer)
         return flags.cpu()
 
@@ -350,12 +392,12 @@ class TorchCommBackend(CommBackend):
         lengths = torch.empty(self._world, dtype=torch.int64, device=self._control_device)
         what = f"object all-gather (setup or checkpoint metadata, {data.numel()} bytes)"
         work = _all_gather_single(lengths, torch.tensor([data.numel()], device=self._control_device),
-                                      group=self.group, async_op=True)
+                                      group=self._control(), async_op=True)
         self._wait(work, what)
         width = int(lengths.max().item())
         padded = torch.zeros(width, dtype=torch.uint8, device=self._control_device)
         padded[: data.numel()] = data
         out = torch.empty(width * self._world, dtype=torch.uint8, device=self._control_device)
-        self._complete(_all_gather_single(out, padded, group=self.group, async_op=True), what, timer)
+        self._complete(_all_gather_single(out, padded, group=self._control(), async_op=True), what, timer)
         rows = out.view(self._world, width).cpu()
         return [pickle.loads(rows[r, : int(n)].numpy().tobytes()) for r, n in enumerate(lengths.tolist())]

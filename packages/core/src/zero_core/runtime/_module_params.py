@@ -33,10 +33,11 @@ class ModuleParameters:
 
     def __init__(self, module: nn.Module, chunks: Sequence[Chunk],
                  gather_on_demand: Callable[[Chunk, int], nn.Parameter],
-                 on_gradient: Callable[[torch.Tensor], None]) -> None:
+                 gradient_hook: Callable[[torch.Tensor], Callable[[torch.Tensor], None]]) -> None:
         self.chunks = tuple(chunks)
-        # Called by autograd after it accumulated an unsharded parameter's gradient (the engine's handler).
-        self._on_gradient = on_gradient
+        # Makes the hook autograd calls after it accumulated an unsharded parameter's gradient (the engine's: one
+        # per parameter, made once, see [Note: one call per gradient] in zero_core.runtime._engine).
+        self._gradient_hook = gradient_hook
         self._grad_hooked: set[int] = set()
         self._handles: list[Any] = []
         # Unsharded parameter (by id) -> its chunk, its slot in the chunk, its (first) name.
@@ -73,7 +74,7 @@ class ModuleParameters:
         """Watch ``param``'s gradient accumulation; a frozen one is watched once it is unfrozen."""
         if param.requires_grad and id(param) not in self._grad_hooked:
             self._grad_hooked.add(id(param))
-            self._handles.append(param.register_post_accumulate_grad_hook(self._on_gradient))
+            self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_hook(param)))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

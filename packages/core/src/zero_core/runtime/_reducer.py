@@ -133,11 +133,20 @@ class GradientReducer:
         """Whether ``chunk``'s reduction was launched in the running backward (a later gradient would be lost)."""
         return self._group_of[chunk.index].reduce_state is ReduceState.REDUCED
 
+    def where(self, param: torch.Tensor) -> tuple[Chunk, int, GatherGroup]:
+        """``param``'s (an unsharded parameter's) chunk, its slot there and its gather group."""
+        return self._where[id(param)]
+
     def accumulated(self, param: torch.Tensor) -> bool:
         """Autograd accumulated ``param``'s gradient (an unsharded parameter); whether the next group of the order is
-        ready to reduce now (:attr:`next_ready`, answered here: this runs for every parameter in every backward)."""
-        key = id(param)
-        chunk, slot, group = self._where[key]
+        ready to reduce now (:meth:`accumulated_at`, with ``param``'s place looked up)."""
+        return self.accumulated_at(*self._where[id(param)], id(param))
+
+    def accumulated_at(self, chunk: Chunk, slot: int, group: GatherGroup, key: int) -> bool:
+        """Autograd accumulated the gradient of ``chunk``'s slot ``slot`` (``group``'s; ``key`` the unsharded
+        parameter's id); whether the next group of the order is ready to reduce now (:attr:`next_ready`, answered
+        here: this runs for every parameter in every backward, from its hook: see [Note: one call per gradient] in
+        ``zero_core.runtime._engine``)."""
         if group.reduce_state is ReduceState.REDUCED:
             raise GradientLostError(
                 f"parameter {chunk.slots[slot].name!r} received a gradient after its chunk {chunk.index} was already "
