@@ -31,6 +31,9 @@ def test_dry_run_writes_every_section(tmp_path):
     for name in ("fsdp2", "zero-chunk-s2", "zero-chunk-s3", "zero-tensor-s2", "zero-tensor-s3", "zero-chunk-s3-gemini",
                  "torch-bf16-recipe-compiled", "zero-chunk-s3-compiled"):  # compiled with aot_eager on the CPU
         assert training[name]["losses"] == reference, name  # world size 1, the same recipe: the same numbers
+    for name, row in training.items():  # the host's time to issue a step: some, and within the step's
+        assert 0 < row["host_issue_ms_median"] <= row["step_ms_median"], (name, row)  # each step: a prefix of its time
+    assert "| host issue ms (median) |" in report
     # the sync check (issue 47 item 3) watches CUDA only; the targets of item 6 are judged from the rows
     assert set(sections["training"]["sync check"]) == {"zero-chunk-s2", "zero-chunk-s3"}
     assert "zero-chunk-s3 at most 1.1x torch-bf16-recipe's step" in report
